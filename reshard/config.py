@@ -1,0 +1,742 @@
+"""Layout files (YAML) -> frozen dataclasses: a mesh and ordered placement rules (pure).
+
+A layout file names a mesh and says, per tensor-name pattern, how tensors are
+placed on it (SPEC §2)::
+
+    mesh: {fsdp: 2, tp: 4}            # ordered; sizes are defaults, --*-mesh overrides
+    placements:                       # ordered rules, first match wins
+      "*.mlp.gate_up_proj.weight": {tp: "_S(0, 2)"}
+      "*.self_attn.[qkv]_proj.weight": {tp: S(0)}
+      "*.o_proj.weight": [R, S(1)]
+      "re:model\\\\.layers\\\\.\\\\d+\\\\.mlp\\\\.experts\\\\..*": {fsdp: S(0), tp: S(1)}
+      "*": R
+
+Patterns are shell globs over the whole tensor name (``*`` crosses dots,
+``[qkv]`` classes work, as :func:`fnmatch.fnmatchcase`), or a Python regex after
+``re:`` matched with :func:`re.fullmatch`. YAML is read with ``yaml.SafeLoader``
+only, and from its node tree, so duplicate keys (which YAML drops silently) are
+caught and every error names the file and line.
+
+>>> cfg = parse_layout_text('''
+... mesh: {fsdp: 2, tp: 4}
+... placements:
+...   "*.q_proj.weight": {fsdp: "_S(0, tp)", tp: S(0)}
+...   "*": R
+... ''', "demo.yaml")
+>>> [str(p) for p in cfg.placements_for("model.layers.0.self_attn.q_proj.weight")]
+['_S(0, 4)', 'S(0)']
+>>> cfg.match("model.norm.weight").line
+5
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import yaml
+
+from .errors import ConfigError, LayoutError
+from .mesh import Mesh
+from .placements import Placement, Replicate, StridedShard, parse_placement
+
+__all__ = [
+    "Rule",
+    "RuleSpec",
+    "LayoutConfig",
+    "load_layout",
+    "parse_layout_text",
+    "resolve_preset",
+    "list_presets",
+    "REGEX_PREFIX",
+]
+
+REGEX_PREFIX = "re:"
+
+RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
+
+_KINDS = ("positional", "named", "all")
+_TOP_KEYS = ("mesh", "placements", "name", "description")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One ``pattern: placements`` entry of a layout file.
+
+    Attributes:
+        pattern: as written; a shell glob over the full tensor name, or
+            ``"re:<regex>"`` matched with :func:`re.fullmatch`.
+        spec: ``((None, p0), (None, p1), ...)`` for a positional list,
+            ``(("tp", p), ...)`` for a ``{dim: placement}`` mapping, or
+            ``((None, p),)`` for a bare placement string (``kind == "all"``).
+        kind: ``"positional"``, ``"named"`` or ``"all"``.
+        line: 1-based line of the rule's key in its YAML file; 0 when not from a
+            file. Not compared: rules read back from ``reshard.json`` equal the originals.
+
+    >>> r = Rule.from_json("*.[qkv]_proj.weight", {"tp": "S(0)"})
+    >>> r.matches("model.layers.0.self_attn.k_proj.weight"), r.matches("model.norm.weight")
+    (True, False)
+    >>> [str(p) for p in r.placements(Mesh(("fsdp", "tp"), (2, 4)))]
+    ['R', 'S(0)']
+    >>> r.to_json()
+    {'tp': 'S(0)'}
+    """
+
+    pattern: str
+    spec: RuleSpec
+    kind: str
+    # Where it was written, not what it says: two rules differing only in line are equal.
+    line: int = field(default=0, compare=False)
+    # Compiled once: matches() runs for every tensor of a checkpoint.
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise ConfigError(f"a rule pattern must be a non-empty string, got {self.pattern!r}")
+        if self.kind not in _KINDS:
+            raise ConfigError(f"rule kind must be one of {', '.join(_KINDS)}, got {self.kind!r}")
+        if isinstance(self.line, bool) or not isinstance(self.line, int) or self.line < 0:
+            raise ConfigError(f"rule line must be an integer >= 0, got {self.line!r}")
+        spec: RuleSpec = tuple((name, p) for name, p in self.spec)
+        object.__setattr__(self, "spec", spec)
+        for entry in spec:
+            if not isinstance(entry[1], Placement):
+                raise ConfigError(
+                    f"rule spec entries must be (dim name or None, placement), got {entry!r}"
+                )
+        names = [name for name, _ in spec]
+        if self.kind == "named":
+            if not spec:
+                raise ConfigError(
+                    "the {dim: placement} mapping is empty; "
+                    "name at least one mesh dim, e.g. {tp: S(0)}, "
+                    "or write R to replicate"
+                )
+            for name in names:
+                if not isinstance(name, str) or not _NAME.match(name):
+                    raise ConfigError(
+                        f"mesh dim name {name!r} is not an identifier; use a dim name from mesh:, "
+                        "or a list [R, S(0)] to give placements by position"
+                    )
+            dups = sorted({n for n in names if names.count(n) > 1 and n is not None})
+            if dups:
+                raise ConfigError(
+                    f"mesh dim {dups[0]!r} is given twice; give each dim one placement"
+                )
+        else:
+            if any(name is not None for name in names):
+                raise ConfigError(f"a {self.kind} rule has no dim names, got {names!r}")
+            if self.kind == "all" and len(spec) != 1:
+                raise ConfigError(f"an 'all' rule holds exactly one placement, got {len(spec)}")
+            if self.kind == "positional" and not spec:
+                raise ConfigError("the placement list is empty; give one placement per mesh dim")
+        object.__setattr__(self, "_regex", _compile(self.pattern))
+
+    @classmethod
+    def from_json(cls, pattern: str, value: object, *, line: int = 0) -> Rule:
+        """Build a rule from its YAML/JSON value (the inverse of :meth:`to_json`).
+
+        Args:
+            pattern: glob or ``re:`` regex.
+            value: a placement string (``"R"``), a list of them (one per mesh
+                dim), or a ``{dim name: placement}`` mapping.
+            line: line in the source file, 0 if none.
+
+        Returns:
+            The rule.
+
+        Raises:
+            ConfigError: a bad value, placement string or pattern.
+        """
+        if isinstance(value, str):
+            return cls(pattern, ((None, _parse_value(value)),), "all", line)
+        if isinstance(value, (list, tuple)):
+            return cls(pattern, tuple((None, _parse_value(v)) for v in value), "positional", line)
+        if isinstance(value, Mapping):
+            spec: list[tuple[str | None, Placement]] = []
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ConfigError(f"mesh dim names must be strings, got {k!r}")
+                spec.append((k, _parse_value(v)))
+            return cls(pattern, tuple(spec), "named", line)
+        raise ConfigError(
+            "placements must be a string (R), a list ([R, S(1)]) or a mapping ({tp: S(0)}), "
+            f"got {value!r}"
+        )
+
+    @property
+    def is_regex(self) -> bool:
+        """Whether the pattern is a ``re:`` regex rather than a glob."""
+        return self.pattern.startswith(REGEX_PREFIX)
+
+    def matches(self, name: str) -> bool:
+        """Whether the whole tensor name matches this rule's pattern."""
+        return self._regex.fullmatch(name) is not None
+
+    def placements(self, mesh: Mesh) -> tuple[Placement, ...]:
+        """This rule's placements on ``mesh``, one per mesh dim, in mesh order.
+
+        Split factors given as a mesh-dim name (``_S(0, tp)``) are bound to that
+        dim's size in ``mesh``.
+
+        Args:
+            mesh: the mesh the tensor lives on.
+
+        Returns:
+            One placement per mesh dim.
+
+        Raises:
+            ConfigError: the rule does not fit the mesh (wrong number of
+                positional placements, an unknown dim name, or a sharded bare
+                placement on a multi-dim mesh).
+        """
+        dims = ", ".join(mesh.names)
+        out: list[Placement]
+        if self.kind == "named":
+            by_name = dict(self.spec)
+            for name in by_name:
+                if name not in mesh.names:
+                    raise ConfigError(
+                        f"names mesh dim {name!r}, but the mesh has dims {dims}; "
+                        f"use one of those names or add {name!r} to the mesh"
+                    )
+            out = [by_name.get(name, Replicate()) for name in mesh.names]
+        elif self.kind == "positional":
+            if len(self.spec) != mesh.ndim:
+                given = "[" + ", ".join(str(p) for _, p in self.spec) + "]"
+                raise ConfigError(
+                    f"gives {len(self.spec)} placement{'s' if len(self.spec) != 1 else ''} {given} "
+                    f"but the mesh has {mesh.ndim} dim{'s' if mesh.ndim != 1 else ''} ({dims}); "
+                    f"give one per mesh dim, or use the {{dim: placement}} form, "
+                    f"e.g. {{{mesh.names[-1]}: {self.spec[-1][1]}}}"
+                )
+            out = [p for _, p in self.spec]
+        else:
+            p = self.spec[0][1]
+            if isinstance(p, Replicate):
+                out = [p] * mesh.ndim
+            elif mesh.ndim == 1:
+                out = [p]
+            else:
+                raise ConfigError(
+                    f"{p} on a {mesh.ndim}-d mesh ({dims}) is ambiguous; "
+                    f"write {{{mesh.names[-1]}: {p}}} to say which dim"
+                )
+        sizes = dict(zip(mesh.names, mesh.shape, strict=True))
+        return tuple(q.resolve(sizes) if isinstance(q, StridedShard) else q for q in out)
+
+    def to_json(self) -> str | list[str] | dict[str, str]:
+        """The YAML/JSON value of this rule, with placements in their short text form."""
+        if self.kind == "all":
+            return str(self.spec[0][1])
+        if self.kind == "positional":
+            return [str(p) for _, p in self.spec]
+        return {str(name): str(p) for name, p in self.spec}
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutConfig:
+    """A mesh and ordered placement rules; the first rule matching a tensor name wins.
+
+    Every rule is checked against ``mesh`` on construction, so a rule that
+    cannot fit the mesh fails early, naming the file and line.
+
+    Attributes:
+        mesh: the mesh (sizes are defaults; see :meth:`with_mesh`).
+        rules: the rules, in file order.
+        source: where the rules came from, for messages.
+    """
+
+    mesh: Mesh
+    rules: tuple[Rule, ...]
+    source: str = "<layout>"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise ConfigError(
+                f"{self.source}: mesh must be a Mesh, got {self.mesh!r}", path=self.source
+            )
+        object.__setattr__(self, "rules", tuple(self.rules))
+        seen: dict[str, Rule] = {}
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise ConfigError(
+                    f"{self.source}: rules must be Rule values, got {rule!r}", path=self.source
+                )
+            first = seen.get(rule.pattern)
+            if first is not None:
+                where = f" (first on line {first.line})" if first.line else ""
+                raise ConfigError(
+                    f"{self._where(rule)}pattern appears twice{where}; the second can never match, "
+                    "so merge them into one rule",
+                    path=self.source,
+                )
+            seen[rule.pattern] = rule
+            self._placements(rule, self.mesh, None)
+
+    def _where(self, rule: Rule) -> str:
+        line = f":{rule.line}" if rule.line else ""
+        return f"{self.source}{line}: rule {rule.pattern!r}: "
+
+    def _placements(self, rule: Rule, mesh: Mesh, tensor: str | None) -> tuple[Placement, ...]:
+        try:
+            return rule.placements(mesh)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{self._where(rule)}{e.message}", path=self.source, tensor=tensor
+            ) from None
+
+    def _first(self, name: str) -> int | None:
+        for i, rule in enumerate(self.rules):
+            if rule.matches(name):
+                return i
+        return None
+
+    def match(self, name: str) -> Rule:
+        """The first rule whose pattern matches ``name``.
+
+        Raises:
+            LayoutError: no rule matches.
+        """
+        for rule in self.rules:
+            if rule.matches(name):
+                return rule
+        raise LayoutError(
+            f'tensor "{name}" matches no rule in {self.source}; add a rule for it, '
+            f'or "*": R to replicate everything else',
+            tensor=name,
+            path=self.source,
+        )
+
+    def placements_for(self, name: str, mesh: Mesh | None = None) -> tuple[Placement, ...]:
+        """Placements of tensor ``name`` on ``mesh`` (default: this layout's mesh).
+
+        Raises:
+            LayoutError: no rule matches ``name``.
+            ConfigError: the matching rule does not fit ``mesh``.
+        """
+        return self._placements(self.match(name), self.mesh if mesh is None else mesh, name)
+
+    def with_mesh(self, mesh: Mesh) -> LayoutConfig:
+        """The same rules on another mesh (e.g. ``--target-mesh tp=8``).
+
+        Raises:
+            ConfigError: a rule does not fit ``mesh``.
+        """
+        return LayoutConfig(mesh, self.rules, self.source)
+
+    def unused_rules(self, names: Iterable[str]) -> list[Rule]:
+        """Rules that are the first match of none of ``names`` (worth a warning).
+
+        Names no rule matches are ignored here; :meth:`match` reports them.
+        """
+        used: set[int] = set()
+        for name in names:
+            i = self._first(name)
+            if i is not None:
+                used.add(i)
+                if len(used) == len(self.rules):
+                    break
+        return [r for i, r in enumerate(self.rules) if i not in used]
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``."""
+        return {
+            "mesh": self.mesh.to_json(),
+            "rules": [[r.pattern, r.to_json()] for r in self.rules],
+        }
+
+    @classmethod
+    def from_json(cls, data: object, source: str = "<reshard.json>") -> LayoutConfig:
+        """Read back :meth:`to_json` output.
+
+        ``mesh`` may also be an ordered ``{name: size}`` mapping and ``rules`` a
+        ``{pattern: value}`` mapping, as in a layout file.
+
+        Raises:
+            ConfigError: ``data`` is not in that shape.
+        """
+        pre = f"{source}: "
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"{pre}layout must be an object with mesh and rules, got {type(data).__name__}",
+                path=source,
+            )
+        mesh_data = data.get("mesh")
+        try:
+            if isinstance(mesh_data, Mapping) and set(mesh_data) == {"names", "shape"}:
+                names, shape = mesh_data["names"], mesh_data["shape"]
+                if (
+                    not isinstance(names, list)
+                    or not isinstance(shape, list)
+                    or not all(isinstance(n, str) for n in names)
+                ):
+                    raise ConfigError(
+                        f"mesh names must be a list of strings and shape a list, got {mesh_data!r}"
+                    )
+                mesh = Mesh(tuple(names), tuple(shape))
+            elif (
+                isinstance(mesh_data, Mapping)
+                and mesh_data
+                and all(isinstance(n, str) for n in mesh_data)
+            ):
+                mesh = Mesh(tuple(mesh_data), tuple(mesh_data.values()))
+            else:
+                raise ConfigError(
+                    f'mesh must be {{"names": [...], "shape": [...]}}, got {mesh_data!r}'
+                )
+        except ConfigError as e:
+            raise ConfigError(f"{pre}{e.message}", path=source) from None
+        rules_data = data.get("rules")
+        if isinstance(rules_data, Mapping):
+            pairs: list[object] = [[k, v] for k, v in rules_data.items()]
+        elif isinstance(rules_data, list):
+            pairs = list(rules_data)
+        else:
+            raise ConfigError(
+                f"{pre}rules must be a list of [pattern, placements] pairs, got {rules_data!r}",
+                path=source,
+            )
+        rules: list[Rule] = []
+        for pair in pairs:
+            if (
+                not isinstance(pair, (list, tuple))
+                or len(pair) != 2
+                or not isinstance(pair[0], str)
+            ):
+                raise ConfigError(
+                    f"{pre}each rule must be a [pattern, placements] pair, got {pair!r}",
+                    path=source,
+                )
+            try:
+                rules.append(Rule.from_json(pair[0], pair[1]))
+            except ConfigError as e:
+                raise ConfigError(f"{pre}rule {pair[0]!r}: {e.message}", path=source) from None
+        return cls(mesh, tuple(rules), source)
+
+
+# -- patterns ------------------------------------------------------------------
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    if pattern.startswith(REGEX_PREFIX):
+        body = pattern[len(REGEX_PREFIX) :]
+        if not body:
+            raise ConfigError(
+                'the regex after "re:" is empty; write e.g. "re:model\\.layers\\.\\d+\\..*"'
+            )
+        try:
+            return re.compile(body)
+        except re.error as e:
+            raise ConfigError(
+                f"invalid regex after 're:': {e.msg} at position {e.pos}; "
+                "fix the regex (it is matched with re.fullmatch against the whole tensor name)"
+            ) from None
+    # fnmatch.translate gives fnmatchcase semantics: `*` crosses dots, [..] classes.
+    return re.compile(fnmatch.translate(pattern))
+
+
+def _parse_value(value: object) -> Placement:
+    """parse_placement with friendlier messages for what YAML typically does to them."""
+    if value is None:
+        raise ConfigError("missing placement; write e.g. R, S(0) or _S(0, 2)")
+    try:
+        return parse_placement(value)
+    except ConfigError as e:
+        msg = e.message
+        if isinstance(value, str) and value.count("(") != value.count(")"):
+            msg += (
+                "; a comma inside {...} or [...] splits a YAML value, so quote placements "
+                'with commas: {tp: "_S(0, 2)"}'
+            )
+        raise ConfigError(msg) from None
+
+
+# -- YAML ----------------------------------------------------------------------
+
+
+def _line(node: yaml.Node) -> int:
+    return int(node.start_mark.line) + 1
+
+
+def _kind(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "list"
+    return "scalar"
+
+
+class _Parser:
+    """Builds a LayoutConfig from a SafeLoader node tree, remembering lines."""
+
+    def __init__(self, loader: yaml.SafeLoader, source: str) -> None:
+        self.loader = loader
+        self.source = source
+
+    def error(self, node: yaml.Node | int | None, message: str) -> ConfigError:
+        line = node if isinstance(node, int) else (_line(node) if node is not None else 0)
+        where = f"{self.source}:{line}: " if line else f"{self.source}: "
+        return ConfigError(where + message, path=self.source)
+
+    def value(self, node: yaml.Node) -> object:
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.MarkedYAMLError as e:
+            raise _yaml_error(e, self.source) from None
+
+    def mapping(self, node: yaml.MappingNode, what: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
+        """(key text, key node, value node) in order; duplicate keys are an error."""
+        try:
+            self.loader.flatten_mapping(node)  # resolve `<<` merge keys
+        except yaml.MarkedYAMLError as e:
+            raise _yaml_error(e, self.source) from None
+        out: list[tuple[str, yaml.Node, yaml.Node]] = []
+        first: dict[str, int] = {}
+        for k, v in node.value:
+            if not isinstance(k, yaml.ScalarNode):
+                raise self.error(k, f"{what} keys must be plain strings, got a {_kind(k)}")
+            key = str(k.value)
+            if key in first:
+                raise self.error(
+                    k,
+                    f"{what} key {key!r} appears twice (first on line {first[key]}); "
+                    "YAML would silently keep only the last one, so remove or merge one of them",
+                )
+            first[key] = _line(k)
+            out.append((key, k, v))
+        return out
+
+    def layout(self, root: yaml.Node | None) -> LayoutConfig:
+        if root is None:
+            raise self.error(
+                None, "layout file is empty; it needs mesh: and placements: (see configs/)"
+            )
+        if not isinstance(root, yaml.MappingNode):
+            raise self.error(
+                root,
+                "the top level must be a mapping with keys mesh: and placements:, "
+                f"got a {_kind(root)}",
+            )
+        top = {key: (k, v) for key, k, v in self.mapping(root, "top-level")}
+        for key, (k, v) in top.items():
+            if key not in _TOP_KEYS:
+                close = difflib.get_close_matches(key, _TOP_KEYS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.error(
+                    k, f"unknown top-level key {key!r}; {hint}allowed keys: {', '.join(_TOP_KEYS)}"
+                )
+            if key in ("name", "description") and not isinstance(self.value(v), str):
+                raise self.error(v, f"{key} must be a string")
+        if "mesh" not in top:
+            raise self.error(
+                root, "missing mesh:; add e.g. mesh: {fsdp: 2, tp: 4} (dim name -> size)"
+            )
+        if "placements" not in top:
+            raise self.error(
+                root, 'missing placements:; add ordered pattern -> placement rules, e.g. "*": R'
+            )
+        mesh = self.mesh(*top["mesh"])
+        rules = self.rules(*top["placements"])
+        return LayoutConfig(mesh, rules, self.source)
+
+    def mesh(self, key: yaml.Node, node: yaml.Node) -> Mesh:
+        example = "e.g. mesh: {fsdp: 2, tp: 4}"
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error(
+                node, f"mesh must be a mapping of dim name to size, {example}; got a {_kind(node)}"
+            )
+        items = self.mapping(node, "mesh")
+        if not items:
+            raise self.error(node, f"mesh is empty; name at least one dim, {example}")
+        names: list[str] = []
+        sizes: list[int] = []
+        for name, k, v in items:
+            if not _NAME.match(name):
+                raise self.error(
+                    k, f"mesh dim name {name!r} is not an identifier; use e.g. tp, fsdp, ep"
+                )
+            size = self.value(v)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise self.error(
+                    v, f"mesh dim {name!r} must have a positive integer size, got {size!r}"
+                )
+            names.append(name)
+            sizes.append(size)
+        return Mesh(tuple(names), tuple(sizes))
+
+    def rules(self, key: yaml.Node, node: yaml.Node) -> tuple[Rule, ...]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error(
+                node,
+                "placements must be an ordered mapping of pattern -> placement, "
+                f'e.g. "*.o_proj.weight": {{tp: S(1)}}; got a {_kind(node)}',
+            )
+        items = self.mapping(node, "placements")
+        if not items:
+            raise self.error(node, 'placements is empty; add at least one rule, e.g. "*": R')
+        return tuple(self.rule(pattern, k, v) for pattern, k, v in items)
+
+    def placement(self, pattern: str, node: yaml.Node) -> Placement:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.error(
+                node,
+                f"rule {pattern!r}: a placement must be a string such as R or S(0), "
+                f"got a {_kind(node)}",
+            )
+        try:
+            return _parse_value(self.value(node))
+        except ConfigError as e:
+            raise self.error(node, f"rule {pattern!r}: {e.message}") from None
+
+    def rule(self, pattern: str, key: yaml.Node, node: yaml.Node) -> Rule:
+        spec: list[tuple[str | None, Placement]] = []
+        if isinstance(node, yaml.MappingNode):
+            kind = "named"
+            for dim, _, v in self.mapping(node, f"rule {pattern!r}: mesh dim"):
+                spec.append((dim, self.placement(pattern, v)))
+        elif isinstance(node, yaml.SequenceNode):
+            kind = "positional"
+            for v in node.value:
+                spec.append((None, self.placement(pattern, v)))
+        else:
+            kind = "all"
+            spec.append((None, self.placement(pattern, node)))
+        try:
+            return Rule(pattern, tuple(spec), kind, _line(key))
+        except ConfigError as e:
+            raise self.error(key, f"rule {pattern!r}: {e.message}") from None
+
+
+def _yaml_error(e: yaml.YAMLError, source: str) -> ConfigError:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    what = f"{problem} ({context})" if context else str(problem)
+    hint = "fix the YAML syntax"
+    if context and "alias" in context:
+        hint = 'a key starting with * must be quoted, e.g. "*": R or "*.norm.weight": R'
+    elif "escape" in str(problem):
+        hint = "in double quotes write \\\\ for a regex backslash, or use single quotes: 're:a\\.b'"
+    elif "\t" in str(problem):
+        hint = "indent with spaces, not tabs"
+    where = f"{source}:{mark.line + 1}: " if mark is not None else f"{source}: "
+    return ConfigError(f"{where}invalid YAML: {what}; {hint}", path=source)
+
+
+def parse_layout_text(text: str, source: str = "<layout>") -> LayoutConfig:
+    """Parse the text of a layout file.
+
+    Args:
+        text: YAML with ``mesh:`` and ``placements:`` (SPEC §2).
+        source: the file name used in messages.
+
+    Returns:
+        The layout, every rule checked against the file's mesh.
+
+    Raises:
+        ConfigError: the text is not a valid layout; the message starts with
+            ``"{source}:{line}: "`` when the line is known.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            root = loader.get_single_node()
+        except yaml.YAMLError as e:
+            raise _yaml_error(e, source) from None
+        return _Parser(loader, source).layout(root)
+    finally:
+        loader.dispose()
+
+
+def load_layout(path: str | os.PathLike[str]) -> LayoutConfig:
+    """Read and parse a layout file (use :func:`resolve_preset` for preset names).
+
+    Raises:
+        ConfigError: the file cannot be read or is not a valid layout.
+    """
+    source = os.fspath(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        presets = ", ".join(list_presets()) or "none found"
+        raise ConfigError(
+            f"{source}: layout file not found; check the path, or use a preset ({presets})",
+            path=source,
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"{source}: is a directory; pass a layout YAML file", path=source
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{source}: cannot read the layout file: not UTF-8 text ({e.reason} at byte {e.start})",
+            path=source,
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"{source}: cannot read the layout file: {e.strerror or e}; "
+            "check that it exists and is readable",
+            path=source,
+        ) from None
+    return parse_layout_text(text, source)
+
+
+# -- presets -------------------------------------------------------------------
+
+
+def _preset_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [d for d in (here.parent / "configs", here / "configs") if d.is_dir()]
+
+
+def list_presets() -> list[str]:
+    """Names of the bundled layout presets (``configs/*.yaml``), sorted."""
+    names: set[str] = set()
+    for d in _preset_dirs():
+        names.update(p.stem for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    return sorted(names)
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    """A layout file path: ``name_or_path`` itself if it exists, else a bundled preset.
+
+    >>> resolve_preset("llama-tp").name
+    'llama-tp.yaml'
+
+    Args:
+        name_or_path: a path, or a preset name with or without ``.yaml``.
+
+    Returns:
+        The path of the layout file.
+
+    Raises:
+        ConfigError: neither a file nor a preset; the message lists the presets.
+    """
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    stem = name_or_path
+    for suffix in (".yaml", ".yml"):
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    if stem and "/" not in stem and os.sep not in stem:
+        for d in _preset_dirs():
+            for suffix in (".yaml", ".yml"):
+                candidate = d / f"{stem}{suffix}"
+                if candidate.is_file():
+                    return candidate
+    presets = ", ".join(list_presets()) or "none found"
+    raise ConfigError(
+        f"{name_or_path}: no such layout file or preset; pass a path to a YAML layout file "
+        f"or one of the presets: {presets}",
+        path=name_or_path,
+    )

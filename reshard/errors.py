@@ -1,0 +1,82 @@
+"""The ReshardError family: expected failures the CLI prints without a traceback."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ReshardError",
+    "ConfigError",
+    "LayoutError",
+    "HeaderError",
+    "TensorNotFoundError",
+    "PlanError",
+    "UsageError",
+    "WriteError",
+]
+
+
+class ReshardError(Exception):
+    """Expected failure; the CLI prints it without a traceback.
+
+    Attributes:
+        path: the file the problem is in, when there is one.
+        tensor: the tensor the problem is about, when there is one.
+        hint: what the user can do about it.
+    """
+
+    exit_code = 2
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        tensor: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.tensor = tensor
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "type": type(self).__name__,
+            "message": self.message,
+            "path": self.path,
+            "tensor": self.tensor,
+            "hint": self.hint,
+        }
+
+
+class ConfigError(ReshardError, ValueError):
+    """A layout file or an option value is wrong."""
+
+
+class LayoutError(ReshardError, ValueError):
+    """Placements, mesh or shapes do not fit together."""
+
+
+class HeaderError(ReshardError, ValueError):
+    """A file is not valid safetensors."""
+
+
+class TensorNotFoundError(ReshardError, LookupError):
+    """A tensor is missing where it must be."""
+
+
+class PlanError(ReshardError):
+    """Source pieces cannot produce the target (holes, conflicting overlaps)."""
+
+
+class UsageError(ReshardError):
+    """The command line asks for something that cannot be done."""
+
+
+class WriteError(ReshardError):
+    """Failure while writing; partial files were removed."""
+
+    exit_code = 3

@@ -1,0 +1,404 @@
+"""Run a Plan: move bytes from source pieces into output files under a byte budget.
+
+Two ways bytes move:
+
+* a box contiguous in both the source piece and the target tensor (row-sharded
+  pieces, whole tensors) is copied inside the kernel with ``copy_file_range``;
+* everything else (column slices, strided shards, casts, Partial reductions)
+  is gathered slab by slab into a reused buffer from memory-mapped sources
+  (released as we go, so RSS stays bounded) and written with one ``pwrite``
+  per slab.
+
+Every output file is written to ``NAME.tmp``, hashed, then renamed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .intervals import block_shape, row_major_strides
+from .io.header import DTYPE_SIZES
+from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
+
+__all__ = [
+    "DEFAULT_BUFFER",
+    "FileResult",
+    "SourceFiles",
+    "execute_plan",
+    "write_out_file",
+    "file_checksum",
+]
+
+DEFAULT_BUFFER = 256 * 1024
+_RELEASE_EVERY = 32 * 1024 * 1024
+_PAGE = mmap.PAGESIZE
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class FileResult:
+    name: str
+    size: int
+    checksum: str
+
+
+def file_checksum(path: str | os.PathLike[str], chunk: int = 8 * 1024 * 1024) -> str:
+    """``xxh3_128:<hex>`` of a file's bytes, read in chunks into one reused buffer."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(chunk)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(mv)
+            if not n:
+                break
+            h.update(mv[:n])
+    return "xxh3_128:" + h.hexdigest()
+
+
+class SourceFiles:
+    """Open source files once: a file descriptor and a read-only map each, shared by threads."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self._paths = list(paths)
+        self._fds: dict[int, int] = {}
+        self._maps: dict[int, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, i: int) -> int:
+        fd = self._fds.get(i)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(i)
+                if fd is None:
+                    fd = os.open(self._paths[i], os.O_RDONLY)
+                    self._fds[i] = fd
+        return fd
+
+    def map(self, i: int) -> mmap.mmap:
+        mm = self._maps.get(i)
+        if mm is None:
+            fd = self.fd(i)
+            with self._lock:
+                mm = self._maps.get(i)
+                if mm is None:
+                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                    self._maps[i] = mm
+        return mm
+
+    def release(self, i: int, start: int, stop: int) -> None:
+        """Drop mapped pages of ``[start, stop)`` from this process (the page cache keeps them)."""
+        mm = self._maps.get(i)
+        if mm is None or stop <= start:
+            return
+        lo = start - start % _PAGE
+        hi = min(stop, len(mm))
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a numpy view still alive; the map goes with it
+                pass
+        for fd in self._fds.values():
+            os.close(fd)
+        self._maps.clear()
+        self._fds.clear()
+
+
+def _np_dtype(itemsize: int) -> Any:
+    import numpy as np
+
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+
+
+def _contiguous(shape: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether a box is one contiguous run of a row-major array of ``shape``."""
+    k = len(shape) - 1
+    while k > 0 and starts[k] == 0 and sizes[k] == shape[k]:
+        k -= 1
+    return all(s == 1 for s in sizes[:k])
+
+
+def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
+    return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
+
+
+def _copy_range(src_fd: int, dst_fd: int, n: int, src_off: int, dst_off: int) -> None:
+    """Kernel-side copy of ``n`` bytes; falls back to pread/pwrite where unsupported."""
+    while n > 0:
+        try:
+            done = os.copy_file_range(src_fd, dst_fd, n, src_off, dst_off)
+        except OSError:
+            done = 0
+        if done <= 0:
+            chunk = min(n, DEFAULT_BUFFER)
+            data = os.pread(src_fd, chunk, src_off)
+            if not data:
+                raise OSError(f"unexpected end of source file at offset {src_off}")
+            done = os.pwrite(dst_fd, data, dst_off)
+        n -= done
+        src_off += done
+        dst_off += done
+
+
+def _slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Contiguous pieces of a row-major array, each at most ``budget`` bytes (at least one row)."""
+    nd = len(shape)
+    if nd == 0:
+        yield ()
+        return
+    if any(s == 0 for s in shape):
+        return
+    inner = itemsize
+    j = nd - 1
+    while j > 0 and inner * shape[j] <= budget:
+        inner *= shape[j]
+        j -= 1
+    # dims > j are whole; take `rows` indices of dim j per slab
+    if inner * shape[j] <= budget:
+        rows = shape[j]
+    else:
+        rows = max(1, budget // inner)
+
+    def rec(d: int, prefix: tuple[tuple[int, int], ...]) -> Iterator[tuple[tuple[int, int], ...]]:
+        if d == j:
+            tail = tuple((0, shape[k]) for k in range(j + 1, nd))
+            for a in range(0, shape[j], rows):
+                yield prefix + ((a, min(a + rows, shape[j])),) + tail
+            return
+        for i in range(shape[d]):
+            yield from rec(d + 1, prefix + ((i, i + 1),))
+
+    yield from rec(0, ())
+
+
+class _Writer:
+    """Writes the entries of one output file."""
+
+    def __init__(self, plan: Plan, sources: SourceFiles, fd: int, buffer_size: int,
+                 progress: ProgressFn | None) -> None:
+        self.plan = plan
+        self.sources = sources
+        self.fd = fd
+        self.budget = buffer_size
+        self.progress = progress
+        self._bufs: list[bytearray] = []
+        self._touched: dict[int, list[int]] = {}
+        self._touched_bytes = 0
+
+    def buf(self, k: int) -> bytearray:
+        while len(self._bufs) <= k:
+            self._bufs.append(bytearray(self.budget))
+        return self._bufs[k]
+
+    def write_entry(self, e: OutEntry) -> None:
+        t = e.tensor
+        copies = t.copies[e.rank]
+        dshape = block_shape(t.layout.blocks()[e.rank])
+        if e.nbytes == 0:
+            return
+        transform = t.groups > 1 or t.dtype != t.src.dtype
+        if not transform and self._all_contiguous(t.src, copies, dshape):
+            isz = DTYPE_SIZES[t.src.dtype]
+            for c in copies:
+                sshape = t.src.piece_shape(c.piece)
+                sfd = self.sources.fd(t.src.piece_files[c.piece])
+                base = t.src.piece_offsets[c.piece]
+                for s_st, d_st, sz in copy_boxes(c):
+                    n = isz
+                    for x in sz:
+                        n *= x
+                    _copy_range(
+                        sfd,
+                        self.fd,
+                        n,
+                        base + _box_offset(sshape, s_st) * isz,
+                        e.start + _box_offset(dshape, d_st) * isz,
+                    )
+                    if self.progress:
+                        self.progress(n)
+            return
+        self._gather(e, copies, dshape)
+
+    @staticmethod
+    def _all_contiguous(src: Any, copies: Sequence[Copy], dshape: Sequence[int]) -> bool:
+        for c in copies:
+            sshape = src.piece_shape(c.piece)
+            for s_st, d_st, sz in copy_boxes(c):
+                if not (_contiguous(sshape, s_st, sz) and _contiguous(dshape, d_st, sz)):
+                    return False
+        return True
+
+    def _gather(self, e: OutEntry, copies: Sequence[Copy], dshape: tuple[int, ...]) -> None:
+        import numpy as np
+
+        t = e.tensor
+        src = t.src
+        s_isz = DTYPE_SIZES[src.dtype]
+        d_isz = DTYPE_SIZES[t.dtype]
+        npt = _np_dtype(s_isz)
+        budget_items = max(1, self.budget // max(s_isz, d_isz))
+        # per copy: its source array (a view of the mapped file) and its boxes
+        plans = []
+        for c in copies:
+            fi = src.piece_files[c.piece]
+            sshape = src.piece_shape(c.piece)
+            count = 1
+            for x in sshape:
+                count *= x
+            arr = np.frombuffer(
+                self.sources.map(fi), dtype=npt, count=count, offset=src.piece_offsets[c.piece]
+            ).reshape(sshape)
+            plans.append((c.group, fi, src.piece_offsets[c.piece], sshape, arr, list(copy_boxes(c))))
+        for slab in _slabs(dshape, 1, budget_items):
+            sshape_slab = tuple(b - a for a, b in slab)
+            n = 1
+            for x in sshape_slab:
+                n *= x
+            views = [
+                np.frombuffer(self.buf(g), dtype=npt, count=n).reshape(sshape_slab)
+                for g in range(t.groups)
+            ]
+            for g, fi, base, sshape, arr, boxes in plans:
+                for s_st, d_st, sz in boxes:
+                    dst_sl = []
+                    src_sl = []
+                    for (a, b), ss, ds, z in zip(slab, s_st, d_st, sz):
+                        lo = max(a, ds)
+                        hi = min(b, ds + z)
+                        if hi <= lo:
+                            break
+                        dst_sl.append(slice(lo - a, hi - a))
+                        src_sl.append(slice(ss + lo - ds, ss + hi - ds))
+                    else:
+                        views[g][tuple(dst_sl)] = arr[tuple(src_sl)]
+                        self._touch(fi, base, sshape, s_isz, src_sl)
+            out = self._transform(t, views, n)
+            off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
+            mv = memoryview(out)[: n * d_isz]
+            while len(mv):
+                w = os.pwrite(self.fd, mv, off)
+                mv = mv[w:]
+                off += w
+            if self.progress:
+                self.progress(n * d_isz)
+        del plans
+        self._release_all()
+
+    def _touch(self, fi: int, base: int, sshape: Sequence[int], isz: int, sl: list[slice]) -> None:
+        if not sshape:
+            lo, hi = base, base + isz
+        else:
+            strides = row_major_strides(sshape)
+            first = sum(s.start * st for s, st in zip(sl, strides))
+            last = sum((s.stop - 1) * st for s, st in zip(sl, strides))
+            lo, hi = base + first * isz, base + (last + 1) * isz
+        r = self._touched.get(fi)
+        if r is None:
+            self._touched[fi] = [lo, hi]
+        else:
+            r[0] = min(r[0], lo)
+            r[1] = max(r[1], hi)
+        self._touched_bytes += hi - lo
+        if self._touched_bytes >= _RELEASE_EVERY:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        for fi, (lo, hi) in self._touched.items():
+            self.sources.release(fi, lo, hi)
+        self._touched.clear()
+        self._touched_bytes = 0
+
+    def _transform(self, t: Any, views: list[Any], n: int) -> Any:
+        if t.groups == 1 and t.dtype == t.src.dtype:
+            return self.buf(0)
+        from .torch_ops import cast_reduce
+
+        return cast_reduce(views, t.src.dtype, t.dtype, t.reduce_op, n)
+
+
+def write_out_file(
+    plan: Plan,
+    f: OutFile,
+    dst: Path,
+    sources: SourceFiles,
+    *,
+    buffer_size: int = DEFAULT_BUFFER,
+    progress: ProgressFn | None = None,
+) -> FileResult:
+    """Write one output file atomically (``NAME.tmp`` then rename) and return its checksum."""
+    final = dst / f.name
+    tmp = dst / (f.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, f.size)
+        os.pwrite(fd, f.prefix, 0)
+        w = _Writer(plan, sources, fd, buffer_size, progress)
+        for e in f.entries:
+            w.write_entry(e)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    checksum = file_checksum(tmp)
+    os.replace(tmp, final)
+    return FileResult(f.name, f.size, checksum)
+
+
+def execute_plan(
+    plan: Plan,
+    dst: Path,
+    *,
+    workers: int = 1,
+    buffer_size: int = DEFAULT_BUFFER,
+    progress: ProgressFn | None = None,
+    files: Sequence[OutFile] | None = None,
+) -> list[FileResult]:
+    """Write every output file of ``plan`` (or the given subset) into ``dst``.
+
+    Files are handed to ``workers`` threads largest first, so the work is
+    balanced by bytes. Results come back in plan order.
+    """
+    todo = list(plan.files if files is None else files)
+    sources = SourceFiles(plan.source.files)
+    lock = threading.Lock()
+
+    def prog(n: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(n)
+
+    try:
+        if workers <= 1 or len(todo) <= 1:
+            results = [
+                write_out_file(plan, f, dst, sources, buffer_size=buffer_size, progress=prog)
+                for f in todo
+            ]
+        else:
+            order = sorted(range(len(todo)), key=lambda i: -todo[i].size)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futs = {
+                    i: pool.submit(
+                        write_out_file, plan, todo[i], dst, sources,
+                        buffer_size=buffer_size, progress=prog,
+                    )
+                    for i in order
+                }
+                results = [futs[i].result() for i in range(len(todo))]
+    finally:
+        sources.close()
+    return results

@@ -1,0 +1,242 @@
+"""Per-rank checkpoints: one safetensors file per rank, local tensors under global names."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import Checkpoint, TensorSource
+from ..errors import HeaderError, LayoutError, TensorNotFoundError
+from ..io.header import Header, read_header
+from ..layout import TensorLayout, infer_global_shape
+from ..mesh import Mesh
+from ..placements import Placement
+
+__all__ = ["RANK_FILE", "rank_files", "open_per_rank", "self_description"]
+
+RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
+_DIGITS = re.compile(r"\d+")
+
+
+def rank_files(directory: Path, *, strict: bool) -> dict[int, Path]:
+    """Rank number -> file, from ``rank-{r:05d}-of-{W:05d}.safetensors`` names or, unless
+    ``strict``, from any ``*.safetensors`` names carrying exactly one number."""
+    files = sorted(p for p in directory.iterdir() if p.name.endswith(".safetensors") and p.is_file())
+    out: dict[int, Path] = {}
+    worlds = set()
+    for p in files:
+        m = RANK_FILE.match(p.name)
+        if m:
+            rank = int(m.group(1))
+            worlds.add(int(m.group(2)))
+        elif strict:
+            continue
+        else:
+            nums = _DIGITS.findall(p.name[: -len(".safetensors")])
+            if len(nums) != 1:
+                raise HeaderError(
+                    f"{p}: cannot tell which rank this file belongs to (its name should carry "
+                    "exactly one rank number, e.g. rank-00003-of-00008.safetensors)",
+                    path=str(p),
+                )
+            rank = int(nums[0])
+        if rank in out:
+            raise HeaderError(f"{p}: rank {rank} also given by {out[rank].name}", path=str(p))
+        out[rank] = p
+    if len(worlds) > 1:
+        raise HeaderError(
+            f"{directory}: rank files disagree on the world size ({sorted(worlds)})", path=str(directory)
+        )
+    if worlds:
+        (world,) = worlds
+        missing = [r for r in range(world) if r not in out]
+        if missing:
+            raise HeaderError(
+                f"{directory}: missing rank file(s) {', '.join(f'rank-{r:05d}-of-{world:05d}.safetensors' for r in missing[:5])}"
+                + (" ..." if len(missing) > 5 else ""),
+                path=str(directory),
+            )
+    return out
+
+
+def self_description(header: Header, path: Path) -> dict[str, Any] | None:
+    """The ``reshard`` metadata a per-rank file written by reshard carries, or None."""
+    meta = header.metadata or {}
+    raw = meta.get("reshard")
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("format_version") != 1:
+            raise ValueError("unsupported format_version")
+        Mesh(tuple(data["mesh"]["names"]), tuple(data["mesh"]["shape"]))
+        data["rank"] = int(data["rank"])
+        if not isinstance(data["tensors"], dict):
+            raise ValueError("tensors is not an object")
+    except (ValueError, KeyError, TypeError) as e:
+        raise HeaderError(f"{path}: invalid reshard metadata ({e})", path=str(path)) from None
+    return data
+
+
+def open_per_rank(
+    directory: Path,
+    *,
+    mesh: Mesh | None,
+    placements_for: Callable[[str], Sequence[Placement | str]] | None,
+    layout_source: str = "the layout",
+) -> Checkpoint:
+    """Open a per-rank checkpoint.
+
+    Global shapes and placements come from each file's ``reshard`` metadata, or,
+    with ``placements_for`` (a source layout), are derived from local shapes and
+    checked on every rank.
+
+    Raises:
+        HeaderError: missing rank files, unreadable headers.
+        LayoutError: local shapes inconsistent with the placements, rank count != mesh size.
+        TensorNotFoundError: a tensor missing on some rank.
+    """
+    files = rank_files(directory, strict=placements_for is None)
+    if not files:
+        raise HeaderError(f"{directory}: no rank files found", path=str(directory))
+    world = max(files) + 1
+    missing = [r for r in range(world) if r not in files]
+    if missing:
+        raise HeaderError(f"{directory}: no file for rank(s) {missing[:8]}", path=str(directory))
+    paths = [files[r] for r in range(world)]
+    headers = [read_header(p) for p in paths]
+    desc0 = self_description(headers[0], paths[0])
+
+    if placements_for is None:
+        if desc0 is None:
+            raise LayoutError(
+                f"{paths[0]}: this per-rank checkpoint does not describe its layout; "
+                "pass --source-layout FILE (a YAML layout, see configs/)",
+                path=str(paths[0]),
+            )
+        if mesh is None:
+            mesh = Mesh(tuple(desc0["mesh"]["names"]), tuple(desc0["mesh"]["shape"]))
+    if mesh is None:
+        raise LayoutError(f"{directory}: no mesh given", path=str(directory))
+    if mesh.size != world:
+        raise LayoutError(
+            f"{directory}: {world} rank files but the mesh {mesh} has {mesh.size} ranks; "
+            "fix --source-mesh or the layout's mesh",
+            path=str(directory),
+        )
+    for r, (p, h) in enumerate(zip(paths, headers)):
+        if placements_for is None:
+            d = self_description(h, p)
+            if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"]:  # type: ignore[index]
+                raise HeaderError(
+                    f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
+                )
+
+    names = list(headers[0].names)
+    name_set = set(names)
+    for p, h in zip(paths[1:], headers[1:]):
+        extra = [n for n in h.names if n not in name_set]
+        if extra:
+            raise TensorNotFoundError(
+                f'{p}: tensor "{extra[0]}" is not in {paths[0].name}; every rank file must '
+                "hold every tensor (an empty shard has a 0-size dim)",
+                path=str(p),
+                tensor=extra[0],
+            )
+    coords = list(mesh.coordinates())
+    tensors: dict[str, TensorSource] = {}
+    for name in names:
+        entries = []
+        for p, h in zip(paths, headers):
+            try:
+                entries.append(h.entry(name))
+            except TensorNotFoundError:
+                raise TensorNotFoundError(
+                    f'{p}: tensor "{name}" is missing (it is in {paths[0].name})',
+                    path=str(p),
+                    tensor=name,
+                ) from None
+        dtype = entries[0].dtype
+        for p, en in zip(paths, entries):
+            if en.dtype != dtype:
+                raise LayoutError(
+                    f'{p}: tensor "{name}" is {en.dtype} but {dtype} in {paths[0].name}; '
+                    "all ranks must hold the same dtype",
+                    path=str(p),
+                    tensor=name,
+                )
+        if placements_for is not None:
+            pls = placements_for(name)
+            local_shapes = [en.shape for en in entries]
+            shape = infer_global_shape(local_shapes, mesh, list(pls))
+            if shape is None:
+                _raise_bad_local(name, local_shapes, mesh, pls, paths, layout_source)
+            assert shape is not None
+        else:
+            info = desc0["tensors"].get(name)  # type: ignore[index]
+            if info is None:
+                raise HeaderError(
+                    f'{paths[0]}: tensor "{name}" is not described in the reshard metadata',
+                    path=str(paths[0]),
+                    tensor=name,
+                )
+            shape = tuple(int(x) for x in info["shape"])
+            pls = info["placements"]
+        try:
+            layout = TensorLayout.make(shape, mesh, list(pls))
+        except LayoutError as e:
+            raise LayoutError(f'tensor "{name}": {e.message}', tensor=name, path=str(directory)) from None
+        blocks = layout.blocks()
+        for r, (p, en) in enumerate(zip(paths, entries)):
+            want = layout.local_shape(coords[r])
+            if en.shape != want:
+                raise LayoutError(
+                    f'{p.name}: tensor "{name}" has shape {list(en.shape)}, but the global shape '
+                    f"{list(shape)} with {layout.placement_strs()} on mesh {mesh} gives rank {r} "
+                    f"{list(want)}. Check that the layout names the one this checkpoint was saved with.",
+                    path=str(p),
+                    tensor=name,
+                )
+        partial_op = layout.partial_op
+        tensors[name] = TensorSource(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            piece_files=tuple(range(world)),
+            piece_offsets=tuple(h.data_start + en.start for h, en in zip(headers, entries)),
+            piece_blocks=blocks,
+            signature=("layout", shape, mesh.shape, layout.placements),
+            piece_partials=tuple(layout.partial_index(c) for c in coords) if partial_op else None,
+            reduce_op=partial_op,
+            placements=layout.placements,
+        )
+    return Checkpoint(
+        path=str(directory),
+        format="per-rank",
+        files=tuple(str(p) for p in paths),
+        file_sizes=tuple(p.stat().st_size for p in paths),
+        tensors=tensors,
+        mesh=mesh,
+    )
+
+
+def _raise_bad_local(
+    name: str,
+    local_shapes: Sequence[tuple[int, ...]],
+    mesh: Mesh,
+    pls: Sequence[Placement | str],
+    paths: Sequence[Path],
+    layout_source: str,
+) -> None:
+    pl = [str(p) for p in pls]
+    shapes = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(local_shapes[:8]))
+    raise LayoutError(
+        f'tensor "{name}": local shapes ({shapes}{" ..." if len(local_shapes) > 8 else ""}) '
+        f"do not fit placements {pl} on mesh {mesh} from {layout_source} for any global shape. "
+        "Check that --source-layout and --source-mesh name the layout this checkpoint was saved with.",
+        tensor=name,
+        path=str(paths[0].parent),
+    )

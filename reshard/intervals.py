@@ -1,0 +1,237 @@
+"""Half-open index intervals, per-dimension index lists and boxes (pure, no torch).
+
+A rank's local tensor is, along each tensor dim, an ascending list of disjoint
+global intervals concatenated (an *index list*); its local block is the
+Cartesian product of those lists. Everything here works on plain tuples.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Interval",
+    "IndexList",
+    "Block",
+    "Box",
+    "Segment",
+    "intersect",
+    "index_list_size",
+    "select",
+    "normalize",
+    "overlap_segments",
+    "block_shape",
+    "block_volume",
+    "full_block",
+    "contiguous_runs",
+    "row_major_strides",
+]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Interval:
+    """Half-open range ``[start, stop)`` of global indices along one dim.
+
+    >>> Interval(4, 8).size
+    4
+    >>> Interval(5, 5).size
+    0
+    """
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start <= self.stop):
+            raise ValueError(f"invalid interval [{self.start}, {self.stop})")
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def __str__(self) -> str:
+        return f"[{self.start}:{self.stop})"
+
+
+IndexList = tuple[Interval, ...]
+"""Ascending, disjoint, non-empty intervals (an empty list means no indices)."""
+
+Block = tuple[IndexList, ...]
+"""One index list per tensor dim: the Cartesian product is a rank's local tensor."""
+
+Box = tuple[Interval, ...]
+"""One interval per tensor dim: a hyper-rectangle."""
+
+Segment = tuple[int, int, int]
+"""``(src_local_start, dst_local_start, size)`` along one dim."""
+
+
+def intersect(a: Interval, b: Interval) -> Interval:
+    """Intersection of two intervals; an empty result is ``Interval(s, s)``.
+
+    Commutative and idempotent; an empty interval absorbs.
+
+    >>> intersect(Interval(0, 6), Interval(4, 9))
+    Interval(start=4, stop=6)
+    >>> intersect(Interval(0, 2), Interval(4, 9)).size
+    0
+    """
+    lo = max(a.start, b.start)
+    hi = min(a.stop, b.stop)
+    if a.size == 0 or b.size == 0 or hi <= lo:
+        return Interval(lo, lo)
+    return Interval(lo, hi)
+
+
+def index_list_size(ilist: IndexList) -> int:
+    """Number of indices in an index list."""
+    return sum(iv.size for iv in ilist)
+
+
+def normalize(intervals: Sequence[Interval]) -> IndexList:
+    """Drop empty intervals and merge adjacent ones (input must be ascending)."""
+    out: list[Interval] = []
+    for iv in intervals:
+        if iv.size == 0:
+            continue
+        if out and out[-1].stop == iv.start:
+            out[-1] = Interval(out[-1].start, iv.stop)
+        else:
+            out.append(iv)
+    return tuple(out)
+
+
+def select(ilist: IndexList, start: int, stop: int) -> IndexList:
+    """Global intervals of local positions ``[start, stop)`` of an index list.
+
+    >>> select((Interval(0, 4), Interval(8, 12)), 2, 6)
+    (Interval(start=2, stop=4), Interval(start=8, stop=10))
+    """
+    out: list[Interval] = []
+    pos = 0
+    for iv in ilist:
+        lo = max(start, pos)
+        hi = min(stop, pos + iv.size)
+        if lo < hi:
+            out.append(Interval(iv.start + lo - pos, iv.start + hi - pos))
+        pos += iv.size
+        if pos >= stop:
+            break
+    return normalize(out)
+
+
+def _local_starts(ilist: IndexList) -> list[int]:
+    starts = []
+    pos = 0
+    for iv in ilist:
+        starts.append(pos)
+        pos += iv.size
+    return starts
+
+
+def overlap_segments(src: IndexList, dst: IndexList) -> tuple[Segment, ...]:
+    """Where two index lists share global indices, in local positions of both.
+
+    Returns ``(src_local_start, dst_local_start, size)`` segments in ascending
+    global order, merged where they are contiguous on both sides.
+
+    >>> overlap_segments((Interval(0, 8),), (Interval(4, 6), Interval(10, 12)))
+    ((4, 0, 2),)
+    """
+    if not src or not dst:
+        return ()
+    src_pos = _local_starts(src)
+    dst_pos = _local_starts(dst)
+    src_starts = [iv.start for iv in src]
+    out: list[Segment] = []
+    for j, d in enumerate(dst):
+        # first src interval that could overlap d
+        i = max(bisect_right(src_starts, d.start) - 1, 0)
+        while i < len(src) and src[i].start < d.stop:
+            s = src[i]
+            lo = max(s.start, d.start)
+            hi = min(s.stop, d.stop)
+            if lo < hi:
+                seg = (src_pos[i] + lo - s.start, dst_pos[j] + lo - d.start, hi - lo)
+                if out and out[-1][0] + out[-1][2] == seg[0] and out[-1][1] + out[-1][2] == seg[1]:
+                    prev = out[-1]
+                    out[-1] = (prev[0], prev[1], prev[2] + seg[2])
+                else:
+                    out.append(seg)
+            i += 1
+    out.sort(key=lambda s: s[1])
+    return tuple(out)
+
+
+def block_shape(block: Block) -> tuple[int, ...]:
+    """Local tensor shape of a block."""
+    return tuple(index_list_size(il) for il in block)
+
+
+def block_volume(block: Block) -> int:
+    """Number of elements in a block."""
+    n = 1
+    for s in block_shape(block):
+        n *= s
+    return n
+
+
+def full_block(shape: Sequence[int]) -> Block:
+    """The block holding a whole tensor of ``shape``."""
+    return tuple(normalize([Interval(0, n)]) for n in shape)
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a contiguous row-major array."""
+    strides = [1] * len(shape)
+    acc = 1
+    for d in range(len(shape) - 1, -1, -1):
+        strides[d] = acc
+        acc *= shape[d]
+    return tuple(strides)
+
+
+def contiguous_runs(shape: Sequence[int], box: Box) -> Iterator[tuple[int, int]]:
+    """The Box's elements in a row-major array of ``shape`` as ``(offset, size)`` runs.
+
+    Runs are in increasing offset order, maximal, and cover exactly the Box.
+
+    >>> list(contiguous_runs((4, 6), (Interval(1, 3), Interval(2, 4))))
+    [(8, 2), (14, 2)]
+    >>> list(contiguous_runs((4, 6), (Interval(1, 3), Interval(0, 6))))
+    [(6, 12)]
+    """
+    ndim = len(shape)
+    if any(iv.size == 0 for iv in box):
+        return
+    if ndim == 0:
+        yield (0, 1)
+        return
+    strides = row_major_strides(shape)
+    # innermost dim k such that every dim after it is covered fully
+    k = ndim - 1
+    while k > 0 and box[k].start == 0 and box[k].stop == shape[k]:
+        k -= 1
+    # dims after k are full; if box[k] is also full then k and the full dims merge
+    run = box[k].size * strides[k]
+    outer = box[:k]
+
+    def rec(d: int, base: int) -> Iterator[tuple[int, int]]:
+        if d == k:
+            yield (base + box[k].start * strides[k], run)
+            return
+        for i in range(box[d].start, box[d].stop):
+            yield from rec(d + 1, base + i * strides[d])
+
+    prev: tuple[int, int] | None = None
+    for off, size in rec(0, 0) if outer else iter([(box[k].start * strides[k], run)]):
+        if prev is not None and prev[0] + prev[1] == off:
+            prev = (prev[0], prev[1] + size)
+            continue
+        if prev is not None:
+            yield prev
+        prev = (off, size)
+    if prev is not None:
+        yield prev

@@ -1,0 +1,653 @@
+"""Strict, pure-stdlib codec for safetensors headers.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes
+of UTF-8 JSON (the header), then the data section. The header maps each tensor
+name to ``{"dtype", "shape", "data_offsets"}`` (offsets relative to the start
+of the data section) plus an optional ``"__metadata__"`` object of strings.
+
+This module reads and writes headers only; it never touches tensor bytes and
+never imports torch or numpy. :func:`encode_header` reproduces the reference
+writer (``safetensors.torch.save`` / ``save_file``) byte for byte: tensors are
+laid out by descending position of their dtype in the Rust ``Dtype`` enum
+(``U64, I64, F64, C64, F32, U32, I32, BF16, F16, U16, I16, F8_E5M2FNUZ,
+F8_E4M3FNUZ, F8_E8M0, F8_E4M3, F8_E5M2, I8, U8, BOOL``) then by name (byte-wise
+UTF-8 order, which equals code point order), the JSON is compact, starts with
+``__metadata__`` when present, lists tensors in layout order with keys
+``dtype, shape, data_offsets``, and is space-padded to a multiple of 8 bytes.
+
+Example:
+    >>> prefix, header = encode_header([("b", "F16", [2]), ("a", "F32", [1, 2])])
+    >>> int.from_bytes(prefix[:8], "little"), prefix[8:64]
+    (112, b'{"a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},')
+    >>> header.names, header.data_start, header.data_size
+    (('a', 'b'), 120, 12)
+    >>> decode_header(prefix[8:]) == header
+    True
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import operator
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.errors import HeaderError, TensorNotFoundError
+
+__all__ = [
+    "DTYPE_SIZES",
+    "FLOAT_DTYPES",
+    "MAX_HEADER_SIZE",
+    "TensorEntry",
+    "Header",
+    "decode_header",
+    "read_header",
+    "encode_header",
+]
+
+#: Largest header the reference implementation accepts, in bytes.
+MAX_HEADER_SIZE = 100_000_000
+
+#: Every whole-byte safetensors dtype (safetensors 0.8) and its item size in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+
+#: The real floating-point dtypes (C64 is complex and not included).
+FLOAT_DTYPES: frozenset[str] = frozenset(
+    {
+        "F8_E5M2",
+        "F8_E4M3",
+        "F8_E8M0",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
+        "F16",
+        "BF16",
+        "F32",
+        "F64",
+    }
+)
+
+# Sub-byte dtypes safetensors knows but this codec rejects: their byte size is
+# not ``numel * itemsize`` and slices need not fall on byte boundaries.
+_SUBBYTE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
+
+# Declaration order of the Rust ``safetensors::Dtype`` enum (derived ``Ord``).
+# The reference writer sorts tensors by this rank, descending, then by name.
+_RUST_DTYPE_ORDER = (
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "F64",
+    "I64",
+    "U64",
+)
+_RANK = {name: rank for rank, name in enumerate(_RUST_DTYPE_ORDER)}
+
+_METADATA_KEY = "__metadata__"
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor as described by a safetensors header.
+
+    Attributes:
+        name: the tensor name (the header key).
+        dtype: the safetensors dtype string, a key of :data:`DTYPE_SIZES`.
+        shape: the tensor shape; ``()`` for a 0-d tensor.
+        start: first byte, relative to the start of the data section.
+        stop: one past the last byte, relative to the start of the data section.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor data in bytes (``stop - start``)."""
+        return self.stop - self.start
+
+    @property
+    def itemsize(self) -> int:
+        """Size of one element in bytes."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (1 for a 0-d tensor)."""
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded safetensors header.
+
+    Attributes:
+        entries: the tensors, sorted by ``(start, stop)``; zero-size tensors at the
+            same offset are in reference-writer order (dtype rank descending, then
+            name).
+        metadata: the ``__metadata__`` object, or None when the header has none.
+        data_start: absolute file offset of the data section (8 + header length).
+    """
+
+    entries: tuple[TensorEntry, ...]
+    metadata: dict[str, str] | None = field(hash=False)
+    data_start: int
+    _index: dict[str, TensorEntry] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        index = {e.name: e for e in self.entries}
+        if len(index) != len(self.entries):
+            seen: set[str] = set()
+            for e in self.entries:
+                if e.name in seen:
+                    raise HeaderError(f"duplicate tensor name {_q(e.name)}", tensor=e.name)
+                seen.add(e.name)
+        object.__setattr__(self, "_index", index)
+
+    @property
+    def data_size(self) -> int:
+        """Size of the data section in bytes: the largest ``stop`` (0 if no tensors)."""
+        return max((e.stop for e in self.entries), default=0)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Tensor names in data-section order."""
+        return tuple(e.name for e in self.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        """Return the entry for ``name``.
+
+        Args:
+            name: the tensor name.
+
+        Returns:
+            The matching :class:`TensorEntry`.
+
+        Raises:
+            TensorNotFoundError: no tensor of that name is in the header.
+        """
+        try:
+            return self._index[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, list(self._index), n=3)
+            hint = ("did you mean " + ", ".join(_q(c) for c in close) + "?") if close else None
+            raise TensorNotFoundError(
+                f"tensor {_q(name)} is not in this file", tensor=name, hint=hint
+            ) from None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _q(name: str) -> str:
+    """Quote a name for messages: JSON string syntax, non-ASCII kept."""
+    return json.dumps(name, ensure_ascii=False)
+
+
+def _render(value: object) -> str:
+    """Render a JSON value for an error message (``[2, 3]``, ``"x"``, ``null``)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _json_type(value: object) -> str:
+    """The JSON type name of a decoded value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _is_uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _BadConstantError(Exception):
+    def __init__(self, constant: str) -> None:
+        super().__init__(constant)
+        self.constant = constant
+
+
+def _pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _reject_constant(constant: str) -> Any:
+    raise _BadConstantError(constant)
+
+
+def _layout_key(e: TensorEntry) -> tuple[int, int, int, str]:
+    return (e.start, e.stop, -_RANK[e.dtype], e.name)
+
+
+def _check_dtype(dtype: str, name: str, where: str, path: str | None) -> None:
+    if dtype in DTYPE_SIZES:
+        return
+    if dtype in _SUBBYTE_DTYPES:
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has unsupported dtype {_q(dtype)}: "
+            f"sub-byte dtypes ({', '.join(_SUBBYTE_DTYPES)}) are not supported",
+            path=path,
+            tensor=name,
+        )
+    raise HeaderError(
+        f"{where}tensor {_q(name)} has unknown dtype {_render(dtype)}",
+        path=path,
+        tensor=name,
+        hint="known dtypes: " + ", ".join(DTYPE_SIZES),
+    )
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _parse_metadata(value: object, path: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise HeaderError(
+            f"{path}: __metadata__ must be an object of strings, got {_json_type(value)}",
+            path=path,
+        )
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise HeaderError(
+                f"{path}: __metadata__ value for {_q(key)} must be a string, "
+                f"got {_json_type(item)} {_render(item)}",
+                path=path,
+            )
+    return dict(value)
+
+
+def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
+    where = f"{path}: "
+    if not isinstance(value, dict):
+        raise HeaderError(
+            f"{where}tensor {_q(name)} must be an object, got {_json_type(value)}",
+            path=path,
+            tensor=name,
+        )
+    for key in _ENTRY_KEYS:
+        if key not in value:
+            raise HeaderError(
+                f"{where}tensor {_q(name)} is missing {_q(key)}", path=path, tensor=name
+            )
+    for key in value:
+        if key not in _ENTRY_KEYS:
+            raise HeaderError(
+                f"{where}tensor {_q(name)} has unexpected key {_q(key)}", path=path, tensor=name
+            )
+    dtype = value["dtype"]
+    if not isinstance(dtype, str):
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has dtype {_render(dtype)}: must be a string",
+            path=path,
+            tensor=name,
+        )
+    _check_dtype(dtype, name, where, path)
+    shape = value["shape"]
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has invalid shape {_render(shape)}: "
+            "must be a list of non-negative integers",
+            path=path,
+            tensor=name,
+        )
+    offsets = value["data_offsets"]
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has invalid data_offsets {_render(offsets)}: "
+            "must be [begin, end] with non-negative integers",
+            path=path,
+            tensor=name,
+        )
+    start, stop = offsets
+    if start > stop:
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has data_offsets {_render(offsets)} with begin after end",
+            path=path,
+            tensor=name,
+        )
+    entry = TensorEntry(name, dtype, tuple(shape), start, stop)
+    need = entry.numel * entry.itemsize
+    if entry.nbytes != need:
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has data_offsets {_render(offsets)} but shape "
+            f"{_render(shape)} of {dtype} needs {need} bytes",
+            path=path,
+            tensor=name,
+        )
+    return entry
+
+
+def _check_layout(entries: Sequence[TensorEntry], path: str) -> None:
+    expected = 0
+    prev: TensorEntry | None = None
+    for e in entries:
+        if e.start > expected:
+            after = f"between tensor {_q(prev.name)} and" if prev is not None else "before"
+            raise HeaderError(
+                f"{path}: gap in data section: bytes [{expected}, {e.start}) {after} "
+                f"tensor {_q(e.name)} are not covered by any tensor",
+                path=path,
+                tensor=e.name,
+            )
+        if e.start < expected:
+            assert prev is not None  # expected > 0 only after a tensor
+            raise HeaderError(
+                f"{path}: tensors {_q(prev.name)} [{prev.start}, {prev.stop}] and "
+                f"{_q(e.name)} [{e.start}, {e.stop}] overlap",
+                path=path,
+                tensor=e.name,
+            )
+        expected = e.stop
+        prev = e
+
+
+def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = None) -> Header:
+    """Decode and strictly validate a safetensors JSON header.
+
+    Args:
+        raw: the header bytes, without the 8-byte length prefix (trailing space
+            padding is allowed).
+        path: file name used in error messages.
+        file_size: total file size in bytes; when given, the data section must
+            end exactly at the end of the file.
+
+    Returns:
+        The validated :class:`Header`, with ``data_start = 8 + len(raw)``.
+
+    Raises:
+        HeaderError: the header is not valid safetensors; the message names the
+            path, the tensor when relevant, and what is wrong.
+    """
+    raw = bytes(raw)
+    if not raw:
+        raise HeaderError(f"{path}: header is empty", path=path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(
+            f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path
+        ) from None
+    try:
+        obj: object = json.loads(
+            text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant
+        )
+    except json.JSONDecodeError as exc:
+        raise HeaderError(
+            f"{path}: header is not valid JSON: {exc.msg} (char {exc.pos})", path=path
+        ) from None
+    except _DuplicateKeyError as exc:
+        raise HeaderError(f"{path}: duplicate key {_q(exc.key)} in header", path=path) from None
+    except _BadConstantError as exc:
+        raise HeaderError(
+            f"{path}: header is not valid JSON: non-standard constant {exc.constant}", path=path
+        ) from None
+    except RecursionError:
+        raise HeaderError(
+            f"{path}: header is not valid JSON: nested too deeply", path=path
+        ) from None
+    if not isinstance(obj, dict):
+        raise HeaderError(f"{path}: header must be a JSON object, got {_json_type(obj)}", path=path)
+    if not text.startswith("{"):
+        raise HeaderError(f"{path}: header must start with '{{'", path=path)
+
+    metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
+    entries = [
+        _parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY
+    ]
+    entries.sort(key=_layout_key)
+    _check_layout(entries, path)
+    header = Header(tuple(entries), metadata, 8 + len(raw))
+
+    if file_size is not None:
+        have = file_size - header.data_start
+        if have < header.data_size:
+            raise HeaderError(
+                f"{path}: file is truncated: header says {header.data_size} data bytes, "
+                f"file has {max(have, 0)}",
+                path=path,
+            )
+        if have > header.data_size:
+            raise HeaderError(
+                f"{path}: file has {have - header.data_size} trailing bytes after the data "
+                f"section: header says {header.data_size} data bytes, file has {have}",
+                path=path,
+            )
+    return header
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of a safetensors file without reading tensor data.
+
+    Args:
+        path: the file to read.
+
+    Returns:
+        The validated :class:`Header`; the file size is checked against it.
+
+    Raises:
+        HeaderError: the file is missing, unreadable, or not valid safetensors.
+    """
+    name = os.fspath(path)
+    try:
+        f = open(name, "rb")
+    except FileNotFoundError:
+        raise HeaderError(f"{name}: no such file", path=name) from None
+    except OSError as exc:
+        raise HeaderError(f"{name}: cannot open: {exc.strerror}", path=name) from None
+    with f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if size < 8 or len(prefix) < 8:
+                raise HeaderError(
+                    f"{name}: file is too short to be safetensors: {size} bytes, need at least 8",
+                    path=name,
+                )
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_SIZE:
+                raise HeaderError(
+                    f"{name}: header length {n} is over the {MAX_HEADER_SIZE}-byte limit",
+                    path=name,
+                )
+            if n > size - 8:
+                raise HeaderError(
+                    f"{name}: header length {n} is larger than the file: only "
+                    f"{size - 8} bytes follow the length prefix",
+                    path=name,
+                )
+            raw = f.read(n)
+        except OSError as exc:
+            raise HeaderError(f"{name}: cannot read: {exc.strerror}", path=name) from None
+    if len(raw) != n:
+        raise HeaderError(
+            f"{name}: file is truncated: header length is {n} but only {len(raw)} bytes "
+            "could be read",
+            path=name,
+        )
+    return decode_header(raw, path=name, file_size=size)
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def encode_header(
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, Header]:
+    """Lay out tensors like the reference writer and build the file prefix.
+
+    Tensors are placed in the order ``safetensors`` (0.8) uses: dtype rank in
+    the Rust ``Dtype`` enum descending, then name; offsets start at 0 with no
+    gaps. ``prefix + b"".join(raw bytes of each tensor in header.entries order)``
+    is byte-identical to ``safetensors.torch.save`` of the same tensors and
+    metadata (for metadata with more than one key the reference writer emits
+    keys in hash order; here they keep the mapping's iteration order).
+
+    Args:
+        tensors: ``(name, dtype, shape)`` for every tensor; any order.
+        metadata: optional ``__metadata__`` strings; ``{}`` is written as an
+            empty object, None omits the key.
+
+    Returns:
+        ``(prefix, header)``: ``prefix`` is the 8-byte little-endian length plus
+        the compact JSON header, space-padded so ``len(prefix) % 8 == 0``;
+        ``header`` describes it (``header.data_start == len(prefix)``).
+
+    Raises:
+        HeaderError: duplicate or invalid names, unknown dtype, invalid shape,
+            non-string metadata, or a header over :data:`MAX_HEADER_SIZE`.
+    """
+    where = "cannot encode header: "
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for item in tensors:
+        name, dtype, shape = item
+        if not isinstance(name, str):
+            raise HeaderError(f"{where}tensor name {name!r} is not a string")
+        if name == _METADATA_KEY:
+            raise HeaderError(
+                f"{where}{_q(name)} is reserved and cannot name a tensor", tensor=name
+            )
+        if name in seen:
+            raise HeaderError(f"{where}duplicate tensor name {_q(name)}", tensor=name)
+        seen.add(name)
+        if not isinstance(dtype, str):
+            raise HeaderError(
+                f"{where}tensor {_q(name)} has dtype {dtype!r}: must be a string", tensor=name
+            )
+        _check_dtype(dtype, name, where, None)
+        dims: list[int] = []
+        for d in shape:
+            try:
+                dim = -1 if isinstance(d, bool) else operator.index(d)
+            except TypeError:
+                dim = -1
+            if dim < 0:
+                raise HeaderError(
+                    f"{where}tensor {_q(name)} has invalid shape {list(shape)!r}: "
+                    "must be non-negative integers",
+                    tensor=name,
+                )
+            dims.append(dim)
+        specs.append((name, dtype, tuple(dims)))
+
+    meta: dict[str, str] | None = None
+    if metadata is not None:
+        meta = {}
+        for key, value in metadata.items():
+            if not isinstance(key, str):
+                raise HeaderError(f"{where}metadata key {key!r} is not a string")
+            if not isinstance(value, str):
+                raise HeaderError(
+                    f"{where}metadata value for {_q(key)} must be a string, "
+                    f"got {type(value).__name__} {value!r}"
+                )
+            meta[key] = value
+
+    specs.sort(key=lambda s: (-_RANK[s[1]], s[0]))
+    entries: list[TensorEntry] = []
+    parts: list[str] = []
+    if meta is not None:
+        parts.append(
+            f'"{_METADATA_KEY}":' + json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
+        )
+    offset = 0
+    for name, dtype, shape_t in specs:
+        numel = 1
+        for dim in shape_t:
+            numel *= dim
+        stop = offset + numel * DTYPE_SIZES[dtype]
+        entries.append(TensorEntry(name, dtype, shape_t, offset, stop))
+        parts.append(
+            f'{_q(name)}:{{"dtype":"{dtype}","shape":[{",".join(map(str, shape_t))}],'
+            f'"data_offsets":[{offset},{stop}]}}'
+        )
+        offset = stop
+
+    try:
+        body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise HeaderError(
+            f"{where}a tensor name or metadata string is not valid Unicode "
+            f"(unpaired surrogate {exc.object[exc.start : exc.end]!r})"
+        ) from None
+    body += b" " * (-len(body) % 8)
+    if len(body) > MAX_HEADER_SIZE:
+        raise HeaderError(
+            f"{where}header would be {len(body)} bytes, over the {MAX_HEADER_SIZE}-byte limit"
+        )
+    prefix = struct.pack("<Q", len(body)) + body
+    return prefix, Header(tuple(entries), meta, len(prefix))

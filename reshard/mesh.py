@@ -1,0 +1,131 @@
+"""Device meshes: ordered named dims, row-major rank numbering (pure)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["Mesh", "parse_mesh_spec"]
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """An ordered list of named mesh dims, outermost first.
+
+    Global rank is the row-major index of the coordinate, as in
+    ``DeviceMesh(torch.arange(world).reshape(shape))``.
+
+    >>> m = Mesh(("fsdp", "tp"), (2, 4))
+    >>> m.size, m.coordinate(6), m.rank((1, 2))
+    (8, (1, 2), 6)
+    """
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.shape):
+            raise ConfigError(f"mesh has {len(self.names)} names but {len(self.shape)} sizes")
+        if len(set(self.names)) != len(self.names):
+            raise ConfigError(f"mesh dim names must be unique, got {list(self.names)}")
+        for n, s in zip(self.names, self.shape):
+            if not _NAME.match(n):
+                raise ConfigError(f"mesh dim name {n!r} is not an identifier")
+            if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+                raise ConfigError(f"mesh dim {n!r} must have a size >= 1, got {s!r}")
+
+    @classmethod
+    def single(cls) -> Mesh:
+        """A one-rank mesh (consolidated checkpoints)."""
+        return cls(("world",), (1,))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def dim_size(self, name: str) -> int:
+        try:
+            return self.shape[self.names.index(name)]
+        except ValueError:
+            raise ConfigError(
+                f"mesh has no dim named {name!r} (dims: {', '.join(self.names)})"
+            ) from None
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} out of range for mesh of {self.size}")
+        coord = []
+        for s in reversed(self.shape):
+            coord.append(rank % s)
+            rank //= s
+        return tuple(reversed(coord))
+
+    def rank(self, coordinate: Sequence[int]) -> int:
+        r = 0
+        for c, s in zip(coordinate, self.shape):
+            if not 0 <= c < s:
+                raise ValueError(f"coordinate {tuple(coordinate)} outside mesh {self.shape}")
+            r = r * s + c
+        return r
+
+    def coordinates(self) -> Iterator[tuple[int, ...]]:
+        for r in range(self.size):
+            yield self.coordinate(r)
+
+    def with_sizes(self, sizes: Mapping[str, int]) -> Mesh:
+        """This mesh with some dims resized; a new name is appended as an inner dim."""
+        names = list(self.names)
+        shape = list(self.shape)
+        for name, size in sizes.items():
+            if name in names:
+                shape[names.index(name)] = size
+            else:
+                names.append(name)
+                shape.append(size)
+        return Mesh(tuple(names), tuple(shape))
+
+    def to_json(self) -> dict[str, list[object]]:
+        return {"names": list(self.names), "shape": list(self.shape)}
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+
+
+def parse_mesh_spec(text: str, *, option: str = "--mesh") -> dict[str, int]:
+    """Parse ``"fsdp=2,tp=4"`` into an ordered ``{name: size}``.
+
+    >>> parse_mesh_spec("fsdp=2, tp=4")
+    {'fsdp': 2, 'tp': 4}
+    """
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, eq, size = part.partition("=")
+        name = name.strip()
+        if not eq or not _NAME.match(name) or not size.strip().isdigit():
+            raise ConfigError(
+                f"{option} {text!r}: expected NAME=SIZE[,NAME=SIZE...], e.g. tp=8 or fsdp=2,tp=4"
+            )
+        if name in out:
+            raise ConfigError(f"{option} {text!r}: dim {name!r} given twice")
+        value = int(size)
+        if value < 1:
+            raise ConfigError(f"{option} {text!r}: size of {name!r} must be >= 1")
+        out[name] = value
+    if not out:
+        raise ConfigError(f"{option} {text!r}: empty mesh")
+    return out

@@ -1,0 +1,245 @@
+"""DTensor placements as pure index algebra: Replicate, Shard, StridedShard, Partial.
+
+Semantics are torch's, exactly (``torch.distributed.tensor.placement_types``):
+a placement on a mesh dim of size ``n`` turns the index list a rank already
+holds along one tensor dim into the sub-list it keeps at coordinate ``i``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .intervals import IndexList, Interval, index_list_size, normalize, select
+
+__all__ = [
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StridedShard",
+    "Partial",
+    "REDUCE_OPS",
+    "chunk_interval",
+    "parse_placement",
+]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+def chunk_interval(size: int, n: int, i: int) -> Interval:
+    """Local positions of chunk ``i`` when ``size`` is split ``n`` ways (torch.chunk rule).
+
+    Chunks are ``ceil(size / n)`` long; trailing chunks may be short or empty.
+
+    >>> [chunk_interval(5, 4, i).size for i in range(4)]
+    [2, 2, 1, 0]
+    """
+    c = -(-size // n)
+    return Interval(min(i * c, size), min((i + 1) * c, size))
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Every rank holds the full extent.
+
+    >>> [(r, (r,), str(Replicate().split((Interval(0, 8),), 4, r)[0])) for r in range(4)]
+    [(0, (0,), '[0:8)'), (1, (1,), '[0:8)'), (2, (2,), '[0:8)'), (3, (3,), '[0:8)')]
+    """
+
+    def split(self, ilist: IndexList, n: int, i: int) -> IndexList:
+        return ilist
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """``torch.chunk`` along tensor dim ``dim``: chunk = ceil(size/n), trailing may be empty.
+
+    >>> [(r, (r,), [str(iv) for iv in Shard(0).split((Interval(0, 7),), 4, r)]) for r in range(4)]
+    [(0, (0,), ['[0:2)']), (1, (1,), ['[2:4)']), (2, (2,), ['[4:6)']), (3, (3,), ['[6:7)'])]
+    """
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise ConfigError(f"Shard dim must be an integer, got {self.dim!r}")
+
+    def split(self, ilist: IndexList, n: int, i: int) -> IndexList:
+        local = chunk_interval(index_list_size(ilist), n, i)
+        return select(ilist, local.start, local.stop)
+
+    def normalized(self, ndim: int) -> Shard:
+        return Shard(_norm_dim(self.dim, ndim, self))
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class StridedShard:
+    """Split the current extent into ``split_factor`` chunks, chunk each ``n`` ways;
+    a rank holds its piece of every chunk, concatenated (torch ``_StridedShard``).
+
+    ``split_factor`` may be a mesh-dim name until :meth:`resolve` binds it.
+    Not a :class:`Shard`, and never equal to one.
+
+    >>> p = StridedShard(0, 2)
+    >>> [(r, (r,), [str(iv) for iv in p.split((Interval(0, 8),), 4, r)]) for r in range(4)]
+    [(0, (0,), ['[0:1)', '[4:5)']), (1, (1,), ['[1:2)', '[5:6)']), (2, (2,), ['[2:3)', '[6:7)']), (3, (3,), ['[3:4)', '[7:8)'])]
+    """
+
+    dim: int
+    split_factor: int | str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise ConfigError(f"StridedShard dim must be an integer, got {self.dim!r}")
+        sf = self.split_factor
+        if isinstance(sf, bool) or not isinstance(sf, (int, str)):
+            raise ConfigError(f"StridedShard split_factor must be an int or a mesh dim name, got {sf!r}")
+        if isinstance(sf, int) and sf < 1:
+            raise ConfigError(f"StridedShard split_factor must be >= 1, got {sf}")
+
+    def resolve(self, mesh_sizes: Mapping[str, int]) -> StridedShard:
+        if isinstance(self.split_factor, int):
+            return self
+        if self.split_factor not in mesh_sizes:
+            raise ConfigError(
+                f"{self}: split factor names mesh dim {self.split_factor!r}, "
+                f"but the mesh has only {', '.join(mesh_sizes) or 'no dims'}"
+            )
+        return StridedShard(self.dim, mesh_sizes[self.split_factor])
+
+    def split(self, ilist: IndexList, n: int, i: int) -> IndexList:
+        sf = self.split_factor
+        if not isinstance(sf, int):
+            raise ConfigError(f"{self}: split factor {sf!r} is not bound to a mesh")
+        size = index_list_size(ilist)
+        out: list[Interval] = []
+        for j in range(sf):
+            first = chunk_interval(size, sf, j)
+            second = chunk_interval(first.size, n, i)
+            out.extend(select(ilist, first.start + second.start, first.start + second.stop))
+        return normalize(out)
+
+    def normalized(self, ndim: int) -> StridedShard:
+        return StridedShard(_norm_dim(self.dim, ndim, self), self.split_factor)
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """Every rank holds a full-shape partial value; the tensor is their reduction.
+
+    >>> [(r, (r,), str(Partial().split((Interval(0, 8),), 4, r)[0])) for r in range(4)]
+    [(0, (0,), '[0:8)'), (1, (1,), '[0:8)'), (2, (2,), '[0:8)'), (3, (3,), '[0:8)')]
+    """
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in REDUCE_OPS:
+            raise ConfigError(
+                f"Partial reduce op {self.reduce_op!r} is not supported (use one of {', '.join(REDUCE_OPS)})"
+            )
+
+    def split(self, ilist: IndexList, n: int, i: int) -> IndexList:
+        return ilist
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+Placement = Replicate | Shard | StridedShard | Partial
+
+
+def _norm_dim(dim: int, ndim: int, p: object) -> int:
+    if not -ndim <= dim < ndim:
+        raise ConfigError(f"{p} does not fit a {ndim}-d tensor (dim out of range)")
+    return dim + ndim if dim < 0 else dim
+
+
+_CALL = re.compile(r"^\s*([A-Za-z_]+)\s*(?:\((.*)\))?\s*$", re.S)
+
+_NAMES = {
+    "r": "R",
+    "replicate": "R",
+    "s": "S",
+    "shard": "S",
+    "_s": "SS",
+    "ss": "SS",
+    "stridedshard": "SS",
+    "_stridedshard": "SS",
+    "p": "P",
+    "partial": "P",
+}
+
+
+def _int(text: str, what: str, full: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigError(f"placement {full!r}: {what} must be an integer, got {text.strip()!r}") from None
+
+
+def parse_placement(text: object) -> Placement:
+    """Parse one placement in any of the accepted text forms.
+
+    >>> [str(parse_placement(t)) for t in ["R", "Shard(-1)", "_S(0, 2)", "StridedShard(1, sf=tp)", "P(avg)"]]
+    ['R', 'S(-1)', '_S(0, 2)', '_S(1, tp)', 'P(avg)']
+    """
+    if isinstance(text, (Replicate, Shard, StridedShard, Partial)):
+        return text
+    if not isinstance(text, str):
+        raise ConfigError(f"placement must be a string such as R, S(0) or _S(0, 2), got {text!r}")
+    m = _CALL.match(text)
+    kind = _NAMES.get(m.group(1).lower()) if m else None
+    if m is None or kind is None:
+        raise ConfigError(
+            f"unknown placement {text!r}: use R, S(d), _S(d, sf), P(sum) or their long forms "
+            "Replicate(), Shard(d), _StridedShard(d, sf=N), Partial(sum)"
+        )
+    raw_args = m.group(2)
+    args = [a.strip() for a in raw_args.split(",")] if raw_args and raw_args.strip() else []
+    pos: list[str] = []
+    kw: dict[str, str] = {}
+    for a in args:
+        k, eq, v = a.partition("=")
+        if eq:
+            kw[k.strip()] = v.strip()
+        else:
+            if kw:
+                raise ConfigError(f"placement {text!r}: positional argument after keyword")
+            pos.append(a)
+    if kind == "R":
+        if pos or kw:
+            raise ConfigError(f"placement {text!r}: Replicate takes no arguments")
+        return Replicate()
+    if kind == "P":
+        op = kw.pop("reduce_op", None) or (pos.pop(0) if pos else "sum")
+        if pos or kw:
+            raise ConfigError(f"placement {text!r}: Partial takes one reduce op (sum, avg, max, min)")
+        return Partial(op.strip("'\""))
+    dim_text = kw.pop("dim", None) or (pos.pop(0) if pos else None)
+    if dim_text is None:
+        raise ConfigError(f"placement {text!r}: missing the tensor dim, e.g. S(0)")
+    dim = _int(dim_text, "the dim", text)
+    if kind == "S":
+        if pos or kw:
+            raise ConfigError(f"placement {text!r}: Shard takes one dim")
+        return Shard(dim)
+    sf_text = kw.pop("sf", None) or kw.pop("split_factor", None) or (pos.pop(0) if pos else None)
+    if sf_text is None:
+        raise ConfigError(f"placement {text!r}: missing the split factor, e.g. _S(0, 2) or _S(0, sf=tp)")
+    if pos or kw:
+        raise ConfigError(f"placement {text!r}: StridedShard takes a dim and a split factor")
+    sf_text = sf_text.strip("'\"")
+    sf: int | str = int(sf_text) if sf_text.lstrip("-").isdigit() else sf_text
+    return StridedShard(dim, sf)
