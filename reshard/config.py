@@ -64,6 +64,7 @@ RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 _KINDS = ("positional", "named", "all")
 _TOP_KEYS = ("mesh", "placements", "name", "description")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,6 +487,15 @@ class _Parser:
         where = f"{self.source}:{line}: " if line else f"{self.source}: "
         return ConfigError(where + message, path=self.source)
 
+    def plain(self, node: yaml.Node) -> None:
+        """Refuse tagged collections (``!!python/...``): we walk them without constructing."""
+        if node.tag not in _PLAIN_TAGS:
+            raise self.error(
+                node,
+                f"unsupported YAML tag {node.tag!r}; a layout file holds plain mappings, "
+                "lists and strings",
+            )
+
     def value(self, node: yaml.Node) -> object:
         try:
             return self.loader.construct_object(node, deep=True)
@@ -494,6 +504,7 @@ class _Parser:
 
     def mapping(self, node: yaml.MappingNode, what: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
         """(key text, key node, value node) in order; duplicate keys are an error."""
+        self.plain(node)
         try:
             self.loader.flatten_mapping(node)  # resolve `<<` merge keys
         except yaml.MarkedYAMLError as e:
@@ -604,6 +615,7 @@ class _Parser:
                 spec.append((dim, self.placement(pattern, v)))
         elif isinstance(node, yaml.SequenceNode):
             kind = "positional"
+            self.plain(node)
             for v in node.value:
                 spec.append((None, self.placement(pattern, v)))
         else:
@@ -625,7 +637,7 @@ def _yaml_error(e: yaml.YAMLError, source: str) -> ConfigError:
         hint = 'a key starting with * must be quoted, e.g. "*": R or "*.norm.weight": R'
     elif "escape" in str(problem):
         hint = "in double quotes write \\\\ for a regex backslash, or use single quotes: 're:a\\.b'"
-    elif "\t" in str(problem):
+    elif "\t" in str(problem) or "'\\t'" in str(problem):
         hint = "indent with spaces, not tabs"
     where = f"{source}:{mark.line + 1}: " if mark is not None else f"{source}: "
     return ConfigError(f"{where}invalid YAML: {what}; {hint}", path=source)

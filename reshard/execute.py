@@ -29,6 +29,8 @@ from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 
 __all__ = [
     "DEFAULT_BUFFER",
+    "buffer_for",
+    "memory_estimate",
     "FileResult",
     "SourceFiles",
     "execute_plan",
@@ -41,6 +43,36 @@ _RELEASE_EVERY = 32 * 1024 * 1024
 _PAGE = mmap.PAGESIZE
 
 ProgressFn = Callable[[int], None]
+
+
+def buffer_for(max_memory: int, workers: int) -> int:
+    """Slab buffer size per worker for a ``--max-memory`` budget.
+
+    Each worker holds a write buffer (plus one per extra Partial group) and up
+    to ``_RELEASE_EVERY`` bytes of mapped source pages; writes of 64-256 KiB
+    are the fastest into the page cache, so the buffer is capped there.
+    """
+    share = max_memory // max(1, workers)
+    return max(4096, min(DEFAULT_BUFFER, share // 4))
+
+
+BASELINE_RSS = 48 * 1024 * 1024
+"""Resident memory of the interpreter with reshard, numpy and rich imported (measured)."""
+
+
+def memory_estimate(plan: Plan, *, workers: int, buffer_size: int) -> int:
+    """Peak resident memory a conversion of ``plan`` will use, in bytes.
+
+    Interpreter baseline, plus per worker: one slab buffer per Partial group
+    (plus a cast output), mapped source pages up to the release window, and
+    the largest output header.
+    """
+    groups = max((t.groups for t in plan.tensors), default=1)
+    casts = any(t.dtype != t.src.dtype for t in plan.tensors) or groups > 1
+    per_worker = buffer_size * (groups + (1 if casts else 0)) + _RELEASE_EVERY
+    header = max((len(f.prefix) for f in plan.files), default=0)
+    n = min(workers, max(1, len(plan.files)))
+    return BASELINE_RSS + n * (per_worker + header)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,363 @@
+"""The ``reshard`` command line: thin Typer commands over the library.
+
+stdout carries results only (``--json``: exactly one document with ``"schema": 1``);
+progress, tables, warnings and errors go to stderr. Exit codes: 0 ok, 1 a
+difference found (verify, --check), 2 bad usage or input, 3 failure while
+writing, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from .errors import ReshardError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="reshard",
+    help="Convert model checkpoints between parallel layouts (TP, FSDP x TP, consolidated HF), "
+    "streaming, in bounded memory.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+err = Console(stderr=True, highlight=False)
+
+
+class OutFormat(str, Enum):
+    per_rank = "per-rank"
+    hf = "hf"
+
+
+class InFormat(str, Enum):
+    per_rank = "per-rank"
+    hf = "hf"
+    dcp = "dcp-safetensors"
+
+
+SourceLayoutOpt = Annotated[
+    str | None,
+    typer.Option("--source-layout", help="Layout YAML (or preset name) the source was saved with.",
+                 metavar="FILE"),
+]
+SourceMeshOpt = Annotated[
+    str | None, typer.Option("--source-mesh", help="Override source mesh sizes, e.g. tp=4.", metavar="SPEC")
+]
+TargetLayoutOpt = Annotated[
+    str | None, typer.Option("--target-layout", help="Layout YAML (or preset name) to write.", metavar="FILE")
+]
+TargetMeshOpt = Annotated[
+    str | None,
+    typer.Option("--target-mesh", help="Target mesh sizes, e.g. tp=8 or fsdp=2,tp=4; unnamed dims keep "
+                 "their size, tp=1 collapses a dim.", metavar="SPEC"),
+]
+ConsolidateOpt = Annotated[
+    bool, typer.Option("--consolidate", help="Write one consolidated HF checkpoint (same as --to hf).")
+]
+ToOpt = Annotated[OutFormat | None, typer.Option("--to", help="Output format.")]
+FromOpt = Annotated[InFormat | None, typer.Option("--from", help="Force the input format.")]
+DtypeOpt = Annotated[
+    str | None, typer.Option("--dtype", help="Cast floating tensors to bf16, fp16 or fp32.", metavar="DTYPE")
+]
+MaxShardOpt = Annotated[
+    str, typer.Option("--max-shard-size", help="Split hf output files at this size.", metavar="SIZE")
+]
+WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Threads writing output files.")]
+MaxMemoryOpt = Annotated[
+    str, typer.Option("--max-memory", help="Bound on in-flight buffers (per worker share).", metavar="SIZE")
+]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint in a non-empty DST.")]
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Keep finished, verified output files and redo the rest.")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr.")]
+
+
+def _emit(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps({"schema": 1, **doc}, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+@contextmanager
+def _errors(as_json: bool) -> Iterator[None]:
+    """The one table from exceptions to messages and exit codes."""
+    try:
+        yield
+    except ReshardError as e:
+        if os.environ.get("RESHARD_DEBUG"):
+            traceback.print_exc()
+        code = e.exit_code
+        if as_json:
+            _emit({"ok": False, "error": e.to_json(), "exit_code": code})
+        err.print(f"[bold red]error:[/] {e.message}", markup=True, soft_wrap=True)
+        if e.hint:
+            err.print(f"hint: {e.hint}", soft_wrap=True)
+        raise typer.Exit(code) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+def _show_progress(as_json: bool, quiet: bool) -> bool:
+    return not (as_json or quiet) and err.is_terminal
+
+
+@contextmanager
+def _progress(enabled: bool, label: str) -> Iterator[Callable[[int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+
+        def advance(n: int) -> None:
+            bar.advance(task, n)
+
+        def set_total(total: int) -> None:
+            bar.update(task, total=total)
+
+        advance.set_total = set_total  # type: ignore[attr-defined]
+        yield advance
+
+
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(help="Source checkpoint directory (or .safetensors file).")],
+    dst: Annotated[str, typer.Argument(help="Output directory (created; must be empty unless --overwrite).")],
+    source_layout: SourceLayoutOpt = None,
+    source_mesh: SourceMeshOpt = None,
+    target_layout: TargetLayoutOpt = None,
+    target_mesh: TargetMeshOpt = None,
+    consolidate: ConsolidateOpt = False,
+    to: ToOpt = None,
+    from_: FromOpt = None,
+    dtype: DtypeOpt = None,
+    max_shard_size: MaxShardOpt = "5GB",
+    workers: WorkersOpt = 1,
+    max_memory: MaxMemoryOpt = "64MiB",
+    overwrite: OverwriteOpt = False,
+    resume: ResumeOpt = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Convert a checkpoint to another layout or format.
+
+    Examples:
+
+      reshard convert ckpt-tp4 ckpt-tp8 --target-mesh tp=8
+
+      reshard convert ckpt-tp4 hf-out --consolidate --dtype bf16
+
+      reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
+    """
+    from .convert import SourceSpec, TargetSpec, convert as run, parse_size
+
+    with _errors(json_):
+        budget = parse_size(max_memory, option="--max-memory")
+        from .execute import buffer_for
+
+        buf = buffer_for(budget, workers)
+        with _progress(_show_progress(json_, quiet), "converting") as prog:
+            def on_plan(plan: Any) -> None:
+                if prog is not None:
+                    prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
+
+            result = run(
+                SourceSpec(src, from_.value if from_ else None, source_layout, source_mesh),
+                dst,
+                TargetSpec(target_layout, target_mesh, to.value if to else None, consolidate, dtype,
+                           max_shard_size),
+                workers=workers,
+                buffer_size=buf,
+                overwrite=overwrite,
+                resume=resume,
+                progress=prog,
+                on_plan=on_plan,
+            )
+        for w in result["warnings"]:
+            err.print(f"warning: {w}")
+        if json_:
+            _emit({"ok": True, "command": "convert", **result})
+        elif not quiet:
+            d = result["destination"]
+            err.print(
+                f"wrote {len(result['files'])} {d['format']} file(s), "
+                f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
+            )
+
+
+@app.command()
+def inspect(
+    ckpt: Annotated[str, typer.Argument(help="Checkpoint directory (or .safetensors file).")],
+    layout: Annotated[
+        str | None, typer.Option("--layout", help="Layout YAML for per-rank files that do not describe themselves.",
+                                 metavar="FILE")
+    ] = None,
+    mesh: SourceMeshOpt = None,
+    from_: FromOpt = None,
+    check: Annotated[bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")] = False,
+    all_: Annotated[bool, typer.Option("--all", help="One row per tensor (no grouping of layers).")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Show a checkpoint's format, mesh and tensors (headers only unless --check).
+
+    Examples:
+
+      reshard inspect ckpt-tp4
+
+      reshard inspect ckpt-tp4 --check --json
+    """
+    from .convert import SourceSpec, open_source
+    from .report import inspect_report, render_inspect
+
+    with _errors(json_):
+        ck = open_source(SourceSpec(ckpt, from_.value if from_ else None, layout, mesh))
+        doc = inspect_report(ck)
+        problems: list[dict[str, Any]] = []
+        if check:
+            from .check import check_checkpoint
+
+            problems = check_checkpoint(ck)
+            doc["check"] = {"ok": not problems, "problems": problems}
+        if json_:
+            _emit({"ok": not problems, "command": "inspect", **doc})
+        else:
+            if not quiet:
+                render_inspect(doc, err, group=not all_)
+            if check:
+                if problems:
+                    for p in problems:
+                        err.print(f"[red]problem:[/] {p['message']}", soft_wrap=True)
+                    err.print(f"check: {len(problems)} problem(s) found")
+                elif not quiet:
+                    err.print("check: ok (full coverage, replicas equal, checksums match)")
+        if problems:
+            raise typer.Exit(1)
+
+
+@app.command()
+def plan(
+    src: Annotated[str, typer.Argument(help="Source checkpoint directory (or .safetensors file).")],
+    source_layout: SourceLayoutOpt = None,
+    source_mesh: SourceMeshOpt = None,
+    target_layout: TargetLayoutOpt = None,
+    target_mesh: TargetMeshOpt = None,
+    consolidate: ConsolidateOpt = False,
+    to: ToOpt = None,
+    from_: FromOpt = None,
+    dtype: DtypeOpt = None,
+    max_shard_size: MaxShardOpt = "5GB",
+    workers: WorkersOpt = 1,
+    max_memory: MaxMemoryOpt = "64MiB",
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Show what convert would do, without writing anything.
+
+    Examples:
+
+      reshard plan ckpt-tp4 --target-mesh tp=8
+
+      reshard plan ckpt-tp4 --consolidate --json
+    """
+    from .convert import SourceSpec, TargetSpec, build_plan, open_source, parse_size, resolve_target
+    from .execute import buffer_for
+    from .report import plan_report, render_plan
+
+    with _errors(json_):
+        budget = parse_size(max_memory, option="--max-memory")
+        ck = open_source(SourceSpec(src, from_.value if from_ else None, source_layout, source_mesh))
+        tgt = resolve_target(
+            ck, TargetSpec(target_layout, target_mesh, to.value if to else None, consolidate, dtype, max_shard_size)
+        )
+        p = build_plan(ck, tgt)
+        doc = plan_report(p, workers=workers, buffer_size=buffer_for(budget, workers))
+        if json_:
+            _emit({"ok": True, "command": "plan", **doc})
+        elif not quiet:
+            render_plan(doc, err)
+
+
+@app.command()
+def verify(
+    a: Annotated[str, typer.Argument(help="First checkpoint.")],
+    b: Annotated[str, typer.Argument(help="Second checkpoint.")],
+    layout_a: Annotated[str | None, typer.Option("--layout-a", help="Layout of A if it does not describe itself.", metavar="FILE")] = None,
+    layout_b: Annotated[str | None, typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE")] = None,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Prove two checkpoints hold the same tensors, bit for bit, whatever their layouts.
+
+    Exit 0 when equal, 1 when they differ.
+
+    Examples:
+
+      reshard verify ckpt-tp4 ckpt-tp8
+
+      reshard verify ckpt-tp4 hf-out --json
+    """
+    from .convert import SourceSpec, open_source
+    from .verify import verify_checkpoints
+
+    with _errors(json_):
+        ca = open_source(SourceSpec(a, None, layout_a, None))
+        cb = open_source(SourceSpec(b, None, layout_b, None))
+        doc = verify_checkpoints(ca, cb)
+        if json_:
+            _emit({"ok": doc["equal"], "command": "verify", **doc})
+        else:
+            for d in doc["differences"]:
+                err.print(f"[red]differs:[/] {d['message']}", soft_wrap=True)
+            if doc["equal"]:
+                if not quiet:
+                    err.print(f"equal: {doc['tensors']} tensors, {_human(doc['bytes_compared'])} compared")
+            else:
+                err.print(f"{len(doc['differences'])} difference(s)")
+        if not doc["equal"]:
+            raise typer.Exit(1)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,264 @@
+"""Reports for ``inspect`` and ``plan``: plain dicts (the --json documents) and rich renderings."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .checkpoint import Checkpoint
+from .intervals import block_shape, row_major_strides
+from .io.header import DTYPE_SIZES
+from .plan import Plan, copy_boxes
+
+__all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
+
+_MAX_RANGES = 32
+
+
+def human(n: float) -> str:
+    """Bytes for people: ``1.50 GiB``.
+
+    >>> human(512), human(3 * 2**30 // 2)
+    ('512 B', '1.50 GiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def inspect_report(ck: Checkpoint) -> dict[str, Any]:
+    """Format, mesh, files and per-tensor facts, from headers only."""
+    tensors = []
+    total = 0
+    params = 0
+    for t in ck.tensors.values():
+        nbytes = t.numel * DTYPE_SIZES[t.dtype]
+        total += nbytes
+        params += t.numel
+        locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+        tensors.append(
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "placements": [str(p) for p in t.placements] if t.placements is not None else None,
+                "local_shapes": locals_,
+                "uniform": all(s == locals_[0] for s in locals_),
+                "pieces": len(t.piece_blocks),
+                "bytes": nbytes,
+            }
+        )
+    return {
+        "path": ck.path,
+        "format": ck.format,
+        "mesh": ck.mesh.to_json() if ck.mesh is not None else None,
+        "files": [
+            {"name": os.path.basename(f), "size": s} for f, s in zip(ck.files, ck.file_sizes)
+        ],
+        "file_bytes": ck.total_bytes,
+        "tensors": tensors,
+        "totals": {"tensors": len(tensors), "bytes": total, "params": params},
+        "warnings": list(ck.warnings),
+    }
+
+
+_NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
+
+
+def group_names(names: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Group names differing only in dotted numbers: ``layers.{0..79}.wq`` with its members.
+
+    >>> [(p, len(m)) for p, m in group_names(["l.0.w", "l.1.w", "l.3.w", "emb"])]
+    [('l.{0..1,3}.w', 3), ('emb', 1)]
+    """
+    groups: dict[str, list[str]] = {}
+    nums: dict[str, list[int]] = {}
+    for n in names:
+        key = _NUM.sub("#", n, count=1)
+        groups.setdefault(key, []).append(n)
+        m = _NUM.search(n)
+        if m:
+            nums.setdefault(key, []).append(int(m.group(1)))
+    out = []
+    for key, members in groups.items():
+        if len(members) == 1 or key not in nums:
+            for m in members:
+                out.append((m, [m]))
+            continue
+        out.append((key.replace("#", "{" + _ranges(nums[key]) + "}", 1), members))
+    return out
+
+
+def _ranges(values: Sequence[int]) -> str:
+    vs = sorted(set(values))
+    parts = []
+    i = 0
+    while i < len(vs):
+        j = i
+        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
+            j += 1
+        parts.append(str(vs[i]) if i == j else f"{vs[i]}..{vs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _local_text(t: dict[str, Any]) -> str:
+    ls = t["local_shapes"]
+    if t["uniform"]:
+        return f"{ls[0]} x{len(ls)}" if len(ls) > 1 else str(ls[0])
+    shown = ", ".join(str(s) for s in ls[:8])
+    return shown + (" ..." if len(ls) > 8 else "")
+
+
+def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
+    """Human table of an inspect report."""
+    from rich.table import Table
+
+    mesh = doc["mesh"]
+    mesh_text = (
+        ",".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh else "-"
+    )
+    console.print(
+        f"[bold]{doc['path']}[/]  format={doc['format']}  mesh={mesh_text}  "
+        f"files={len(doc['files'])} ({human(doc['file_bytes'])})"
+    )
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("tensor", "count", "dtype", "shape", "placements", "local shape(s)", "bytes"):
+        table.add_column(col, overflow="fold")
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    if group:
+        rows: list[tuple[str, list[dict[str, Any]]]] = []
+        for pattern, members in group_names(list(by_name)):
+            ts = [by_name[m] for m in members]
+            sig = {(t["dtype"], str(t["shape"]), str(t["placements"]), str(t["local_shapes"])) for t in ts}
+            if len(sig) == 1:
+                rows.append((pattern, ts))
+            else:
+                rows.extend((t["name"], [t]) for t in ts)
+    else:
+        rows = [(t["name"], [t]) for t in doc["tensors"]]
+    for label, ts in rows:
+        t = ts[0]
+        table.add_row(
+            label,
+            str(len(ts)) if len(ts) > 1 else "",
+            t["dtype"],
+            str(t["shape"]),
+            ", ".join(t["placements"]) if t["placements"] else f"{t['pieces']} piece(s)",
+            _local_text(t),
+            human(sum(x["bytes"] for x in ts)),
+        )
+    console.print(table)
+    tot = doc["totals"]
+    console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
+    for w in doc["warnings"]:
+        console.print(f"warning: {w}")
+
+
+def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
+    """Per source file index, the coalesced byte spans read for output file ``f``."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for e in f.entries:
+        t = e.tensor
+        isz = DTYPE_SIZES[t.src.dtype]
+        for c in t.copies[e.rank]:
+            fi = t.src.piece_files[c.piece]
+            base = t.src.piece_offsets[c.piece]
+            strides = row_major_strides(block_shape(t.src.piece_blocks[c.piece]))
+            for s_st, _d, sz in copy_boxes(c):
+                first = sum(a * s for a, s in zip(s_st, strides))
+                last = sum((a + z - 1) * s for a, z, s in zip(s_st, sz, strides))
+                spans.setdefault(fi, []).append((base + first * isz, base + (last + 1) * isz))
+    out: dict[int, list[list[int]]] = {}
+    for fi, ss in spans.items():
+        ss.sort()
+        merged: list[list[int]] = []
+        for a, b in ss:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        out[fi] = merged
+    return out
+
+
+def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]:
+    """What convert would do: per output file, what it reads and writes, and the peak memory."""
+    from .execute import memory_estimate
+
+    files = []
+    total_read = 0
+    total_copies = 0
+    for f in plan.files:
+        reads = plan.file_reads(f)
+        ranges = _read_ranges(plan, f)
+        read = sum(reads.values())
+        total_read += read
+        total_copies += f.copies
+        files.append(
+            {
+                "name": f.name,
+                "rank": f.rank,
+                "bytes_written": f.size,
+                "bytes_read": read,
+                "copies": f.copies,
+                "read_amplification": round(read / f.size, 4) if f.size else 0.0,
+                "sources": [
+                    {
+                        "file": os.path.basename(plan.source.files[fi]),
+                        "bytes": reads.get(fi, 0),
+                        "ranges": ranges[fi][:_MAX_RANGES],
+                        "ranges_total": len(ranges[fi]),
+                    }
+                    for fi in sorted(ranges)
+                ],
+            }
+        )
+    written = plan.bytes_written
+    return {
+        "source": {"path": plan.source.path, "format": plan.source.format,
+                   "mesh": plan.source.mesh.to_json() if plan.source.mesh else None},
+        "target": {"format": plan.format, "mesh": plan.mesh.to_json(), "files": len(plan.files)},
+        "tensors": len(plan.tensors),
+        "files": files,
+        "totals": {
+            "bytes_read": total_read,
+            "bytes_written": written,
+            "copies": total_copies,
+            "read_amplification": round(total_read / written, 4) if written else 0.0,
+        },
+        "workers": workers,
+        "buffer_size": buffer_size,
+        "peak_memory_estimate": memory_estimate(plan, workers=workers, buffer_size=buffer_size),
+    }
+
+
+def render_plan(doc: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = doc["target"]
+    console.print(
+        f"[bold]plan[/]: {doc['source']['path']} ({doc['source']['format']}) -> "
+        f"{t['format']} mesh={','.join(f'{n}={s}' for n, s in zip(t['mesh']['names'], t['mesh']['shape']))}, "
+        f"{doc['tensors']} tensors"
+    )
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("output file", "writes", "reads", "from", "copies", "read/write"):
+        table.add_column(col)
+    for f in doc["files"]:
+        srcs = ", ".join(s["file"] for s in f["sources"][:3]) + (" ..." if len(f["sources"]) > 3 else "")
+        table.add_row(
+            f["name"], human(f["bytes_written"]), human(f["bytes_read"]), srcs, str(f["copies"]),
+            f"{f['read_amplification']:.2f}",
+        )
+    console.print(table)
+    tot = doc["totals"]
+    console.print(
+        f"total: read {human(tot['bytes_read'])}, write {human(tot['bytes_written'])}, "
+        f"{tot['copies']} copies, read amplification {tot['read_amplification']:.2f}, "
+        f"peak memory ~{human(doc['peak_memory_estimate'])} ({doc['workers']} worker(s))"
+    )
