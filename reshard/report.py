@@ -35,7 +35,10 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     tensors = []
     total = 0
     params = 0
-    for t in ck.tensors.values():
+    from .plan import natural_key
+
+    for name in sorted(ck.tensors, key=natural_key):
+        t = ck.tensors[name]
         nbytes = t.numel * DTYPE_SIZES[t.dtype]
         total += nbytes
         params += t.numel

@@ -1,0 +1,23 @@
+# Sourced by scripts/demo and scripts/test: make or reuse .venv and install what reshard needs.
+# Works on a fresh machine with only Python 3.10+ (PYTHON=... picks the interpreter).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY="$ROOT/.venv/bin/python"
+# torch first, pinned to the CPU build, so the package's own range never pulls a CUDA build.
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q --disable-pip-version-check "torch==${RESHARD_TORCH:-2.13.0}" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+fi
+stamp=".venv/.reshard-installed"
+want="$(cat pyproject.toml | cksum)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import reshard, pytest, hypothesis" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VPY" -c "import reshard, pytest, hypothesis"
+  echo "$want" > "$stamp"
+fi
+export PATH="$ROOT/.venv/bin:$PATH"
