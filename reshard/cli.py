@@ -108,7 +108,7 @@ def _errors(as_json: bool) -> Iterator[None]:
             err.print(f"hint: {e.hint}", soft_wrap=True)
         raise typer.Exit(code) from None
     except KeyboardInterrupt:
-        err.print("interrupted")
+        err.print("interrupted; finished output files were kept: run the same convert with --resume to finish")
         raise typer.Exit(130) from None
 
 

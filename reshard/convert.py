@@ -240,7 +240,7 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = F
         )
 
 
-_OURS = (".safetensors", ".safetensors.tmp", MANIFEST, INDEX, ".tmp")
+_OURS = (".safetensors", ".safetensors.tmp", MANIFEST, INDEX, ".tmp", ".reshard-progress.jsonl")
 
 
 def _clear_outputs(dst: Path) -> None:
@@ -283,25 +283,40 @@ def convert(
     plan = build_plan(ckpt, tgt)
     if on_plan is not None:
         on_plan(plan)
+    from .dist import coordinator
+
+    # under torchrun every rank plans the same; each writes its share of the files
+    coord = coordinator()
     created_dir = not dst_path.exists()
+    coord.barrier()  # every rank has checked DST before anyone writes into it
     done: list[FileResult] = []
     todo = list(plan.files)
     try:
-        dst_path.mkdir(parents=True, exist_ok=True)
-        if resume:
-            from .resume import finished_files
+        from .resume import JOURNAL, finished_files, record_finished
 
-            done, todo = finished_files(plan, dst_path)
-        (dst_path / MANIFEST).unlink(missing_ok=True)
-        if not resume:
-            _clear_outputs(dst_path)
+        if coord.is_main:
+            dst_path.mkdir(parents=True, exist_ok=True)
+            (dst_path / MANIFEST).unlink(missing_ok=True)
+            if not resume:
+                _clear_outputs(dst_path)
+        coord.barrier()
+        mine = coord.share(todo)
+        if resume:
+            done, mine = finished_files(plan, dst_path, mine)
         results = execute_plan(plan, dst_path, workers=workers, buffer_size=buffer_size,
-                               progress=progress, files=todo)
+                               progress=progress, files=mine,
+                               on_file_done=lambda r: record_finished(dst_path, r, coord.rank))
+        results = coord.gather(results)
+        done = coord.gather(done) if resume else done
         by_name = {r.name: r for r in done + results}
         ordered = [by_name[f.name] for f in plan.files]
-        if plan.index is not None and len(plan.files) > 1:
-            _write_json(dst_path / INDEX, plan.index)
-        _write_json(dst_path / MANIFEST, manifest_for(plan, ordered))
+        if coord.is_main:
+            if plan.index is not None and len(plan.files) > 1:
+                _write_json(dst_path / INDEX, plan.index)
+            _write_json(dst_path / MANIFEST, manifest_for(plan, ordered))
+            for j in dst_path.glob(JOURNAL + "*"):
+                j.unlink(missing_ok=True)
+        coord.barrier()
     except ReshardError:
         _cleanup(dst_path, plan, created_dir, keep=resume)
         raise
@@ -311,6 +326,10 @@ def convert(
             f"{dst_path}: writing failed ({e.strerror or e}); partial files were removed",
             path=str(getattr(e, "filename", None) or dst_path),
         ) from e
+    except KeyboardInterrupt:
+        # keep finished files and the journal: `--resume` picks up from here
+        _cleanup(dst_path, plan, created_dir, keep=True)
+        raise
     except BaseException:
         _cleanup(dst_path, plan, created_dir, keep=resume)
         raise
@@ -336,6 +355,9 @@ def _cleanup(dst: Path, plan: Plan, created_dir: bool, *, keep: bool) -> None:
         if not keep:
             (dst / f.name).unlink(missing_ok=True)
     if not keep:
+        from .resume import JOURNAL
+
+        (dst / JOURNAL).unlink(missing_ok=True)
         (dst / INDEX).unlink(missing_ok=True)
         (dst / MANIFEST).unlink(missing_ok=True)
         if created_dir:

@@ -399,6 +399,7 @@ def execute_plan(
     buffer_size: int = DEFAULT_BUFFER,
     progress: ProgressFn | None = None,
     files: Sequence[OutFile] | None = None,
+    on_file_done: Callable[[FileResult], None] | None = None,
 ) -> list[FileResult]:
     """Write every output file of ``plan`` (or the given subset) into ``dst``.
 
@@ -414,22 +415,20 @@ def execute_plan(
             with lock:
                 progress(n)
 
+    def one(f: OutFile) -> FileResult:
+        r = write_out_file(plan, f, dst, sources, buffer_size=buffer_size, progress=prog)
+        if on_file_done is not None:
+            with lock:
+                on_file_done(r)
+        return r
+
     try:
         if workers <= 1 or len(todo) <= 1:
-            results = [
-                write_out_file(plan, f, dst, sources, buffer_size=buffer_size, progress=prog)
-                for f in todo
-            ]
+            results = [one(f) for f in todo]
         else:
             order = sorted(range(len(todo)), key=lambda i: -todo[i].size)
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                futs = {
-                    i: pool.submit(
-                        write_out_file, plan, todo[i], dst, sources,
-                        buffer_size=buffer_size, progress=prog,
-                    )
-                    for i in order
-                }
+                futs = {i: pool.submit(one, todo[i]) for i in order}
                 results = [futs[i].result() for i in range(len(todo))]
     finally:
         sources.close()

@@ -236,3 +236,34 @@ def test_write_failure_exits_3_and_removes_partial_files(tp4: Path, tmp_path: Pa
     assert p.returncode == 3, (p.returncode, p.stderr)
     assert "partial files were removed" in p.stderr and "Traceback" not in p.stderr
     assert not dst.exists() or not any(dst.iterdir())
+
+
+def test_resume_keeps_verified_files_and_redoes_the_rest(tp4: Path, tmp_path: Path) -> None:
+    lay = str(tmp_path / "tp.yaml")
+    ref = tmp_path / "ref"
+    assert run("convert", str(tp4), str(ref), "--source-layout", lay, "--target-mesh", "tp=4").returncode == 0
+    # an interrupted run: two files finished (journal written), one torn .tmp, no reshard.json
+    out = tmp_path / "out"
+    out.mkdir()
+    import shutil
+
+    from reshard.execute import file_checksum
+
+    lines = []
+    for r in (0, 1):
+        name = f"rank-{r:05d}-of-00004.safetensors"
+        shutil.copy(ref / name, out / name)
+        lines.append(json.dumps({"name": name, "size": (out / name).stat().st_size,
+                                 "checksum": file_checksum(out / name)}))
+    (out / ".reshard-progress.jsonl").write_text("\n".join(lines) + "\n")
+    # rank 1 was damaged after it finished: resume must redo it
+    data = bytearray((out / "rank-00001-of-00004.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (out / "rank-00001-of-00004.safetensors").write_bytes(bytes(data))
+    (out / "rank-00002-of-00004.safetensors.tmp").write_bytes(b"torn")
+    p = run("convert", str(tp4), str(out), "--source-layout", lay, "--target-mesh", "tp=4", "--resume", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["resumed_files"] == 1
+    assert sorted(os.listdir(out)) == sorted(os.listdir(ref))
+    for n in os.listdir(ref):
+        assert (out / n).read_bytes() == (ref / n).read_bytes(), n

@@ -15,8 +15,8 @@ distributes them with ``distribute_tensor`` and saves them with
 - ``full.pt`` (full tensors), ``local-{rank}.pt`` (each rank's local tensors,
   ``to_local()``), ``result.json`` (per rank: what happened).
 
-Kept out of the test module so ``spawn`` children import it by path, not
-through pytest's importlib machinery.
+Run as a subprocess of the tests, so the forked ranks start from a plain
+interpreter (not pytest's, with its warning filters and importlib machinery).
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def worker(rank: int, out: str) -> None:
         )
         if rank == 0:
             torch.save(full, root / "full.pt")
-        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(root / "ckpt"), save_distributed=True))
+        dcp.save(
+            sd, storage_writer=HuggingFaceStorageWriter(str(root / "ckpt"), save_distributed=True)
+        )
 
         mapping = {name: 1 + (i % 2) for i, name in enumerate(sorted(full))}
         dcp.save(
@@ -133,7 +135,10 @@ def worker(rank: int, out: str) -> None:
         fused_full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
         fused = {
             "fused": distribute_tensor(
-                fused_full, mesh, [Replicate(), _StridedShard(0, split_factor=2)], src_data_rank=None
+                fused_full,
+                mesh,
+                [Replicate(), _StridedShard(0, split_factor=2)],
+                src_data_rank=None,
             )
         }
         if rank == 0:
@@ -142,7 +147,9 @@ def worker(rank: int, out: str) -> None:
         try:
             dcp.save(
                 fused,
-                storage_writer=HuggingFaceStorageWriter(str(root / "fused_refused"), save_distributed=True),
+                storage_writer=HuggingFaceStorageWriter(
+                    str(root / "fused_refused"), save_distributed=True
+                ),
             )
             result["fused_default_planner"] = "saved"
         except CheckpointException as e:  # a BaseException, raised on every rank
@@ -163,12 +170,16 @@ def worker(rank: int, out: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # import everything the workers use once, then fork (CPU only, no CUDA state):
+    # four spawned interpreters each importing torch cost seconds on a small CI box
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
     import torch.multiprocessing as mp
 
     out = Path(argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(str(out),), nprocs=WORLD, join=True)
+    mp.start_processes(worker, args=(str(out),), nprocs=WORLD, join=True, start_method="fork")
     results = [json.loads((out / f"result-{r}.json").read_text()) for r in range(WORLD)]
     (out / "result.json").write_text(json.dumps(results, indent=1))
     return 0 if all(r.get("ok") for r in results) else 1

@@ -1,0 +1,408 @@
+"""Prove two checkpoints hold the same logical tensors, bit for bit, whatever their layouts.
+
+For each tensor the pieces of B (replicas dropped) are the *regions*; the
+planner's :func:`~reshard.plan.match_blocks` says which bytes of A (and of B)
+make up each region. Regions are compared slab by slab, never more than
+``max_bytes`` of buffers at a time: a region held by one piece is a numpy view
+of the memory-mapped file, anything else (column slices of another layout,
+strided shards, Partial sums) is gathered into a reused buffer. Items are
+compared as unsigned integers of the item size, so ``-0.0 != 0.0`` and NaNs
+with different payloads differ, exactly when their bits do.
+
+Partial tensors (a checkpoint saved with ``P(...)`` placements) are reduced
+in rank order with :func:`reshard.torch_ops.cast_reduce`, as ``convert`` does,
+and the reduced values are compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .checkpoint import Checkpoint, TensorSource
+from .errors import PlanError
+from .execute import SourceFiles, _slabs
+from .intervals import Block, block_shape, block_volume, row_major_strides
+from .io.header import DTYPE_SIZES
+from .plan import Copy, copy_boxes, match_blocks, natural_key
+
+__all__ = ["verify_checkpoints", "MappedFiles", "global_index", "DEFAULT_MAX_BYTES"]
+
+#: Default bound on the comparison buffers, in bytes.
+DEFAULT_MAX_BYTES = 64 << 20
+
+_MIN_RELEASE = 1 << 20
+
+
+def _np_uint(itemsize: int) -> Any:
+    import numpy as np
+
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+
+
+def _prod(xs: Sequence[int]) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def global_index(block: Block, local: Sequence[int]) -> list[int]:
+    """Global index of the element at local position ``local`` of a block.
+
+    >>> from reshard.intervals import Interval
+    >>> global_index(((Interval(0, 2), Interval(6, 8)), (Interval(0, 3),)), (3, 1))
+    [7, 1]
+    """
+    out = []
+    for ilist, p in zip(block, local, strict=True):
+        for iv in ilist:
+            if p < iv.size:
+                out.append(iv.start + p)
+                break
+            p -= iv.size
+        else:
+            raise AssertionError(f"local index {list(local)} outside block {block}")
+    return out
+
+
+class MappedFiles:
+    """Read-only maps of a checkpoint's files whose touched pages are released as we go.
+
+    Pages read through the maps stay counted in this process's RSS until
+    released; :meth:`touch` records what was read and drops it (``MADV_DONTNEED``;
+    the page cache keeps the data) once ``release_every`` bytes have accumulated.
+
+    Args:
+        files: the checkpoint's file paths.
+        release_every: bytes of touched pages to hold before releasing them.
+    """
+
+    def __init__(self, files: Sequence[str], release_every: int) -> None:
+        self.sources = SourceFiles(files)
+        self._every = max(_MIN_RELEASE, release_every)
+        self._touched: dict[int, list[int]] = {}
+        self._touched_bytes = 0
+
+    def array(self, src: TensorSource, k: int) -> Any:
+        """Piece ``k`` of ``src``: a read-only numpy array of unsigned items, in its local shape."""
+        import numpy as np
+
+        shape = src.piece_shape(k)
+        mm = self.sources.map(src.piece_files[k])
+        npt = _np_uint(DTYPE_SIZES[src.dtype])
+        arr = np.frombuffer(mm, dtype=npt, count=_prod(shape), offset=src.piece_offsets[k])
+        return arr.reshape(shape)
+
+    def raw(self, fi: int, offset: int, count: int) -> Any:
+        """``count`` bytes of file ``fi`` at ``offset`` as a read-only uint8 numpy array."""
+        import numpy as np
+
+        arr = np.frombuffer(self.sources.map(fi), dtype=np.uint8, count=count, offset=offset)
+        self.touch_range(fi, offset, offset + count)
+        return arr
+
+    def touch(self, src: TensorSource, k: int, key: tuple[slice, ...]) -> None:
+        """Record that the slices ``key`` of piece ``k`` were read."""
+        isz = DTYPE_SIZES[src.dtype]
+        base = src.piece_offsets[k]
+        shape = src.piece_shape(k)
+        if not shape:
+            self.touch_range(src.piece_files[k], base, base + isz)
+            return
+        strides = row_major_strides(shape)
+        first = sum(s.start * st for s, st in zip(key, strides, strict=True))
+        last = sum((s.stop - 1) * st for s, st in zip(key, strides, strict=True))
+        self.touch_range(src.piece_files[k], base + first * isz, base + (last + 1) * isz)
+
+    def touch_range(self, fi: int, lo: int, hi: int) -> None:
+        """Record that bytes ``[lo, hi)`` of file ``fi`` were read."""
+        r = self._touched.get(fi)
+        if r is None:
+            self._touched[fi] = [lo, hi]
+        else:
+            r[0] = min(r[0], lo)
+            r[1] = max(r[1], hi)
+        self._touched_bytes += hi - lo
+        if self._touched_bytes >= self._every:
+            self.release()
+
+    def release(self) -> None:
+        """Drop every touched page from this process."""
+        for fi, (lo, hi) in self._touched.items():
+            self.sources.release(fi, lo, hi)
+        self._touched.clear()
+        self._touched_bytes = 0
+
+    def close(self) -> None:
+        """Release pages and close maps and file descriptors."""
+        self.release()
+        self.sources.close()
+
+
+_Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+class _Region:
+    """One side's values over one region (a destination block), produced slab by slab."""
+
+    def __init__(
+        self,
+        files: MappedFiles,
+        src: TensorSource,
+        copies: Sequence[Copy],
+        groups: int,
+        dshape: tuple[int, ...],
+        bufs: list[bytearray],
+    ) -> None:
+        self.files = files
+        self.src = src
+        self.groups = groups
+        self.dshape = dshape
+        self.bufs = bufs
+        self.npt = _np_uint(DTYPE_SIZES[src.dtype])
+        # One copy, one segment per dim, one group: the region is a view of one piece.
+        self.view: tuple[int, Any, tuple[int, ...]] | None = None
+        self.plans: list[tuple[int, int, Any, list[_Box]]] = []
+        if groups == 1 and len(copies) == 1 and all(len(s) == 1 for s in copies[0].segments):
+            c = copies[0]
+            self.view = (c.piece, files.array(src, c.piece), tuple(s[0][0] for s in c.segments))
+        else:
+            for c in copies:
+                arr = files.array(src, c.piece)
+                self.plans.append((c.group, c.piece, arr, list(copy_boxes(c))))
+
+    def slab(self, slab: tuple[tuple[int, int], ...], shape: tuple[int, ...], n: int) -> Any:
+        """The region's items in ``slab`` (local ``(start, stop)`` per dim), shaped ``shape``."""
+        import numpy as np
+
+        if self.view is not None:
+            k, arr, starts = self.view
+            key = tuple(slice(s + a, s + b) for s, (a, b) in zip(starts, slab, strict=True))
+            self.files.touch(self.src, k, key)
+            return arr[key] if key else arr[...]
+        while len(self.bufs) < self.groups:
+            self.bufs.append(bytearray())
+        isz = DTYPE_SIZES[self.src.dtype]
+        views = []
+        for g in range(self.groups):
+            if len(self.bufs[g]) < n * isz:
+                self.bufs[g] = bytearray(n * isz)
+            views.append(np.frombuffer(self.bufs[g], dtype=self.npt, count=n).reshape(shape))
+        for g, k, arr, boxes in self.plans:
+            for s_st, d_st, sz in boxes:
+                dst_sl = []
+                src_sl = []
+                for (a, b), ss, ds, z in zip(slab, s_st, d_st, sz, strict=True):
+                    lo = max(a, ds)
+                    hi = min(b, ds + z)
+                    if hi <= lo:
+                        break
+                    dst_sl.append(slice(lo - a, hi - a))
+                    src_sl.append(slice(ss + lo - ds, ss + hi - ds))
+                else:
+                    dkey = tuple(dst_sl) if dst_sl else ...
+                    skey = tuple(src_sl) if src_sl else ...
+                    views[g][dkey] = arr[skey]
+                    self.files.touch(self.src, k, tuple(src_sl))
+        if self.groups == 1:
+            return views[0]
+        from .torch_ops import cast_reduce
+
+        out = cast_reduce(views, self.src.dtype, self.src.dtype, self.src.reduce_op, n)
+        return out.view(self.npt).reshape(shape)
+
+
+_Match = tuple[
+    tuple[Block, ...],
+    tuple[tuple[Copy, ...], ...],
+    int,
+    tuple[tuple[Copy, ...], ...],
+    int,
+]
+
+
+def _regions(b: TensorSource) -> tuple[Block, ...]:
+    """B's distinct non-empty blocks of its first partial group: they tile B's tensor."""
+    partials = b.piece_partials
+    first = min(partials) if partials else 0
+    seen: set[Block] = set()
+    out: list[Block] = []
+    for k, blk in enumerate(b.piece_blocks):
+        if partials is not None and partials[k] != first:
+            continue
+        if blk in seen or block_volume(blk) == 0:
+            continue
+        seen.add(blk)
+        out.append(blk)
+    return tuple(out)
+
+
+def _match(a: TensorSource, b: TensorSource, a_path: str, b_path: str) -> _Match:
+    regions = _regions(b)
+    try:
+        b_copies, gb = match_blocks(b, regions)
+    except PlanError as e:
+        raise PlanError(f"{b_path}: {e.message}", path=b_path, tensor=b.name) from None
+    covered = sum(block_volume(r) for r in regions)
+    if covered != b.numel:
+        raise PlanError(
+            f'{b_path}: tensor "{b.name}": its pieces cover {covered} of {b.numel} elements '
+            "(holes). The checkpoint is incomplete or its layout is wrong; "
+            "run `reshard inspect --check` on it.",
+            path=b_path,
+            tensor=b.name,
+        )
+    try:
+        a_copies, ga = match_blocks(a, regions)
+    except PlanError as e:
+        raise PlanError(f"{a_path}: {e.message}", path=a_path, tensor=a.name) from None
+    return regions, a_copies, ga, b_copies, gb
+
+
+def _first_difference(
+    fa: MappedFiles,
+    fb: MappedFiles,
+    a: TensorSource,
+    b: TensorSource,
+    m: _Match,
+    max_bytes: int,
+    bufs: tuple[list[bytearray], list[bytearray]],
+) -> tuple[int, tuple[list[int], int, int] | None]:
+    """Bytes compared, and the smallest differing global index with A's and B's bits (or None)."""
+    import numpy as np
+
+    regions, a_copies, ga, b_copies, gb = m
+    isz = DTYPE_SIZES[a.dtype]
+    # bytes held per item: gather buffers (plus reduction outputs) of both sides, and the mask
+    per_item = isz * (ga + gb + (ga > 1) + (gb > 1)) + 1
+    items = max(1, max_bytes // per_item)
+    compared = 0
+    best: tuple[list[int], int, int] | None = None
+    try:
+        for j, blk in enumerate(regions):
+            if best is not None:
+                # a block's smallest global index is its first index along every dim
+                corner = [il[0].start for il in blk]
+                if corner >= best[0]:
+                    continue
+            dshape = block_shape(blk)
+            ra = _Region(fa, a, a_copies[j], ga, dshape, bufs[0])
+            rb = _Region(fb, b, b_copies[j], gb, dshape, bufs[1])
+            for slab in _slabs(dshape, 1, items):
+                shape = tuple(hi - lo for lo, hi in slab)
+                n = _prod(shape)
+                va = ra.slab(slab, shape, n)
+                vb = rb.slab(slab, shape, n)
+                compared += n * isz
+                neq = np.not_equal(va, vb)
+                if neq.any():
+                    pos = int(np.argmax(neq.reshape(-1)))
+                    local = [int(x) for x in np.unravel_index(pos, shape)] if shape else []
+                    at = tuple(local)
+                    bits_a, bits_b = int(va[at]), int(vb[at])
+                    pos_in_blk = [lo + x for (lo, _), x in zip(slab, local, strict=True)]
+                    idx = global_index(blk, pos_in_blk)
+                    if best is None or idx < best[0]:
+                        best = (idx, bits_a, bits_b)
+                    del va, vb, neq
+                    break  # local row-major order is global order within a block
+                del va, vb, neq
+            del ra, rb
+            fa.release()
+            fb.release()
+    finally:
+        fa.release()
+        fb.release()
+    return compared, best
+
+
+def _describe(c: Checkpoint) -> dict[str, Any]:
+    return {"path": c.path, "format": c.format}
+
+
+def verify_checkpoints(
+    a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> dict[str, Any]:
+    """Compare two checkpoints: tensor names, dtypes, global shapes and values bit for bit.
+
+    Args:
+        a: the first checkpoint (any format and layout).
+        b: the second checkpoint.
+        max_bytes: bound on the comparison buffers (approximate, at least one item per side).
+
+    Returns:
+        ``{"equal", "tensors", "bytes_compared", "differences", "a", "b"}``:
+        ``tensors`` counts names present in both; each difference is
+        ``{"tensor", "kind", "message"}`` with ``kind`` one of ``missing`` (only
+        in A), ``extra`` (only in B), ``dtype``, ``shape``, ``values``; a
+        ``values`` difference also has ``index`` (the smallest differing global
+        index, row-major order) and ``a_bits``/``b_bits`` (the items there, hex).
+
+    Raises:
+        PlanError: a checkpoint's pieces leave holes or overlap without being replicas.
+    """
+    names = sorted(set(a.tensors) | set(b.tensors), key=natural_key)
+    diffs: list[dict[str, Any]] = []
+    compared_tensors = 0
+    total = 0
+    fa = MappedFiles(a.files, max_bytes // 4)
+    fb = MappedFiles(b.files, max_bytes // 4)
+    bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
+    cache: dict[tuple[Any, Any], _Match] = {}
+    try:
+        for name in names:
+            ta = a.tensors.get(name)
+            tb = b.tensors.get(name)
+            q = f'tensor "{name}"'
+            if tb is None:
+                msg = f"{q} is in A but missing in B"
+                diffs.append({"tensor": name, "kind": "missing", "message": msg})
+                continue
+            if ta is None:
+                msg = f"{q} is in B but not in A"
+                diffs.append({"tensor": name, "kind": "extra", "message": msg})
+                continue
+            compared_tensors += 1
+            if ta.dtype != tb.dtype:
+                diffs.append({
+                    "tensor": name, "kind": "dtype", "a": ta.dtype, "b": tb.dtype,
+                    "message": f"{q}: dtype {ta.dtype} in A, {tb.dtype} in B",
+                })
+                continue
+            if ta.shape != tb.shape:
+                diffs.append({
+                    "tensor": name, "kind": "shape", "a": list(ta.shape), "b": list(tb.shape),
+                    "message": f"{q}: shape {list(ta.shape)} in A, {list(tb.shape)} in B",
+                })
+                continue
+            if ta.numel == 0:
+                continue
+            key = (ta.signature, tb.signature)
+            m = cache.get(key)
+            if m is None:
+                m = _match(ta, tb, a.path, b.path)
+                cache[key] = m
+            n, first = _first_difference(fa, fb, ta, tb, m, max_bytes, bufs)
+            total += n
+            if first is not None:
+                idx, bits_a, bits_b = first
+                w = 2 * DTYPE_SIZES[ta.dtype]
+                ha, hb = f"0x{bits_a:0{w}x}", f"0x{bits_b:0{w}x}"
+                diffs.append({
+                    "tensor": name, "kind": "values", "index": idx, "a_bits": ha, "b_bits": hb,
+                    "message": f"{q}: values differ, first at index {idx} "
+                    f"({ta.dtype} bits {ha} in A, {hb} in B)",
+                })
+    finally:
+        del bufs
+        fa.close()
+        fb.close()
+    return {
+        "equal": not diffs,
+        "tensors": compared_tensors,
+        "bytes_compared": total,
+        "differences": diffs,
+        "a": _describe(a),
+        "b": _describe(b),
+    }

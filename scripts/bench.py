@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Benchmark reshard against `cp -r` of the same bytes (and the naive torch approach).
+
+Generates a synthetic Llama-like bf16 checkpoint, TP-4, per-rank (row-sharded
+q/k/v/gate/up, column-sharded o/down, vocab-sharded embeddings, replicated
+norms), then runs, alternating, for several rounds:
+
+  cp       cp -r of the source directory
+  tp4-tp8  reshard convert SRC OUT --target-mesh tp=8
+  tp4-hf   reshard convert SRC OUT --consolidate
+  hf-tp8   reshard convert HF OUT --target-layout llama-tp --target-mesh tp=8
+  naive-*  load everything with torch, cat, chunk, save_file (one round; --naive-rounds)
+
+and prints one table: median wall time and spread, GB/s, peak RSS of the
+child process (os.wait4), and the ratio to `cp` measured in the same rounds.
+Everything runs in the page cache unless --cold (then sources are evicted
+with posix_fadvise(DONTNEED) after a sync before each run).
+
+Usage: python scripts/bench.py --size-gb 2 [--rounds 5] [--workers 1] [--dir /tmp/reshard-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from reshard.io.header import encode_header  # noqa: E402
+
+VOCAB, HIDDEN, FFN, KV = 32000, 2048, 5632, 512
+TP = 4
+
+
+def layer_shapes(layers: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(name, global shape, shard dim or None)."""
+    out: list[tuple[str, tuple[int, ...], int | None]] = [("model.embed_tokens.weight", (VOCAB, HIDDEN), 0)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (HIDDEN,), None),
+            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), 0),
+            (p + "self_attn.k_proj.weight", (KV, HIDDEN), 0),
+            (p + "self_attn.v_proj.weight", (KV, HIDDEN), 0),
+            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), 1),
+            (p + "post_attention_layernorm.weight", (HIDDEN,), None),
+            (p + "mlp.gate_proj.weight", (FFN, HIDDEN), 0),
+            (p + "mlp.up_proj.weight", (FFN, HIDDEN), 0),
+            (p + "mlp.down_proj.weight", (HIDDEN, FFN), 1),
+        ]
+    out += [("model.norm.weight", (HIDDEN,), None), ("lm_head.weight", (VOCAB, HIDDEN), 0)]
+    return out
+
+
+def nbytes(shape: tuple[int, ...]) -> int:
+    n = 2
+    for s in shape:
+        n *= s
+    return n
+
+
+def layers_for(size_gb: float) -> int:
+    fixed = 2 * nbytes((VOCAB, HIDDEN))
+    per = sum(nbytes(s) for _, s, _ in layer_shapes(1)) - fixed - nbytes((HIDDEN,))
+    return max(1, round((size_gb * 1e9 - fixed) / per))
+
+
+def generate(src: Path, layers: int) -> None:
+    """Write the TP-4 per-rank source with pseudo-random bf16 bits (no torch)."""
+    import numpy as np
+
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    tensors = layer_shapes(layers)
+    for r in range(TP):
+        specs = []
+        for name, shape, d in tensors:
+            local = list(shape)
+            if d is not None:
+                local[d] = shape[d] // TP
+            specs.append((name, "BF16", local))
+        prefix, header = encode_header(specs)
+        with open(src / f"rank-{r:05d}-of-{TP:05d}.safetensors", "wb") as f:
+            f.write(prefix)
+            for e in header.entries:
+                f.write(rng.integers(0, 1 << 16, e.nbytes // 2, dtype=np.uint16).tobytes())
+    layout = ROOT / "configs" / "llama-tp.yaml"
+    shutil.copy(layout, src.parent / "layout.yaml")
+
+
+NAIVE_TP8 = r"""
+import sys, torch
+from safetensors.torch import load_file, save_file
+src, dst = sys.argv[1], sys.argv[2]
+import os, re
+os.makedirs(dst, exist_ok=True)
+ranks = [load_file(f"{src}/rank-{r:05d}-of-00004.safetensors") for r in range(4)]
+def dim(n):
+    if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
+    if re.search(r"(o|down)_proj", n): return 1
+    return None
+full = {n: (torch.cat([r[n] for r in ranks], dim(n)) if dim(n) is not None else ranks[0][n]) for n in ranks[0]}
+del ranks
+W = int(sys.argv[3])
+if W == 1:
+    save_file(full, f"{dst}/model.safetensors")
+else:
+    for r in range(W):
+        save_file({n: (t.chunk(W, dim(n))[r].contiguous() if dim(n) is not None else t) for n, t in full.items()},
+                  f"{dst}/rank-{r:05d}-of-{W:05d}.safetensors")
+"""
+
+
+def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    if cold:
+        os.sync()
+        for d in cold:
+            for p in d.iterdir():
+                fd = os.open(p, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{err}")
+    return wall, ru.ru_maxrss * 1024
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--generate-only":
+        generate(Path(sys.argv[2]), int(sys.argv[3]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--naive-rounds", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--pause", type=float, default=3.0, help="seconds between runs (see MACHINE-NOTES)")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
+    ap.add_argument("--jobs", default="tp4-tp8,tp4-hf,hf-tp8")
+    ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    reshard = str(Path(sys.executable).parent / "reshard")
+    base = args.dir
+    src = base / "src-tp4"
+    hf = base / "src-hf"
+    layers = layers_for(args.size_gb)
+    marker = base / f"generated-{layers}"
+    if not marker.exists():
+        shutil.rmtree(base, ignore_errors=True)
+        sys.stderr.write(f"generating {args.size_gb} GB TP-4 checkpoint ({layers} layers) in {src} ...\n")
+        # in a child process: the parent stays small, so children forked from it report their own peak RSS
+        subprocess.run([sys.executable, __file__, "--generate-only", str(src), str(layers)], check=True)
+        subprocess.run([reshard, "convert", str(src), str(hf), "--source-layout", str(base / "layout.yaml"),
+                        "--consolidate", "--quiet"], check=True)
+        marker.write_text("")
+    size = sum(p.stat().st_size for p in src.iterdir())
+    lay = str(base / "layout.yaml")
+    w = ["--workers", str(args.workers)] if args.workers > 1 else []
+    jobs = {
+        "cp": (["cp", "-r", str(src), "OUT"], [src]),
+        "tp4-tp8": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [src]),
+        "tp4-hf": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w], [src]),
+        "hf-tp8": ([reshard, "convert", str(hf), "OUT", "--target-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [hf]),
+    }
+    chosen = ["cp"] + [j for j in args.jobs.split(",") if j]
+    times: dict[str, list[float]] = {j: [] for j in chosen}
+    rss: dict[str, list[int]] = {j: [] for j in chosen}
+    out = base / "out"
+    for rnd in range(args.rounds):
+        for j in chosen:
+            shutil.rmtree(out, ignore_errors=True)
+            time.sleep(args.pause)
+            cmd = [str(out) if c == "OUT" else c for c in jobs[j][0]]
+            t, m = run(cmd, jobs[j][1] if args.cold else None)
+            times[j].append(t)
+            rss[j].append(m)
+            sys.stderr.write(f"round {rnd + 1}/{args.rounds} {j}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
+    for name, world in (("naive-tp4-tp8", "8"), ("naive-tp4-hf", "1")):
+        for _ in range(args.naive_rounds):
+            shutil.rmtree(out, ignore_errors=True)
+            time.sleep(args.pause)
+            t, m = run([sys.executable, "-c", NAIVE_TP8, str(src), str(out), world])
+            times.setdefault(name, []).append(t)
+            rss.setdefault(name, []).append(m)
+            sys.stderr.write(f"{name}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
+    shutil.rmtree(out, ignore_errors=True)
+    # ratios per round against cp in the same round
+    rows = []
+    cp_med = statistics.median(times["cp"])
+    for j, ts in times.items():
+        med = statistics.median(ts)
+        if j in chosen:
+            ratios = [t / c for t, c in zip(ts, times["cp"])]
+            ratio = statistics.median(ratios)
+        else:
+            ratio = med / cp_med
+        rows.append({
+            "job": j, "runs": len(ts), "median_s": round(med, 3),
+            "spread_s": round(max(ts) - min(ts), 3), "gb_per_s": round(size / med / 1e9, 2),
+            "peak_rss_mib": round(max(rss[j]) / 2**20, 1), "ratio_to_cp": round(ratio, 2),
+        })
+    cache = "cold (sources evicted before each run)" if args.cold else "warm page cache"
+    if args.json:
+        print(json.dumps({"size_bytes": size, "layers": layers, "workers": args.workers, "cache": cache,
+                          "rows": rows}, indent=2))
+    else:
+        print(f"checkpoint: {size / 1e9:.2f} GB TP-4 bf16 ({layers} layers), {cache}, "
+              f"workers={args.workers}, rounds={args.rounds}")
+        print(f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}{'peak RSS MiB':>14}{'x cp':>7}")
+        for r in rows:
+            print(f"{r['job']:<15}{r['runs']:>5}{r['median_s']:>10.3f}{r['spread_s']:>10.3f}"
+                  f"{r['gb_per_s']:>8.2f}{r['peak_rss_mib']:>14.1f}{r['ratio_to_cp']:>7.2f}")
+    if not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,497 @@
+"""verify_checkpoints and check_checkpoint on tiny real checkpoints and hand-built ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from reshard import check as check_mod
+from reshard.check import check_checkpoint, coverage_holes
+from reshard.checkpoint import Checkpoint, TensorSource
+from reshard.config import load_layout
+from reshard.convert import SourceSpec, TargetSpec, convert, open_source
+from reshard.errors import PlanError, ReshardError
+from reshard.formats import open_checkpoint
+from reshard.intervals import Interval
+from reshard.io.header import read_header
+from reshard.verify import global_index, verify_checkpoints
+
+I = Interval  # noqa: E741
+
+TP4 = """\
+mesh: {tp: 4}
+placements:
+  "*.w": {tp: S(0)}
+  "*.o": {tp: S(1)}
+  "*": R
+"""
+
+FSDP_TP = """\
+mesh: {fsdp: 2, tp: 2}
+placements:
+  "*.w": {fsdp: _S(0, tp), tp: S(0)}
+  "*.o": {fsdp: S(0), tp: S(1)}
+  "*": R
+"""
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    nan_o = torch.randn(3, 5, generator=g)
+    nan_o[1, 2] = float("nan")
+    nan_o[2, 0] = -0.0
+    return {
+        "l0.w": torch.randn(10, 6, generator=g),
+        "l0.o": torch.randn(6, 7, generator=g),
+        "l1.w": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        "nan.o": nan_o,
+        "norm": torch.randn(7, generator=g),
+        "step": torch.tensor(12345, dtype=torch.int64),
+        "empty.w": torch.zeros(0, 4),
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    (root / "hf0").mkdir()
+    save_file(_tensors(), str(root / "hf0" / "model.safetensors"))
+    (root / "tp4.yaml").write_text(TP4)
+    (root / "fsdp_tp.yaml").write_text(FSDP_TP)
+    convert(SourceSpec(str(root / "hf0")), root / "tp4", TargetSpec(layout=str(root / "tp4.yaml")))
+    convert(SourceSpec(str(root / "tp4")), root / "tp3", TargetSpec(mesh="tp=3"))
+    convert(SourceSpec(str(root / "tp3")), root / "hf", TargetSpec(consolidate=True))
+    convert(
+        SourceSpec(str(root / "tp4")), root / "fsdp_tp", TargetSpec(layout=str(root / "fsdp_tp.yaml"))
+    )
+    return {n: root / n for n in ("hf0", "tp4", "tp3", "hf", "fsdp_tp")}
+
+
+def _open(p: Path) -> Checkpoint:
+    return open_source(SourceSpec(str(p)))
+
+
+def _copy(src: Path, tmp_path: Path, name: str = "copy") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _flip(path: Path, tensor: str, local_index: int, byte: int = 0, xor: int = 0x01) -> None:
+    """Flip bits of one byte of element ``local_index`` (row-major) of ``tensor`` in a file."""
+    h = read_header(path)
+    e = h.entry(tensor)
+    off = h.data_start + e.start + local_index * e.itemsize + byte
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([b ^ xor]))
+
+
+def _rank(d: Path, r: int, w: int) -> Path:
+    return d / f"rank-{r:05d}-of-{w:05d}.safetensors"
+
+
+TOTAL_BYTES = sum(t.numel() * t.element_size() for t in _tensors().values())
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [("hf0", "tp4"), ("tp4", "tp3"), ("tp3", "hf"), ("tp4", "fsdp_tp"), ("fsdp_tp", "hf0"),
+     ("hf", "hf0")],
+)
+@pytest.mark.parametrize("max_bytes", [1, 64 << 20])
+def test_verify_equal_across_layouts(
+    ckpts: dict[str, Path], a: str, b: str, max_bytes: int
+) -> None:
+    doc = verify_checkpoints(_open(ckpts[a]), _open(ckpts[b]), max_bytes=max_bytes)
+    assert doc["equal"] is True
+    assert doc["differences"] == []
+    assert doc["tensors"] == len(_tensors())
+    assert doc["bytes_compared"] == TOTAL_BYTES
+    assert doc["a"]["path"] == str(ckpts[a])
+    assert doc["b"]["format"] in ("hf", "per-rank")
+    json.dumps(doc)
+
+
+def test_verify_reports_the_flipped_element(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = _copy(ckpts["tp4"], tmp_path)
+    # l0.o [6, 7] is S(1) over tp=4: rank 1 holds columns 2:4, local (3, 1) is global (3, 3)
+    _flip(_rank(bad, 1, 4), "l0.o", 3 * 2 + 1, byte=3)
+    for a, b in [(ckpts["tp3"], bad), (bad, ckpts["hf"])]:
+        doc = verify_checkpoints(_open(a), _open(b))
+        assert doc["equal"] is False
+        (d,) = doc["differences"]
+        assert d["tensor"] == "l0.o"
+        assert d["kind"] == "values"
+        assert d["index"] == [3, 3]
+        assert int(d["a_bits"], 16) ^ int(d["b_bits"], 16) == 0x01000000
+        assert "[3, 3]" in d["message"]
+
+
+def test_verify_reports_the_smallest_differing_index(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = _copy(ckpts["tp4"], tmp_path)
+    _flip(_rank(bad, 1, 4), "l0.o", 3 * 2 + 1)  # global (3, 3), rank 1's region is compared first
+    _flip(_rank(bad, 2, 4), "l0.o", 0)  # global (0, 4)
+    _flip(_rank(bad, 3, 4), "l0.w", 0)  # l0.w: rows 9:10 on rank 3 -> global (9, 0)
+    doc = verify_checkpoints(_open(ckpts["tp3"]), _open(bad), max_bytes=8)
+    by = {d["tensor"]: d for d in doc["differences"]}
+    assert by["l0.o"]["index"] == [0, 4]
+    assert by["l0.w"]["index"] == [9, 0]
+    # strided layout: the element sits in a multi-interval block
+    doc = verify_checkpoints(_open(bad), _open(ckpts["fsdp_tp"]), max_bytes=8)
+    assert {d["tensor"]: d["index"] for d in doc["differences"]} == {"l0.o": [0, 4], "l0.w": [9, 0]}
+
+
+def test_verify_scalar_and_bf16(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = _copy(ckpts["hf"], tmp_path)
+    _flip(bad / "model.safetensors", "step", 0)
+    _flip(bad / "model.safetensors", "l1.w", 4 * 3 + 2, byte=1)
+    doc = verify_checkpoints(_open(ckpts["tp4"]), _open(bad))
+    by = {d["tensor"]: d for d in doc["differences"]}
+    assert by["step"]["index"] == []
+    assert by["step"]["a_bits"] == "0x0000000000003039"
+    assert by["step"]["b_bits"] == "0x0000000000003038"
+    assert by["l1.w"]["index"] == [4, 2]
+    assert len(by["l1.w"]["a_bits"]) == 6  # 0x + 4 hex digits
+
+
+def _hf(path: Path, tensors: dict[str, torch.Tensor]) -> Checkpoint:
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    return _open(path)
+
+
+def test_verify_compares_bits(tmp_path: Path) -> None:
+    nan = torch.tensor([1.0, 0.0, float("nan")])
+    a = _hf(tmp_path / "a", {"x": nan, "y": nan.clone()})
+    neg = nan.clone()
+    neg[1] = -0.0
+    payload = nan.clone()
+    payload.view(torch.int32)[2] += 1
+    b = _hf(tmp_path / "b", {"x": neg, "y": payload})
+    doc = verify_checkpoints(a, b)
+    assert [(d["tensor"], d["index"]) for d in doc["differences"]] == [("x", [1]), ("y", [2])]
+    assert doc["differences"][0]["b_bits"] == "0x80000000"
+    same = verify_checkpoints(a, _hf(tmp_path / "c", {"x": nan.clone(), "y": nan.clone()}))
+    assert same["equal"] is True
+
+
+def test_verify_names_dtypes_shapes(tmp_path: Path) -> None:
+    a = _hf(tmp_path / "a", {
+        "only_a": torch.zeros(2), "same": torch.ones(3), "dt": torch.zeros(2, 3),
+        "sh": torch.zeros(2, 3),
+    })
+    b = _hf(tmp_path / "b", {
+        "only_b": torch.zeros(2), "same": torch.ones(3), "dt": torch.zeros(2, 3, dtype=torch.bfloat16),
+        "sh": torch.zeros(3, 2),
+    })
+    doc = verify_checkpoints(a, b)
+    assert doc["equal"] is False
+    assert doc["tensors"] == 3
+    assert doc["bytes_compared"] == 12
+    got = {d["tensor"]: d for d in doc["differences"]}
+    assert {n: d["kind"] for n, d in got.items()} == {
+        "only_a": "missing", "only_b": "extra", "dt": "dtype", "sh": "shape",
+    }
+    assert got["only_a"]["message"] == 'tensor "only_a" is in A but missing in B'
+    assert got["dt"]["message"] == 'tensor "dt": dtype F32 in A, BF16 in B'
+    assert got["sh"]["message"] == 'tensor "sh": shape [2, 3] in A, [3, 2] in B'
+
+
+def _partial(tmp_path: Path, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> Checkpoint:
+    d = tmp_path / "partial"
+    d.mkdir()
+    save_file({"p": x, "r": r}, str(_rank(d, 0, 2)))
+    save_file({"p": y, "r": r}, str(_rank(d, 1, 2)))
+    (tmp_path / "partial.yaml").write_text('mesh: {dp: 2}\nplacements:\n  "p": {dp: P(sum)}\n  "*": R\n')
+    return open_checkpoint(d, layout=load_layout(tmp_path / "partial.yaml"))
+
+
+def test_verify_reduces_partial_tensors(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, y, r = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g), torch.randn(5, generator=g)
+    part = _partial(tmp_path, x, y, r)
+    summed = _hf(tmp_path / "sum", {"p": x + y, "r": r})
+    assert verify_checkpoints(part, summed)["equal"] is True
+    assert verify_checkpoints(summed, part, max_bytes=1)["equal"] is True
+    assert verify_checkpoints(part, part)["equal"] is True
+    off = (x + y).clone()
+    off[2, 1] = torch.nextafter(off[2, 1], torch.tensor(10.0))
+    doc = verify_checkpoints(part, _hf(tmp_path / "off", {"p": off, "r": r}))
+    assert [(d["tensor"], d["index"]) for d in doc["differences"]] == [("p", [2, 1])]
+    assert check_checkpoint(part) == []
+
+
+def _big(tmp_path: Path) -> tuple[Checkpoint, Checkpoint]:
+    g = torch.Generator().manual_seed(2)
+    (tmp_path / "big").mkdir()
+    save_file({"m.w": torch.randn(256, 512, generator=g), "m.o": torch.randn(512, 256, generator=g)},
+              str(tmp_path / "big" / "model.safetensors"))
+    (tmp_path / "l.yaml").write_text(FSDP_TP)
+    convert(SourceSpec(str(tmp_path / "big")), tmp_path / "big2", TargetSpec(layout=str(tmp_path / "l.yaml")))
+    return _open(tmp_path / "big"), _open(tmp_path / "big2")
+
+
+def test_verify_and_check_memory_is_bounded(tmp_path: Path) -> None:
+    a, b = _big(tmp_path)  # 1 MiB of tensors; strided pieces make A's regions gathers
+    budget = 64 << 10
+    tracemalloc.start()
+    try:
+        doc = verify_checkpoints(a, b, max_bytes=budget)
+        doc2 = verify_checkpoints(b, a, max_bytes=budget)
+        problems = check_checkpoint(b, max_bytes=budget)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert doc["equal"] and doc2["equal"] and problems == []
+    assert doc["bytes_compared"] == 1 << 20
+    assert peak < 2 * budget, peak
+
+
+def test_verify_refuses_a_checkpoint_with_holes(tmp_path: Path) -> None:
+    ok, holed = _holed(tmp_path)
+    with pytest.raises(PlanError, match="holes"):
+        verify_checkpoints(ok, holed)
+    with pytest.raises(PlanError, match="holes"):
+        verify_checkpoints(holed, ok)
+
+
+def test_global_index() -> None:
+    blk = ((I(0, 2), I(6, 8)), (I(3, 6),))
+    assert global_index(blk, [0, 0]) == [0, 3]
+    assert global_index(blk, [2, 2]) == [6, 5]
+    assert global_index((), []) == []
+
+
+# --------------------------------------------------------------------------- check
+
+
+@pytest.mark.parametrize("name", ["hf0", "tp4", "tp3", "hf", "fsdp_tp"])
+def test_check_good_checkpoints(ckpts: dict[str, Path], name: str) -> None:
+    assert check_checkpoint(_open(ckpts[name]), max_bytes=3) == []
+
+
+def test_check_missing_rank_file_fails_at_open(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = _copy(ckpts["tp4"], tmp_path)
+    _rank(bad, 2, 4).unlink()
+    with pytest.raises(ReshardError, match="rank-00002-of-00004.safetensors") as e:
+        _open(bad)
+    assert e.value.exit_code == 2
+
+
+def test_check_flipped_byte_fails_checksum(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = _copy(ckpts["tp4"], tmp_path)
+    _flip(_rank(bad, 1, 4), "l0.o", 5)
+    (p,) = check_checkpoint(_open(bad))
+    assert p["kind"] == "checksum"
+    assert p["path"] == str(_rank(bad, 1, 4))
+    assert "rank-00001-of-00004.safetensors" in p["message"]
+    assert p["tensor"] is None and p["region"] is None
+
+
+def test_check_differing_replica(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = _copy(ckpts["tp4"], tmp_path)
+    _flip(_rank(bad, 2, 4), "norm", 5)
+    _flip(_rank(bad, 3, 4), "step", 0, byte=7)
+    problems = check_checkpoint(_open(bad))
+    kinds = sorted((p["kind"], Path(p["path"]).name) for p in problems)
+    assert kinds == [
+        ("checksum", "rank-00002-of-00004.safetensors"),
+        ("checksum", "rank-00003-of-00004.safetensors"),
+        ("replica", "rank-00002-of-00004.safetensors"),
+        ("replica", "rank-00003-of-00004.safetensors"),
+    ]
+    rep = {p["tensor"]: p for p in problems if p["kind"] == "replica"}
+    assert rep["norm"]["region"] == [[0, 7]]
+    assert rep["norm"]["index"] == [5]
+    assert rep["norm"]["other"] == str(_rank(bad, 0, 4))
+    assert "rank-00002-of-00004.safetensors" in rep["norm"]["message"]
+    assert rep["step"]["region"] == [] and rep["step"]["index"] == []
+    # without checksums only the replicas are left
+    man = json.loads((bad / "reshard.json").read_text())
+    del man["files"]
+    (bad / "reshard.json").write_text(json.dumps(man))
+    assert [p["kind"] for p in check_checkpoint(_open(bad), max_bytes=1)] == ["replica", "replica"]
+
+
+def test_check_differing_replica_in_strided_layout(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    # l0.o [6, 7] with fsdp: S(0), tp: S(1): ranks (0, 1) and (1, 1) hold disjoint rows; use norm
+    # and l0.w's neighbours: l0.w [10, 6] _S(0, tp) x S(0) is never replicated, norm is on all 4
+    bad = _copy(ckpts["fsdp_tp"], tmp_path)
+    _flip(_rank(bad, 3, 4), "norm", 6)
+    problems = [p for p in check_checkpoint(_open(bad)) if p["kind"] == "replica"]
+    assert [(p["tensor"], p["index"], p["region"]) for p in problems] == [("norm", [6], [[0, 7]])]
+
+
+def test_check_manifest_files(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    bad = _copy(ckpts["tp3"], tmp_path)
+    man = json.loads((bad / "reshard.json").read_text())
+    man["files"]["rank-00009-of-00003.safetensors"] = {"size": 1, "checksum": "xxh3_128:00"}
+    man["files"]["rank-00001-of-00003.safetensors"]["size"] += 1
+    del man["files"]["rank-00002-of-00003.safetensors"]
+    man["tensors"]["norm"]["dtype"] = "BF16"
+    man["tensors"]["ghost"] = {"dtype": "F32", "shape": [1]}
+    (bad / "reshard.json").write_text(json.dumps(man))
+    problems = check_checkpoint(_open(bad))
+    got = sorted((p["kind"], Path(p["path"]).name, p["tensor"]) for p in problems)
+    assert got == [
+        ("manifest", "reshard.json", "ghost"),
+        ("manifest", "reshard.json", "norm"),
+        ("missing-file", "rank-00009-of-00003.safetensors", None),
+        ("size", "rank-00001-of-00003.safetensors", None),
+        ("unlisted-file", "rank-00002-of-00003.safetensors", None),
+    ]
+    missing = next(p for p in problems if p["kind"] == "missing-file")
+    assert "listed in reshard.json but missing" in missing["message"]
+
+
+def test_check_warnings(ckpts: dict[str, Path]) -> None:
+    ck = _open(ckpts["hf0"])
+    ck.warnings.extend(["problem: shard-1: chunks of x misleading", "tensor y ignored"])
+    (p,) = check_checkpoint(ck)
+    assert p == {"kind": "warning", "message": "shard-1: chunks of x misleading", "path": None,
+                 "tensor": None, "region": None}
+
+
+def _raw_file(path: Path, data: bytes) -> int:
+    """A safetensors file holding ``data`` as one U8 tensor; returns the data's absolute offset."""
+    save_file({"raw": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, str(path))
+    return read_header(path).data_start
+
+
+def _source(name: str, shape: tuple[int, ...], pieces: list[tuple[int, tuple[Any, ...]]],
+            partials: tuple[int, ...] | None = None, dtype: str = "F32") -> TensorSource:
+    return TensorSource(
+        name=name, dtype=dtype, shape=shape,
+        piece_files=tuple(0 for _ in pieces),
+        piece_offsets=tuple(off for off, _ in pieces),
+        piece_blocks=tuple(blk for _, blk in pieces),
+        signature=("hand", name),
+        piece_partials=partials,
+        reduce_op="sum" if partials else None,
+    )
+
+
+def _holed(tmp_path: Path) -> tuple[Checkpoint, Checkpoint]:
+    """A [6, 4] F32 tensor 0..23 whole, and the same with rows 2:4 in no piece."""
+    data = struct.pack("<24f", *range(24))
+    base = _raw_file(tmp_path / "data.safetensors", data)
+    rows = 4 * 4
+    whole = _source("t", (6, 4), [(base, ((I(0, 6),), (I(0, 4),)))])
+    holed = _source("t", (6, 4), [
+        (base, ((I(0, 2),), (I(0, 4),))),
+        (base + 4 * rows, ((I(4, 6),), (I(0, 4),))),
+    ])
+
+    def ck(t: TensorSource) -> Checkpoint:
+        f = tmp_path / "data.safetensors"
+        return Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {"t": t})
+
+    return ck(whole), ck(holed)
+
+
+def test_check_hole(tmp_path: Path) -> None:
+    _, holed = _holed(tmp_path)
+    (p,) = check_checkpoint(holed)
+    assert p["kind"] == "hole"
+    assert p["tensor"] == "t"
+    assert p["region"] == [[2, 4], [0, 4]]
+    assert "region [2:4, 0:4] is in no piece (8 elements)" in p["message"]
+
+
+def test_check_hole_in_a_partial_group_and_many_holes(tmp_path: Path) -> None:
+    base = _raw_file(tmp_path / "d.safetensors", bytes(4 * 40))
+    full = ((I(0, 40),),)
+    odd = ((I(0, 1), I(2, 3), I(4, 5), I(6, 7), I(8, 9), I(10, 11), I(12, 13), I(14, 15),
+            I(16, 17), I(18, 19), I(20, 40)),)
+    t = _source("p", (40,), [(base, full), (base, odd)], partials=(0, 1))
+    f = tmp_path / "d.safetensors"
+    ck = Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {"p": t})
+    problems = check_checkpoint(ck)
+    assert [p["region"] for p in problems[:8]] == [[[i, i + 1]] for i in range(1, 17, 2)]
+    assert all("partial group 1" in p["message"] for p in problems)
+    assert len(problems) == 9
+    assert problems[8]["region"] is None and "2 more hole region(s)" in problems[8]["message"]
+
+
+def test_check_overlaps_and_bounds(tmp_path: Path) -> None:
+    # piece A holds rows 0:4 of an [6, 2] tensor, piece B rows 2:6; they share rows 2:4
+    vals = [float(i) for i in range(8)]
+    a = struct.pack("<8f", *vals)
+    b_same = struct.pack("<8f", *(vals[4:] + [8.0, 9.0, 10.0, 11.0]))
+    b_diff = struct.pack("<8f", *(vals[4:7] + [-7.0, 8.0, 9.0, 10.0, 11.0]))
+    base = _raw_file(tmp_path / "d.safetensors", a + b_same + b_diff)
+    f = tmp_path / "d.safetensors"
+
+    def ck(*ts: TensorSource) -> Checkpoint:
+        return Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {t.name: t for t in ts})
+
+    top = ((I(0, 4),), (I(0, 2),))
+    bottom = ((I(2, 6),), (I(0, 2),))
+    same = _source("same", (6, 2), [(base, top), (base + 32, bottom)])
+    diff = _source("diff", (6, 2), [(base, top), (base + 64, bottom)])
+    (p,) = check_checkpoint(ck(same, diff), max_bytes=1)
+    assert p["kind"] == "overlap"
+    assert p["tensor"] == "diff"
+    assert p["index"] == [3, 1]
+    assert p["region"] == [[2, 4], [0, 2]]
+    past = _source("past", (6, 2), [(base + 64, top), (base + 80, bottom)])
+    (p,) = check_checkpoint(ck(past))
+    assert p["kind"] == "bounds" and p["tensor"] == "past" and p["path"] == str(f)
+    outside = _source("out", (3, 2), [(base, top)])
+    (p,) = check_checkpoint(ck(outside))
+    assert p["kind"] == "outside"
+
+
+def test_check_shares_geometry_between_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _raw_file(tmp_path / "d.safetensors", bytes(4 * 64))
+    f = tmp_path / "d.safetensors"
+    blocks = [((I(16 * r, 16 * (r + 1)),), (I(0, 4),)) for r in range(4)]
+    tensors = {}
+    for i in range(2000):
+        t = _source(f"layers.{i}.w", (64, 4), [(base, blk) for blk in blocks])
+        tensors[t.name] = TensorSource(
+            t.name, t.dtype, t.shape, t.piece_files, t.piece_offsets, t.piece_blocks,
+            ("layout", (64, 4), (4,), "S(0)"),
+        )
+    ck = Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), tensors)
+    calls = []
+    real = check_mod._geometry
+
+    def counting(t: TensorSource) -> Any:
+        calls.append(t.name)
+        return real(t)
+
+    monkeypatch.setattr(check_mod, "_geometry", counting)
+    assert check_checkpoint(ck) == []
+    assert calls == ["layers.0.w"]
+
+
+def test_coverage_holes() -> None:
+    assert coverage_holes((), [()]) == []
+    assert coverage_holes((), []) == [()]
+    assert coverage_holes((0, 5), []) == []
+    assert coverage_holes((4,), []) == [(I(0, 4),)]
+    # four column shards of a [3, 8] tensor, the third missing
+    cols = [((I(0, 3),), (I(2 * c, 2 * c + 2),)) for c in (0, 1, 3)]
+    assert coverage_holes((3, 8), cols) == [(I(0, 3), I(4, 6))]
+    # a 2x2 grid missing its bottom-right tile, plus a strided block
+    grid = [((I(0, 2),), (I(0, 2),)), ((I(0, 2),), (I(2, 4),)), ((I(2, 4),), (I(0, 2),))]
+    assert coverage_holes((4, 4), grid) == [(I(2, 4), I(2, 4))]
+    strided = [((I(0, 1), I(2, 3)),), ((I(1, 2),),)]
+    assert coverage_holes((4,), strided) == [(I(3, 4),)]
+    # overlapping blocks still cover
+    assert coverage_holes((5,), [((I(0, 3),),), ((I(2, 5),),)]) == []
