@@ -350,8 +350,9 @@ def _check_files(ckpt: Checkpoint, out: list[dict[str, Any]]) -> list[int | None
     return sizes
 
 
-def _check_manifest(ckpt: Checkpoint, out: list[dict[str, Any]]) -> None:
+def _check_manifest(ckpt: Checkpoint, out: list[dict[str, Any]], max_bytes: int) -> None:
     man = ckpt.manifest
+    chunk = max(4096, min(8 << 20, max_bytes // 2))
     if man is None:
         return
     root = _manifest_root(ckpt)
@@ -395,7 +396,7 @@ def _check_manifest(ckpt: Checkpoint, out: list[dict[str, Any]]) -> None:
                     path=where,
                 ))
                 continue
-            actual = file_checksum(path)
+            actual = file_checksum(path, chunk=chunk)
             if actual != cs:
                 out.append(_problem(
                     "checksum",
@@ -565,7 +566,7 @@ def check_checkpoint(
         if w.startswith(PROBLEM_PREFIX):
             out.append(_problem("warning", w[len(PROBLEM_PREFIX):]))
     sizes = _check_files(ckpt, out)
-    _check_manifest(ckpt, out)
+    _check_manifest(ckpt, out, max_bytes)
     cache: dict[tuple[Any, ...], _Geometry] = {}
     data = _Data(ckpt, max_bytes)
     try:

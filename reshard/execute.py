@@ -18,7 +18,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,17 +362,10 @@ class _Writer:
         return cast_reduce(views, t.src.dtype, t.dtype, t.reduce_op, n)
 
 
-def write_out_file(
-    plan: Plan,
-    f: OutFile,
-    dst: Path,
-    sources: SourceFiles,
-    *,
-    buffer_size: int = DEFAULT_BUFFER,
-    progress: ProgressFn | None = None,
-) -> FileResult:
-    """Write one output file atomically (``NAME.tmp`` then rename) and return its checksum."""
-    final = dst / f.name
+def _write_tmp(
+    plan: Plan, f: OutFile, dst: Path, sources: SourceFiles, buffer_size: int,
+    progress: ProgressFn | None,
+) -> Path:
     tmp = dst / (f.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -386,9 +379,27 @@ def write_out_file(
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
+    return tmp
+
+
+def _finish(f: OutFile, tmp: Path) -> FileResult:
+    """Hash a written ``NAME.tmp`` and rename it into place."""
     checksum = file_checksum(tmp)
-    os.replace(tmp, final)
+    os.replace(tmp, tmp.with_name(f.name))
     return FileResult(f.name, f.size, checksum)
+
+
+def write_out_file(
+    plan: Plan,
+    f: OutFile,
+    dst: Path,
+    sources: SourceFiles,
+    *,
+    buffer_size: int = DEFAULT_BUFFER,
+    progress: ProgressFn | None = None,
+) -> FileResult:
+    """Write one output file atomically (``NAME.tmp`` then rename) and return its checksum."""
+    return _finish(f, _write_tmp(plan, f, dst, sources, buffer_size, progress))
 
 
 def execute_plan(
@@ -415,21 +426,35 @@ def execute_plan(
             with lock:
                 progress(n)
 
-    def one(f: OutFile) -> FileResult:
-        r = write_out_file(plan, f, dst, sources, buffer_size=buffer_size, progress=prog)
+    # Hashing reads each finished file back from the page cache; one thread does it
+    # while the writers go on with the next file, so it overlaps with the copying.
+    hasher = ThreadPoolExecutor(max_workers=1)
+    pending: dict[str, Future[FileResult]] = {}
+
+    def finish(f: OutFile, tmp: Path) -> FileResult:
+        r = _finish(f, tmp)
         if on_file_done is not None:
             with lock:
                 on_file_done(r)
         return r
 
+    def one(f: OutFile) -> None:
+        tmp = _write_tmp(plan, f, dst, sources, buffer_size, prog)
+        pending[f.name] = hasher.submit(finish, f, tmp)
+
     try:
         if workers <= 1 or len(todo) <= 1:
-            results = [one(f) for f in todo]
+            for f in todo:
+                one(f)
         else:
             order = sorted(range(len(todo)), key=lambda i: -todo[i].size)
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                futs = {i: pool.submit(one, todo[i]) for i in order}
-                results = [futs[i].result() for i in range(len(todo))]
+                for fut in [pool.submit(one, todo[i]) for i in order]:
+                    fut.result()
+        results = [pending[f.name].result() for f in todo]
     finally:
+        hasher.shutdown(wait=True)
+        for f in todo:
+            (dst / (f.name + ".tmp")).unlink(missing_ok=True)
         sources.close()
     return results

@@ -23,11 +23,15 @@ What the format cannot say:
   global offset of the local tensor (``compute_local_shape_and_global_offset``).
   For a ``_StridedShard`` whose local rows are not contiguous in the global
   tensor (fused ``gate_up``: ``[R, _S(0, 2)]``) that box is wrong. torch 2.13's
-  default save planner rejects such a plan ("overlapping chunks"); a planner
-  without that validation (older torch, custom planners) writes it. The boxes
-  then overlap each other, which :func:`open_dcp_safetensors` reports in
-  :attr:`Checkpoint.warnings`; the FSDP2-over-TP form ``[_S(0, tp), S(0)]``
+  ``DefaultSavePlanner`` rejects such a plan ("overlapping chunks"); a save
+  planner that skips ``_validate_global_plan`` writes it. The boxes then
+  overlap each other (rank 0 ``[0:4)``, rank 1 ``[2:6)`` for 8 rows on 2
+  ranks), which :func:`open_dcp_safetensors` reports in
+  :attr:`Checkpoint.warnings`. The FSDP2-over-TP form ``[_S(0, tp), S(0)]``
   holds contiguous rows and is stored correctly.
+- torch keys a file's tensors by name, so a rank that saves two chunks of one
+  tensor (a ShardedTensor with two local shards) keeps only the last one; the
+  lost chunk shows up as a hole when converting.
 """
 
 from __future__ import annotations

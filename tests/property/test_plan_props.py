@@ -220,6 +220,14 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
+def exec_options() -> st.SearchStrategy[dict[str, int]]:
+    """Executor options that must not change a byte of output: slab buffer size
+    (at least the largest item size) and worker threads."""
+    return st.fixed_dictionaries(
+        {"buffer_size": st.sampled_from([256 * 1024, 8, 16, 24, 40, 64, 4096]), "workers": st.sampled_from([1, 3])}
+    )
+
+
 @st.composite
 def round_trip_cases(draw: st.DrawFn):
     ma = draw(meshes(max_ranks=8))
@@ -235,7 +243,8 @@ def round_trip_cases(draw: st.DrawFn):
         "y": draw(placements(len(sy), mb.ndim, allow_partial=False)),
     }
     seed = draw(st.integers(0, 2**16))
-    return ma, mb, sx, sy, pa, pb, seed
+    opts = draw(exec_options())
+    return ma, mb, sx, sy, pa, pb, seed, opts
 
 
 RT_EXAMPLES = [
@@ -258,6 +267,7 @@ RT_EXAMPLES = [
         1,
     ),
 ]
+RT_EXAMPLES = [(*c, {"buffer_size": 16, "workers": 1}) for c in RT_EXAMPLES]
 
 
 @settings(
@@ -268,7 +278,7 @@ RT_EXAMPLES = [
 @example(RT_EXAMPLES[0])
 @example(RT_EXAMPLES[1])
 def test_round_trip_real_files_against_torch(case):
-    ma, mb, sx, sy, pa, pb, seed = case
+    ma, mb, sx, sy, pa, pb, seed, opts = case
     g = torch.Generator().manual_seed(seed)
     full = {
         "x": torch.arange(math.prod(sx), dtype=torch.int64).reshape(sx),
@@ -281,15 +291,17 @@ def test_round_trip_real_files_against_torch(case):
         write_per_rank(root / "A", ma, {k: [v] for k, v in full.items()}, pa)
 
         convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "B",
-                TargetSpec(layout=str(root / "b.yaml"), to="per-rank"))
+                TargetSpec(layout=str(root / "b.yaml"), to="per-rank"), **opts)
         check_per_rank(root / "B", mb, full, pb)
 
         # B describes itself: no layout file needed
-        convert(SourceSpec(str(root / "B")), root / "HF", TargetSpec(consolidate=True))
+        convert(SourceSpec(str(root / "B")), root / "HF", TargetSpec(consolidate=True), **opts)
         check_consolidated(root / "HF", full)
 
         # back to A: the original tensors, and byte-identical files on a second run
-        convert(SourceSpec(str(root / "B")), root / "A1", TargetSpec(layout=str(root / "a.yaml"), to="per-rank"))
+        # (with the default executor options: they must not matter either)
+        convert(SourceSpec(str(root / "B")), root / "A1", TargetSpec(layout=str(root / "a.yaml"), to="per-rank"),
+                **opts)
         check_per_rank(root / "A1", ma, full, pa)
         convert(SourceSpec(str(root / "B")), root / "A2", TargetSpec(layout=str(root / "a.yaml"), to="per-rank"))
         assert file_bytes(root / "A1") == file_bytes(root / "A2")
@@ -310,7 +322,7 @@ def partial_cases(draw: st.DrawFn):
     pb = draw(placements(len(shape), mb.ndim, allow_partial=False))
     dtype = draw(st.sampled_from([torch.int64, torch.float32]))
     seed = draw(st.integers(0, 2**16))
-    return op, ma, shape, tuple(pls), mb, pb, dtype, seed
+    return op, ma, shape, tuple(pls), mb, pb, dtype, seed, draw(exec_options())
 
 
 def partial_values(full: torch.Tensor, k: int, op: str, g: torch.Generator) -> list[torch.Tensor]:
@@ -331,13 +343,13 @@ def partial_values(full: torch.Tensor, k: int, op: str, g: torch.Generator) -> l
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(partial_cases())
-@example(("sum", Mesh(("tp",), (4,)), (5, 3), (Partial("sum"),), Mesh(("tp",), (1,)), (Replicate(),), torch.int64, 0))
+@example(("sum", Mesh(("tp",), (4,)), (5, 3), (Partial("sum"),), Mesh(("tp",), (1,)), (Replicate(),), torch.int64, 0, {"buffer_size": 8, "workers": 1}))
 @example(("max", Mesh(("dp", "tp"), (2, 2)), (7,), (Partial("max"), Shard(0)), Mesh(("tp",), (3,)), (Shard(0),),
-          torch.float32, 0))
+          torch.float32, 0, {"buffer_size": 16, "workers": 3}))
 @example(("avg", Mesh(("dp", "tp"), (3, 2)), (4, 5), (Partial("avg"), StridedShard(1, 2)), Mesh(("tp",), (2,)),
-          (Shard(1),), torch.float32, 0))
+          (Shard(1),), torch.float32, 0, {"buffer_size": 256 * 1024, "workers": 1}))
 def test_partial_source_reduces_to_the_full_tensor(case):
-    op, ma, shape, pls, mb, pb, dtype, seed = case
+    op, ma, shape, pls, mb, pb, dtype, seed, opts = case
     g = torch.Generator().manual_seed(seed)
     full = torch.arange(math.prod(shape)).reshape(shape).to(dtype) - 3
     k = math.prod(s for p, s in zip(pls, ma.shape) if isinstance(p, Partial))
@@ -347,10 +359,11 @@ def test_partial_source_reduces_to_the_full_tensor(case):
         (root / "a.yaml").write_text(layout_yaml(ma, {"w": pls}))
         (root / "b.yaml").write_text(layout_yaml(mb, {"w": pb}))
         write_per_rank(root / "A", ma, {"w": parts}, {"w": pls})
-        convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "HF", TargetSpec(consolidate=True))
+        convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "HF", TargetSpec(consolidate=True),
+                **opts)
         check_consolidated(root / "HF", {"w": full})
         convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "B",
-                TargetSpec(layout=str(root / "b.yaml"), to="per-rank"))
+                TargetSpec(layout=str(root / "b.yaml"), to="per-rank"), **opts)
         check_per_rank(root / "B", mb, {"w": full}, {"w": pb})
 
 

@@ -37,7 +37,7 @@ placements:
 FSDP_TP = """\
 mesh: {fsdp: 2, tp: 2}
 placements:
-  "*.w": {fsdp: _S(0, tp), tp: S(0)}
+  "*.w": {fsdp: "_S(0, tp)", tp: S(0)}
   "*.o": {fsdp: S(0), tp: S(1)}
   "*": R
 """
@@ -70,7 +70,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     convert(SourceSpec(str(root / "tp4")), root / "tp3", TargetSpec(mesh="tp=3"))
     convert(SourceSpec(str(root / "tp3")), root / "hf", TargetSpec(consolidate=True))
     convert(
-        SourceSpec(str(root / "tp4")), root / "fsdp_tp", TargetSpec(layout=str(root / "fsdp_tp.yaml"))
+        SourceSpec(str(root / "tp4")),
+        root / "fsdp_tp",
+        TargetSpec(layout=str(root / "fsdp_tp.yaml")),
     )
     return {n: root / n for n in ("hf0", "tp4", "tp3", "hf", "fsdp_tp")}
 
@@ -109,8 +111,14 @@ TOTAL_BYTES = sum(t.numel() * t.element_size() for t in _tensors().values())
 
 @pytest.mark.parametrize(
     ("a", "b"),
-    [("hf0", "tp4"), ("tp4", "tp3"), ("tp3", "hf"), ("tp4", "fsdp_tp"), ("fsdp_tp", "hf0"),
-     ("hf", "hf0")],
+    [
+        ("hf0", "tp4"),
+        ("tp4", "tp3"),
+        ("tp3", "hf"),
+        ("tp4", "fsdp_tp"),
+        ("fsdp_tp", "hf0"),
+        ("hf", "hf0"),
+    ],
 )
 @pytest.mark.parametrize("max_bytes", [1, 64 << 20])
 def test_verify_equal_across_layouts(
@@ -141,7 +149,9 @@ def test_verify_reports_the_flipped_element(ckpts: dict[str, Path], tmp_path: Pa
         assert "[3, 3]" in d["message"]
 
 
-def test_verify_reports_the_smallest_differing_index(ckpts: dict[str, Path], tmp_path: Path) -> None:
+def test_verify_reports_the_smallest_differing_index(
+    ckpts: dict[str, Path], tmp_path: Path
+) -> None:
     bad = _copy(ckpts["tp4"], tmp_path)
     _flip(_rank(bad, 1, 4), "l0.o", 3 * 2 + 1)  # global (3, 3), rank 1's region is compared first
     _flip(_rank(bad, 2, 4), "l0.o", 0)  # global (0, 4)
@@ -190,21 +200,34 @@ def test_verify_compares_bits(tmp_path: Path) -> None:
 
 
 def test_verify_names_dtypes_shapes(tmp_path: Path) -> None:
-    a = _hf(tmp_path / "a", {
-        "only_a": torch.zeros(2), "same": torch.ones(3), "dt": torch.zeros(2, 3),
-        "sh": torch.zeros(2, 3),
-    })
-    b = _hf(tmp_path / "b", {
-        "only_b": torch.zeros(2), "same": torch.ones(3), "dt": torch.zeros(2, 3, dtype=torch.bfloat16),
-        "sh": torch.zeros(3, 2),
-    })
+    a = _hf(
+        tmp_path / "a",
+        {
+            "only_a": torch.zeros(2),
+            "same": torch.ones(3),
+            "dt": torch.zeros(2, 3),
+            "sh": torch.zeros(2, 3),
+        },
+    )
+    b = _hf(
+        tmp_path / "b",
+        {
+            "only_b": torch.zeros(2),
+            "same": torch.ones(3),
+            "dt": torch.zeros(2, 3, dtype=torch.bfloat16),
+            "sh": torch.zeros(3, 2),
+        },
+    )
     doc = verify_checkpoints(a, b)
     assert doc["equal"] is False
     assert doc["tensors"] == 3
     assert doc["bytes_compared"] == 12
     got = {d["tensor"]: d for d in doc["differences"]}
     assert {n: d["kind"] for n, d in got.items()} == {
-        "only_a": "missing", "only_b": "extra", "dt": "dtype", "sh": "shape",
+        "only_a": "missing",
+        "only_b": "extra",
+        "dt": "dtype",
+        "sh": "shape",
     }
     assert got["only_a"]["message"] == 'tensor "only_a" is in A but missing in B'
     assert got["dt"]["message"] == 'tensor "dt": dtype F32 in A, BF16 in B'
@@ -216,13 +239,19 @@ def _partial(tmp_path: Path, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) 
     d.mkdir()
     save_file({"p": x, "r": r}, str(_rank(d, 0, 2)))
     save_file({"p": y, "r": r}, str(_rank(d, 1, 2)))
-    (tmp_path / "partial.yaml").write_text('mesh: {dp: 2}\nplacements:\n  "p": {dp: P(sum)}\n  "*": R\n')
+    (tmp_path / "partial.yaml").write_text(
+        'mesh: {dp: 2}\nplacements:\n  "p": {dp: P(sum)}\n  "*": R\n'
+    )
     return open_checkpoint(d, layout=load_layout(tmp_path / "partial.yaml"))
 
 
 def test_verify_reduces_partial_tensors(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(1)
-    x, y, r = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g), torch.randn(5, generator=g)
+    x, y, r = (
+        torch.randn(4, 3, generator=g),
+        torch.randn(4, 3, generator=g),
+        torch.randn(5, generator=g),
+    )
     part = _partial(tmp_path, x, y, r)
     summed = _hf(tmp_path / "sum", {"p": x + y, "r": r})
     assert verify_checkpoints(part, summed)["equal"] is True
@@ -238,10 +267,16 @@ def test_verify_reduces_partial_tensors(tmp_path: Path) -> None:
 def _big(tmp_path: Path) -> tuple[Checkpoint, Checkpoint]:
     g = torch.Generator().manual_seed(2)
     (tmp_path / "big").mkdir()
-    save_file({"m.w": torch.randn(256, 512, generator=g), "m.o": torch.randn(512, 256, generator=g)},
-              str(tmp_path / "big" / "model.safetensors"))
+    save_file(
+        {"m.w": torch.randn(256, 512, generator=g), "m.o": torch.randn(512, 256, generator=g)},
+        str(tmp_path / "big" / "model.safetensors"),
+    )
     (tmp_path / "l.yaml").write_text(FSDP_TP)
-    convert(SourceSpec(str(tmp_path / "big")), tmp_path / "big2", TargetSpec(layout=str(tmp_path / "l.yaml")))
+    convert(
+        SourceSpec(str(tmp_path / "big")),
+        tmp_path / "big2",
+        TargetSpec(layout=str(tmp_path / "l.yaml")),
+    )
     return _open(tmp_path / "big"), _open(tmp_path / "big2")
 
 
@@ -362,8 +397,13 @@ def test_check_warnings(ckpts: dict[str, Path]) -> None:
     ck = _open(ckpts["hf0"])
     ck.warnings.extend(["problem: shard-1: chunks of x misleading", "tensor y ignored"])
     (p,) = check_checkpoint(ck)
-    assert p == {"kind": "warning", "message": "shard-1: chunks of x misleading", "path": None,
-                 "tensor": None, "region": None}
+    assert p == {
+        "kind": "warning",
+        "message": "shard-1: chunks of x misleading",
+        "path": None,
+        "tensor": None,
+        "region": None,
+    }
 
 
 def _raw_file(path: Path, data: bytes) -> int:
@@ -372,10 +412,17 @@ def _raw_file(path: Path, data: bytes) -> int:
     return read_header(path).data_start
 
 
-def _source(name: str, shape: tuple[int, ...], pieces: list[tuple[int, tuple[Any, ...]]],
-            partials: tuple[int, ...] | None = None, dtype: str = "F32") -> TensorSource:
+def _source(
+    name: str,
+    shape: tuple[int, ...],
+    pieces: list[tuple[int, tuple[Any, ...]]],
+    partials: tuple[int, ...] | None = None,
+    dtype: str = "F32",
+) -> TensorSource:
     return TensorSource(
-        name=name, dtype=dtype, shape=shape,
+        name=name,
+        dtype=dtype,
+        shape=shape,
         piece_files=tuple(0 for _ in pieces),
         piece_offsets=tuple(off for off, _ in pieces),
         piece_blocks=tuple(blk for _, blk in pieces),
@@ -391,10 +438,14 @@ def _holed(tmp_path: Path) -> tuple[Checkpoint, Checkpoint]:
     base = _raw_file(tmp_path / "data.safetensors", data)
     rows = 4 * 4
     whole = _source("t", (6, 4), [(base, ((I(0, 6),), (I(0, 4),)))])
-    holed = _source("t", (6, 4), [
-        (base, ((I(0, 2),), (I(0, 4),))),
-        (base + 4 * rows, ((I(4, 6),), (I(0, 4),))),
-    ])
+    holed = _source(
+        "t",
+        (6, 4),
+        [
+            (base, ((I(0, 2),), (I(0, 4),))),
+            (base + 4 * rows, ((I(4, 6),), (I(0, 4),))),
+        ],
+    )
 
     def ck(t: TensorSource) -> Checkpoint:
         f = tmp_path / "data.safetensors"
@@ -415,8 +466,21 @@ def test_check_hole(tmp_path: Path) -> None:
 def test_check_hole_in_a_partial_group_and_many_holes(tmp_path: Path) -> None:
     base = _raw_file(tmp_path / "d.safetensors", bytes(4 * 40))
     full = ((I(0, 40),),)
-    odd = ((I(0, 1), I(2, 3), I(4, 5), I(6, 7), I(8, 9), I(10, 11), I(12, 13), I(14, 15),
-            I(16, 17), I(18, 19), I(20, 40)),)
+    odd = (
+        (
+            I(0, 1),
+            I(2, 3),
+            I(4, 5),
+            I(6, 7),
+            I(8, 9),
+            I(10, 11),
+            I(12, 13),
+            I(14, 15),
+            I(16, 17),
+            I(18, 19),
+            I(20, 40),
+        ),
+    )
     t = _source("p", (40,), [(base, full), (base, odd)], partials=(0, 1))
     f = tmp_path / "d.safetensors"
     ck = Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {"p": t})
@@ -437,7 +501,9 @@ def test_check_overlaps_and_bounds(tmp_path: Path) -> None:
     f = tmp_path / "d.safetensors"
 
     def ck(*ts: TensorSource) -> Checkpoint:
-        return Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {t.name: t for t in ts})
+        return Checkpoint(
+            str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {t.name: t for t in ts}
+        )
 
     top = ((I(0, 4),), (I(0, 2),))
     bottom = ((I(2, 6),), (I(0, 2),))
@@ -456,7 +522,9 @@ def test_check_overlaps_and_bounds(tmp_path: Path) -> None:
     assert p["kind"] == "outside"
 
 
-def test_check_shares_geometry_between_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_shares_geometry_between_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base = _raw_file(tmp_path / "d.safetensors", bytes(4 * 64))
     f = tmp_path / "d.safetensors"
     blocks = [((I(16 * r, 16 * (r + 1)),), (I(0, 4),)) for r in range(4)]
@@ -464,7 +532,12 @@ def test_check_shares_geometry_between_tensors(tmp_path: Path, monkeypatch: pyte
     for i in range(2000):
         t = _source(f"layers.{i}.w", (64, 4), [(base, blk) for blk in blocks])
         tensors[t.name] = TensorSource(
-            t.name, t.dtype, t.shape, t.piece_files, t.piece_offsets, t.piece_blocks,
+            t.name,
+            t.dtype,
+            t.shape,
+            t.piece_files,
+            t.piece_offsets,
+            t.piece_blocks,
             ("layout", (64, 4), (4,), "S(0)"),
         )
     ck = Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), tensors)

@@ -1,6 +1,6 @@
 """Write DCP safetensors checkpoints with torch's own HuggingFaceStorageWriter, in a gloo world.
 
-Run as a script (``python save_world.py OUT``): spawns 4 CPU processes on a
+Run as a script (``python save_world.py OUT``): forks 4 CPU processes on a
 ``(dp=2, tp=2)`` mesh. Every rank builds the same full tensors (fixed seed),
 distributes them with ``distribute_tensor`` and saves them with
 ``torch.distributed.checkpoint.save(..., storage_writer=HuggingFaceStorageWriter(
@@ -68,8 +68,8 @@ def placements() -> dict[str, Any]:
 
 
 def _no_validation_planner() -> Any:
-    """A save planner without torch's global-plan validation (older torch and custom
-    planners write what it would reject)."""
+    """A save planner without torch's global-plan validation, so torch's writer
+    stores what ``DefaultSavePlanner`` would reject."""
     import dataclasses
 
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
