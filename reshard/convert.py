@@ -340,7 +340,8 @@ def convert(
         "tensors": len(plan.tensors),
         "files": [{"name": r.name, "size": r.size, "checksum": r.checksum} for r in ordered],
         "bytes_written": plan.bytes_written,
-        "bytes_read": plan.bytes_read,
+        "bytes_read": sum(r.bytes_read for r in ordered),
+        "copies": sum(f.copies for f in plan.files),
         "resumed_files": len(done),
         "warnings": list(ckpt.warnings),
     }

@@ -55,7 +55,7 @@ def _torch_placements(texts: Any) -> list[Any]:
         if isinstance(p, S):
             out.append(Shard(p.dim))
         elif isinstance(p, SS):
-            out.append(_StridedShard(p.dim, split_factor=p.split_factor))
+            out.append(_StridedShard(p.dim, split_factor=int(p.split_factor)))
         elif isinstance(p, P):
             out.append(Partial(p.reduce_op))
         else:

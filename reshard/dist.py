@@ -2,15 +2,38 @@
 
 Nothing here imports torch unless the process runs under torchrun
 (``WORLD_SIZE`` > 1) or the live-DTensor API is called.
+
+* :func:`coordinator` / :class:`Coordinator`: ``reshard convert`` under torchrun; each
+  rank writes its share of the output files (balanced by bytes), rank 0 the manifest.
+* :func:`load_dtensors`: a checkpoint of any format -> DTensors on a DeviceMesh, each
+  rank reading only the slices its coordinate holds.
+* :func:`save_dtensors`: DTensors -> a self-describing per-rank checkpoint, each rank
+  writing its own local shards (no gather).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["Coordinator", "coordinator", "share_by_bytes"]
+from . import __version__
+from .checkpoint import TensorSource
+from .errors import ConfigError, LayoutError, ReshardError, UsageError, WriteError
+from .execute import SourceFiles, file_checksum
+from .formats import MANIFEST
+from .formats.per_rank import RANK_FILE
+from .intervals import Block, block_shape, block_volume, row_major_strides
+from .io.header import DTYPE_SIZES, encode_header
+from .layout import TensorLayout
+from .mesh import Mesh
+from .placements import Partial, Placement, Replicate, Shard, StridedShard
+from .plan import PER_RANK, copy_boxes, match_blocks, natural_key, rank_file_name
+
+__all__ = ["Coordinator", "coordinator", "share_by_bytes", "load_dtensors", "save_dtensors"]
 
 T = TypeVar("T")
 
@@ -87,3 +110,501 @@ def coordinator() -> Coordinator:
         else:
             _COORD = Coordinator()
     return _COORD
+
+
+# --------------------------------------------------------------------------- live DTensors
+
+_LIVE: tuple[object, Coordinator] | None = None
+
+
+def _live_coordinator() -> Coordinator:
+    """A coordinator over the live default process group (initialising gloo under torchrun).
+
+    Without a process group and outside torchrun this is the one-rank coordinator.
+    The module-level :func:`coordinator` is updated too, so ``convert()`` in the same
+    process shares the same group.
+    """
+    global _COORD, _LIVE
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return coordinator()
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+            dist.init_process_group("gloo")
+        else:
+            return coordinator()
+    world_pg = dist.group.WORLD
+    if _LIVE is not None and _LIVE[0] is world_pg:
+        return _LIVE[1]
+    if isinstance(_COORD, _TorchrunCoordinator) and _LIVE is None:
+        coord: Coordinator = _COORD
+    else:
+        coord = _TorchrunCoordinator()
+    _COORD = coord
+    _LIVE = (world_pg, coord)
+    return coord
+
+
+def _mesh_names(device_mesh: Any) -> tuple[str, ...] | None:
+    names = getattr(device_mesh, "mesh_dim_names", None)
+    return tuple(str(n) for n in names) if names else None
+
+
+def _reshard_mesh(device_mesh: Any, names: tuple[str, ...] | None = None) -> Mesh:
+    """The reshard :class:`Mesh` of a torch DeviceMesh: its dim names (or ``d0, d1, ...``) and shape."""
+    shape = tuple(int(s) for s in device_mesh.shape)
+    if names is None:
+        names = _mesh_names(device_mesh) or tuple(f"d{i}" for i in range(len(shape)))
+    return Mesh(names, shape)
+
+
+def _torch_placements(placements: Sequence[Placement], tensor: str) -> list[Any]:
+    """torch placements for reshard ones; a Partial target is refused."""
+    from torch.distributed.tensor.placement_types import Replicate as TReplicate
+    from torch.distributed.tensor.placement_types import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: list[Any] = []
+    for p in placements:
+        if isinstance(p, Shard):
+            out.append(TShard(p.dim))
+        elif isinstance(p, StridedShard):
+            assert isinstance(p.split_factor, int)  # TensorLayout.make resolved it
+            out.append(_StridedShard(p.dim, split_factor=p.split_factor))
+        elif isinstance(p, Replicate):
+            out.append(TReplicate())
+        else:
+            raise LayoutError(
+                f'tensor "{tensor}": a Partial target placement ({p}) cannot be loaded; '
+                "a loaded tensor holds the reduced value. Use R instead of P in the layout.",
+                tensor=tensor,
+            )
+    return out
+
+
+def _reshard_placement(p: Any, tensor: str) -> Placement:
+    """The reshard placement of a torch one (``_StridedShard``, ``Shard``, ``Replicate``, ``Partial``)."""
+    from torch.distributed.tensor.placement_types import Partial as TPartial
+    from torch.distributed.tensor.placement_types import Replicate as TReplicate
+    from torch.distributed.tensor.placement_types import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):
+        return StridedShard(int(p.dim), int(p.split_factor))
+    if isinstance(p, TShard):
+        return Shard(int(p.dim))
+    if isinstance(p, TReplicate):
+        return Replicate()
+    # subclasses (_MaskPartial, _NormPartial) hold values that are not a plain reduction
+    if type(p) is TPartial:
+        try:
+            return Partial(str(p.reduce_op))
+        except ReshardError as e:
+            raise LayoutError(f'tensor "{tensor}": {e.message}', tensor=tensor) from None
+    raise LayoutError(
+        f'tensor "{tensor}": placement {p!r} cannot be saved (reshard stores Shard, '
+        "_StridedShard, Replicate and Partial(sum|avg|max|min)); redistribute it first",
+        tensor=tensor,
+    )
+
+
+def _resolve_layout(layout: Any, ckpt: Any, device_mesh: Any) -> tuple[Mesh, Any]:
+    """The reshard mesh of ``device_mesh`` and the rules to place tensors on it (None: Replicate)."""
+    from .config import LayoutConfig, load_layout, resolve_preset
+
+    cfg: Any
+    if layout is None:
+        cfg = ckpt.layout
+    elif isinstance(layout, LayoutConfig):
+        cfg = layout
+    elif isinstance(layout, (str, os.PathLike)):
+        cfg = load_layout(resolve_preset(os.fspath(layout)))
+    else:
+        raise UsageError(
+            f"layout must be a LayoutConfig, a layout file path, a preset name or None, got {layout!r}"
+        )
+    names = _mesh_names(device_mesh)
+    if names is None and cfg is not None and cfg.mesh.ndim == len(device_mesh.shape):
+        names = cfg.mesh.names  # an unnamed DeviceMesh takes the layout's dim names
+    mesh = _reshard_mesh(device_mesh, names)
+    if cfg is not None:
+        try:
+            cfg = cfg.with_mesh(mesh)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e.message} (loading onto DeviceMesh {mesh})",
+                path=e.path,
+                hint="pass layout= a layout whose rules fit this mesh",
+            ) from None
+    return mesh, cfg
+
+
+def load_dtensors(
+    path: str | os.PathLike[str], mesh: Any, layout: Any = None
+) -> dict[str, Any]:
+    """Read a checkpoint into DTensors on ``mesh``; each rank reads only its own slices.
+
+    Run under torchrun (the default process group is initialised with gloo if it is
+    not yet). No collective is used: every rank opens the checkpoint, computes the
+    block its mesh coordinate holds for each tensor, and fills it from the source
+    pieces that intersect it, through read-only memory maps whose pages are
+    released after each tensor.
+
+    Partial sources (``P(sum)`` etc., e.g. a per-rank checkpoint saved from
+    Partial DTensors) are reduced as ``reshard convert`` reduces them (torch ops on
+    the raw values, ``avg`` of integers rounding down); this holds one buffer per
+    partial group of the local block while reducing.
+
+    Args:
+        path: a checkpoint of any readable format (per-rank directory, hf directory or
+            ``.safetensors`` file, dcp-safetensors directory).
+        mesh: the torch ``DeviceMesh`` to place the tensors on. Its dim names
+            (``mesh_dim_names``; ``d0, d1, ...`` or the layout's names when unnamed)
+            are the names the layout rules use.
+        layout: a :class:`reshard.config.LayoutConfig`, a layout YAML path or preset
+            name; None uses the checkpoint's own rules (per-rank checkpoints), else
+            replicates every tensor.
+
+    Returns:
+        Tensor name -> ``DTensor`` (source dtype, global shape, contiguous strides), in
+        checkpoint order.
+
+    Raises:
+        ReshardError: the checkpoint, the layout or the mesh do not fit together (a tensor
+            no rule matches, a Partial target placement, holes in the source, ...).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from .formats import open_checkpoint
+
+    if dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    ckpt = open_checkpoint(path)
+    rmesh, cfg = _resolve_layout(layout, ckpt, mesh)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise UsageError(f"this rank is not part of the DeviceMesh {rmesh}; load_dtensors needs it")
+    coord = tuple(int(c) for c in coord)
+    sources = SourceFiles(ckpt.files)
+    out: dict[str, Any] = {}
+    try:
+        for name, src in ckpt.tensors.items():
+            pls = cfg.placements_for(name) if cfg is not None else ["R"] * rmesh.ndim
+            try:
+                lay = TensorLayout.make(src.shape, rmesh, pls)
+            except ReshardError as e:
+                raise LayoutError(
+                    f'tensor "{name}" of shape {list(src.shape)}: {e.message}',
+                    tensor=name,
+                    path=e.path,
+                    hint=e.hint,
+                ) from None
+            tpls = _torch_placements(lay.placements, name)
+            local = _read_block(sources, src, lay.block(coord))
+            out[name] = DTensor.from_local(
+                local,
+                mesh,
+                tpls,
+                run_check=False,
+                shape=torch.Size(src.shape),
+                stride=row_major_strides(src.shape),
+            )
+    finally:
+        sources.close()
+    return out
+
+
+def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
+    """A new torch tensor holding ``block`` of ``src``, filled box by box from mapped pieces."""
+    import numpy as np
+    import torch
+
+    from .torch_ops import cast_reduce, torch_dtype
+
+    shape = block_shape(block)
+    isz = DTYPE_SIZES[src.dtype]
+    npt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]
+    local = torch.empty(shape, dtype=torch_dtype(src.dtype))
+    n = block_volume(block)
+    if n == 0:
+        return local
+    (copies,), groups = match_blocks(src, [block])
+    # raw items of the local tensor; bool and fp8 go through uint8 like every 1-byte dtype
+    dst = local.reshape(-1).view(torch.uint8).numpy().view(npt).reshape(shape)
+    bufs = [dst] if groups == 1 else [np.empty(shape, dtype=npt) for _ in range(groups)]
+    arrays: dict[int, Any] = {}
+    for c in copies:
+        arr = arrays.get(c.piece)
+        if arr is None:
+            arr = np.frombuffer(
+                sources.map(src.piece_files[c.piece]),
+                dtype=npt,
+                count=src.piece_numel(c.piece),
+                offset=src.piece_offsets[c.piece],
+            ).reshape(src.piece_shape(c.piece))
+            arrays[c.piece] = arr
+        view = bufs[c.group]
+        for s_st, d_st, sz in copy_boxes(c):
+            view[tuple(slice(d, d + z) for d, z in zip(d_st, sz))] = arr[
+                tuple(slice(s, s + z) for s, z in zip(s_st, sz))
+            ]
+    arrays.clear()
+    for k in {c.piece for c in copies}:
+        start = src.piece_offsets[k]
+        sources.release(src.piece_files[k], start, start + src.piece_numel(k) * isz)
+    if groups > 1:
+        reduced = cast_reduce(bufs, src.dtype, src.dtype, src.reduce_op, n)
+        dst.reshape(-1).view(np.uint8)[:] = reduced
+    return local
+
+
+def _safetensors_dtype(dtype: Any, tensor: str) -> str:
+    from .torch_ops import _TORCH_NAMES, torch_dtype
+
+    for st_name in _TORCH_NAMES:
+        try:
+            if torch_dtype(st_name) == dtype:
+                return st_name
+        except AttributeError:  # a dtype this torch does not have
+            continue
+    raise LayoutError(f'tensor "{tensor}": dtype {dtype} has no safetensors equivalent', tensor=tensor)
+
+
+def _is_submesh(sub: Any, world: Any) -> list[int] | None:
+    """Mesh dims of ``world`` that ``sub`` is the slice of (in order), containing this rank, or None."""
+    import torch
+
+    sub_names, world_names = _mesh_names(sub), _mesh_names(world)
+    if sub_names is None or world_names is None:
+        return None
+    if not all(n in world_names for n in sub_names):
+        return None
+    dims = [world_names.index(n) for n in sub_names]
+    if dims != sorted(dims) or tuple(sub.shape) != tuple(world.shape[d] for d in dims):
+        return None
+    coord = world.get_coordinate()
+    if coord is None:
+        return None
+    index = tuple(slice(None) if d in dims else int(coord[d]) for d in range(world.ndim))
+    if not torch.equal(world.mesh[index].cpu(), sub.mesh.cpu()):
+        return None
+    return dims
+
+
+def _agree(coord: Coordinator, error: ReshardError | None, what: str) -> None:
+    """Raise on every rank if any rank failed (so no rank waits at a barrier for a dead peer)."""
+    errors = coord.gather([(coord.rank, type(error).__name__, error.message) if error else None])
+    failed = [e for e in errors if e is not None]
+    if error is not None:
+        raise error
+    if failed:
+        rank, kind, message = failed[0]
+        raise ReshardError(f"{what} failed on rank {rank} ({kind}): {message}")
+
+
+def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write each rank's local shards as a per-rank checkpoint; no tensor is gathered.
+
+    Run under torchrun (or in one process: then this writes a one-rank checkpoint).
+    Every rank writes ``rank-{r:05d}-of-{W:05d}.safetensors``, ``r`` being the
+    row-major index of its coordinate in the state dict's mesh, holding its
+    ``to_local()`` tensors under their global names, and the ``reshard`` metadata
+    (mesh, rank, coordinate, global shapes, placements; SPEC §3). Rank 0 then writes
+    ``reshard.json`` with the checksums every rank computed of its own file. The
+    result converts with ``reshard convert PATH OUT --consolidate`` or
+    ``--target-mesh ...`` and loads with :func:`load_dtensors`.
+
+    The mesh is the DeviceMesh with the most dims among the DTensors; DTensors on an
+    ordered sub-mesh of it (FSDP2's dp-only parameters next to dp x tp ones) are
+    Replicate on the other dims. Plain tensors are Replicate. With no DTensors the
+    mesh is ``world=W``. ``Partial`` DTensors are stored as ``P(op)`` and reduced when
+    converted. Files are written to ``NAME.tmp`` and renamed; rank 0 first removes a
+    previous ``reshard.json`` and rank files of another world size in ``path``.
+
+    Args:
+        state_dict: tensor name -> ``DTensor`` or ``torch.Tensor`` (the same names,
+            shapes, dtypes and placements on every rank).
+        path: the output directory (created).
+
+    Raises:
+        ReshardError: on every rank, when any rank's state dict cannot be saved (not a
+            tensor, a mesh that is not the whole world, ranks disagreeing, ...).
+        WriteError: on every rank, when any rank failed to write its file.
+    """
+    coord = _live_coordinator()
+    out = Path(path)
+    prepared: tuple[str, bytes, list[Any], dict[str, Any], Mesh] | None = None
+    error: ReshardError | None = None
+    try:
+        prepared = _prepare_save(state_dict, coord)
+    except ReshardError as e:
+        error = e
+    _agree(coord, error, "save_dtensors")
+    assert prepared is not None
+    fname, prefix, datas, info, mesh = prepared
+    # every rank must describe the same checkpoint: compare the tensor table
+    digest = json.dumps([mesh.to_json(), info], sort_keys=True)
+    digests = coord.gather([digest])
+    if len(set(digests)) != 1:
+        bad = next(r for r, d in enumerate(digests) if d != digests[0])
+        raise LayoutError(
+            f"save_dtensors: rank {bad}'s state dict differs from rank 0's (tensor names, "
+            "dtypes, global shapes, placements or mesh); every rank must save the same tensors"
+        )
+    error = None
+    result: tuple[str, int, str] | None = None
+    try:
+        if coord.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            _clear_stale(out, mesh.size)
+        coord.barrier()
+        result = _write_rank_file(out, fname, prefix, datas)
+    except OSError as e:
+        error = WriteError(f"{out / fname}: writing failed ({e.strerror or e})", path=str(out / fname))
+    _agree(coord, error, "writing the per-rank files")
+    results = coord.gather([result])
+    if coord.is_main:
+        files = {name: {"size": size, "checksum": cs} for name, size, cs in sorted(
+            (r for r in results if r is not None), key=lambda r: r[0])}
+        manifest = {
+            "reshard": {"format_version": 1, "version": __version__},
+            "format": PER_RANK,
+            "mesh": mesh.to_json(),
+            "rules": [["re:" + re.escape(n), t["placements"]] for n, t in info.items()],
+            "tensors": info,
+            "files": files,
+        }
+        tmp = out / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, out / MANIFEST)
+    coord.barrier()
+
+
+def _clear_stale(out: Path, world: int) -> None:
+    """Remove the manifest (the checkpoint is incomplete until rewritten) and other worlds' rank files."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    (out / (MANIFEST + ".tmp")).unlink(missing_ok=True)
+    for p in out.iterdir():
+        m = RANK_FILE.match(p.name)
+        if m and int(m.group(2)) != world and p.is_file():
+            p.unlink()
+
+
+def _prepare_save(
+    state_dict: Mapping[str, Any], coord: Coordinator
+) -> tuple[str, bytes, list[Any], dict[str, Any], Mesh]:
+    """This rank's file name, header prefix, tensor bytes (in file order), tensor table, mesh."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(state_dict, Mapping):
+        raise UsageError(f"save_dtensors takes a mapping of name -> tensor, got {type(state_dict).__name__}")
+    for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise UsageError(f"save_dtensors: tensor names must be strings, got {name!r}")
+        if not isinstance(value, torch.Tensor):
+            raise UsageError(
+                f'save_dtensors: "{name}" is a {type(value).__name__}, not a tensor; '
+                "save only tensors (keep other state elsewhere)",
+                tensor=name,
+            )
+    dts = [v for v in state_dict.values() if isinstance(v, DTensor)]
+    if dts:
+        world_mesh = max((d.device_mesh for d in dts), key=lambda m: m.ndim)
+        mesh = _reshard_mesh(world_mesh)
+        wc = world_mesh.get_coordinate()
+        if wc is None:
+            raise UsageError(f"save_dtensors: this rank is not part of the DeviceMesh {mesh}")
+        coordinate = tuple(int(c) for c in wc)
+    else:
+        world_mesh = None
+        mesh = Mesh(("world",), (coord.world,))
+        coordinate = (coord.rank,)
+    if mesh.size != coord.world:
+        raise LayoutError(
+            f"save_dtensors: the DeviceMesh {mesh} has {mesh.size} ranks but the world has "
+            f"{coord.world}; save from a mesh spanning every rank (one checkpoint per pipeline "
+            "stage is not supported)"
+        )
+    rank = mesh.rank(coordinate)
+    info: dict[str, Any] = {}
+    locals_: dict[str, Any] = {}
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    for name in sorted(state_dict, key=natural_key):
+        value = state_dict[name]
+        if isinstance(value, DTensor):
+            pls = [_reshard_placement(p, name) for p in value.placements]
+            if value.device_mesh != world_mesh:
+                dims = _is_submesh(value.device_mesh, world_mesh)
+                if dims is None:
+                    raise LayoutError(
+                        f'tensor "{name}": its DeviceMesh {_reshard_mesh(value.device_mesh)} is not an '
+                        f"ordered sub-mesh of {mesh} (the largest mesh in the state dict); "
+                        "redistribute it onto that mesh first",
+                        tensor=name,
+                    )
+                full: list[Placement] = [Replicate()] * mesh.ndim
+                for d, p in zip(dims, pls):
+                    full[d] = p
+                pls = full
+            local = value.to_local()
+        else:
+            pls = [Replicate()] * mesh.ndim
+            local = value
+        shape = tuple(int(s) for s in value.shape)
+        try:
+            lay = TensorLayout.make(shape, mesh, pls)
+        except ReshardError as e:
+            raise LayoutError(f'tensor "{name}" of shape {list(shape)}: {e.message}', tensor=name) from None
+        want = lay.local_shape(coordinate)
+        if tuple(local.shape) != want:
+            raise LayoutError(
+                f'tensor "{name}": rank {coord.rank} holds a local tensor of shape {list(local.shape)}, '
+                f"but {list(shape)} with {lay.placement_strs()} on mesh {mesh} gives coordinate "
+                f"{list(coordinate)} {list(want)} (torch.chunk rule); reshard stores only "
+                "DTensors laid out as distribute_tensor lays them out",
+                tensor=name,
+            )
+        dtype = _safetensors_dtype(local.dtype, name)
+        info[name] = {"dtype": dtype, "shape": list(shape), "placements": lay.placement_strs()}
+        locals_[name] = local
+        specs.append((name, dtype, want))
+    tensors_json = json.dumps(
+        {n: {"shape": t["shape"], "placements": t["placements"]} for n, t in info.items()},
+        separators=(",", ":"),
+    )
+    # the same text make_plan writes, so a saved file equals a converted one byte for byte
+    meta = (
+        f'{{"format_version":1,"mesh":{json.dumps(mesh.to_json(), separators=(",", ":"))},'
+        f'"rank":{rank},"coordinate":{json.dumps(list(coordinate), separators=(",", ":"))},'
+        f'"tensors":{tensors_json}}}'
+    )
+    prefix, header = encode_header(specs, {"reshard": meta})
+    datas = [locals_[e.name] for e in header.entries]
+    return rank_file_name(rank, mesh.size), prefix, datas, info, mesh
+
+
+def _write_rank_file(out: Path, fname: str, prefix: bytes, datas: Sequence[Any]) -> tuple[str, int, str]:
+    """Write header and tensor bytes to ``fname.tmp``, hash it, rename; returns (name, size, checksum)."""
+    import torch
+
+    final = out / fname
+    tmp = out / (fname + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(prefix)
+            for t in datas:
+                if t.numel() == 0:
+                    continue
+                flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(flat.numpy()))
+        size = tmp.stat().st_size
+        checksum = file_checksum(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return fname, size, checksum

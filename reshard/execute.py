@@ -59,6 +59,9 @@ def buffer_for(max_memory: int, workers: int) -> int:
 BASELINE_RSS = 48 * 1024 * 1024
 """Resident memory of the interpreter with reshard, numpy and rich imported (measured)."""
 
+TORCH_RSS = 224 * 1024 * 1024
+"""What ``import torch`` adds; paid only by casts and Partial reductions (measured)."""
+
 
 def memory_estimate(plan: Plan, *, workers: int, buffer_size: int) -> int:
     """Peak resident memory a conversion of ``plan`` will use, in bytes.
@@ -72,7 +75,7 @@ def memory_estimate(plan: Plan, *, workers: int, buffer_size: int) -> int:
     per_worker = buffer_size * (groups + (1 if casts else 0)) + _RELEASE_EVERY
     header = max((len(f.prefix) for f in plan.files), default=0)
     n = min(workers, max(1, len(plan.files)))
-    return BASELINE_RSS + n * (per_worker + header)
+    return BASELINE_RSS + (TORCH_RSS if casts else 0) + n * (per_worker + header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,8 @@ class FileResult:
     name: str
     size: int
     checksum: str
+    bytes_read: int = 0
+    """Source bytes this run actually moved into the file (0 for a file kept by --resume)."""
 
 
 def file_checksum(path: str | os.PathLike[str], chunk: int = 8 * 1024 * 1024) -> str:
@@ -230,6 +235,7 @@ class _Writer:
         self._bufs: list[bytearray] = []
         self._touched: dict[int, list[int]] = {}
         self._touched_bytes = 0
+        self.bytes_read = 0
 
     def buf(self, k: int) -> bytearray:
         while len(self._bufs) <= k:
@@ -260,6 +266,7 @@ class _Writer:
                         base + _box_offset(sshape, s_st) * isz,
                         e.start + _box_offset(dshape, d_st) * isz,
                     )
+                    self.bytes_read += n
                     if self.progress:
                         self.progress(n)
             return
@@ -316,7 +323,9 @@ class _Writer:
                         dst_sl.append(slice(lo - a, hi - a))
                         src_sl.append(slice(ss + lo - ds, ss + hi - ds))
                     else:
-                        views[g][tuple(dst_sl)] = arr[tuple(src_sl)]
+                        part = arr[tuple(src_sl)]
+                        views[g][tuple(dst_sl)] = part
+                        self.bytes_read += part.nbytes
                         self._touch(fi, base, sshape, s_isz, src_sl)
             out = self._transform(t, views, n)
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
@@ -365,7 +374,7 @@ class _Writer:
 def _write_tmp(
     plan: Plan, f: OutFile, dst: Path, sources: SourceFiles, buffer_size: int,
     progress: ProgressFn | None,
-) -> Path:
+) -> tuple[Path, int]:
     tmp = dst / (f.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -379,14 +388,14 @@ def _write_tmp(
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    return tmp
+    return tmp, w.bytes_read
 
 
-def _finish(f: OutFile, tmp: Path) -> FileResult:
+def _finish(f: OutFile, tmp: Path, bytes_read: int) -> FileResult:
     """Hash a written ``NAME.tmp`` and rename it into place."""
     checksum = file_checksum(tmp)
     os.replace(tmp, tmp.with_name(f.name))
-    return FileResult(f.name, f.size, checksum)
+    return FileResult(f.name, f.size, checksum, bytes_read)
 
 
 def write_out_file(
@@ -399,7 +408,7 @@ def write_out_file(
     progress: ProgressFn | None = None,
 ) -> FileResult:
     """Write one output file atomically (``NAME.tmp`` then rename) and return its checksum."""
-    return _finish(f, _write_tmp(plan, f, dst, sources, buffer_size, progress))
+    return _finish(f, *_write_tmp(plan, f, dst, sources, buffer_size, progress))
 
 
 def execute_plan(
@@ -431,16 +440,16 @@ def execute_plan(
     hasher = ThreadPoolExecutor(max_workers=1)
     pending: dict[str, Future[FileResult]] = {}
 
-    def finish(f: OutFile, tmp: Path) -> FileResult:
-        r = _finish(f, tmp)
+    def finish(f: OutFile, tmp: Path, nread: int) -> FileResult:
+        r = _finish(f, tmp, nread)
         if on_file_done is not None:
             with lock:
                 on_file_done(r)
         return r
 
     def one(f: OutFile) -> None:
-        tmp = _write_tmp(plan, f, dst, sources, buffer_size, prog)
-        pending[f.name] = hasher.submit(finish, f, tmp)
+        tmp, nread = _write_tmp(plan, f, dst, sources, buffer_size, prog)
+        pending[f.name] = hasher.submit(finish, f, tmp, nread)
 
     try:
         if workers <= 1 or len(todo) <= 1:

@@ -146,7 +146,7 @@ def placements_str(placements: Sequence[Placement]) -> str:
 
 
 def infer_global_shape(
-    local_shapes: Sequence[Sequence[int]], mesh: Mesh, placements: Sequence[Placement]
+    local_shapes: Sequence[Sequence[int]], mesh: Mesh, placements: Sequence[Placement | str]
 ) -> tuple[int, ...] | None:
     """Global shape that gives exactly these per-rank local shapes, or None.
 

@@ -89,8 +89,8 @@ def group_names(names: Sequence[str]) -> list[tuple[str, list[str]]]:
     out = []
     for key, members in groups.items():
         if len(members) == 1 or key not in nums:
-            for m in members:
-                out.append((m, [m]))
+            for name in members:
+                out.append((name, [name]))
             continue
         out.append((key.replace("#", "{" + _ranges(nums[key]) + "}", 1), members))
     return out

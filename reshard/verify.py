@@ -17,6 +17,8 @@ and the reduced values are compared.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from .checkpoint import Checkpoint, TensorSource
@@ -34,6 +36,7 @@ DEFAULT_MAX_BYTES = 64 << 20
 _MIN_RELEASE = 1 << 20
 
 
+@cache
 def _np_uint(itemsize: int) -> Any:
     import numpy as np
 
@@ -84,11 +87,18 @@ class MappedFiles:
         self._touched: dict[int, list[int]] = {}
         self._touched_bytes = 0
 
-    def array(self, src: TensorSource, k: int) -> Any:
-        """Piece ``k`` of ``src``: a read-only numpy array of unsigned items, in its local shape."""
+    def array(self, src: TensorSource, k: int, shape: tuple[int, ...] | None = None) -> Any:
+        """Piece ``k`` of ``src``: a read-only numpy array of unsigned items, in its local shape.
+
+        Args:
+            src: the tensor.
+            k: the piece.
+            shape: the piece's local shape, when the caller already has it.
+        """
         import numpy as np
 
-        shape = src.piece_shape(k)
+        if shape is None:
+            shape = src.piece_shape(k)
         mm = self.sources.map(src.piece_files[k])
         npt = _np_uint(DTYPE_SIZES[src.dtype])
         arr = np.frombuffer(mm, dtype=npt, count=_prod(shape), offset=src.piece_offsets[k])
@@ -104,16 +114,20 @@ class MappedFiles:
 
     def touch(self, src: TensorSource, k: int, key: tuple[slice, ...]) -> None:
         """Record that the slices ``key`` of piece ``k`` were read."""
-        isz = DTYPE_SIZES[src.dtype]
-        base = src.piece_offsets[k]
-        shape = src.piece_shape(k)
-        if not shape:
-            self.touch_range(src.piece_files[k], base, base + isz)
-            return
-        strides = row_major_strides(shape)
-        first = sum(s.start * st for s, st in zip(key, strides, strict=True))
-        last = sum((s.stop - 1) * st for s, st in zip(key, strides, strict=True))
-        self.touch_range(src.piece_files[k], base + first * isz, base + (last + 1) * isz)
+        strides = row_major_strides(src.piece_shape(k))
+        self.touch_slices(
+            src.piece_files[k], src.piece_offsets[k], strides, DTYPE_SIZES[src.dtype], key
+        )
+
+    def touch_slices(
+        self, fi: int, base: int, strides: Sequence[int], isz: int, key: Sequence[slice]
+    ) -> None:
+        """Record reading slices ``key`` of the row-major array at byte ``base`` of file ``fi``."""
+        first = last = 0
+        for s, st in zip(key, strides, strict=True):
+            first += s.start * st
+            last += (s.stop - 1) * st
+        self.touch_range(fi, base + first * isz, base + (last + 1) * isz)
 
     def touch_range(self, fi: int, lo: int, hi: int) -> None:
         """Record that bytes ``[lo, hi)`` of file ``fi`` were read."""
@@ -143,6 +157,16 @@ class MappedFiles:
 _Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A source piece as read: file, byte offset, element strides and a numpy view."""
+
+    fi: int
+    base: int
+    strides: tuple[int, ...]
+    arr: Any
+
+
 class _Region:
     """One side's values over one region (a destination block), produced slab by slab."""
 
@@ -152,35 +176,38 @@ class _Region:
         src: TensorSource,
         copies: Sequence[Copy],
         groups: int,
-        dshape: tuple[int, ...],
+        geometry: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
         bufs: list[bytearray],
     ) -> None:
         self.files = files
         self.src = src
         self.groups = groups
-        self.dshape = dshape
         self.bufs = bufs
-        self.npt = _np_uint(DTYPE_SIZES[src.dtype])
+        self.isz = DTYPE_SIZES[src.dtype]
+        self.npt = _np_uint(self.isz)
         # One copy, one segment per dim, one group: the region is a view of one piece.
-        self.view: tuple[int, Any, tuple[int, ...]] | None = None
-        self.plans: list[tuple[int, int, Any, list[_Box]]] = []
-        if groups == 1 and len(copies) == 1 and all(len(s) == 1 for s in copies[0].segments):
-            c = copies[0]
-            self.view = (c.piece, files.array(src, c.piece), tuple(s[0][0] for s in c.segments))
-        else:
-            for c in copies:
-                arr = files.array(src, c.piece)
-                self.plans.append((c.group, c.piece, arr, list(copy_boxes(c))))
+        self.view: tuple[_Piece, tuple[int, ...]] | None = None
+        self.plans: list[tuple[int, _Piece, list[_Box]]] = []
+        for c in copies:
+            shape, strides = geometry[c.piece]
+            piece = _Piece(
+                src.piece_files[c.piece], src.piece_offsets[c.piece], strides,
+                files.array(src, c.piece, shape),
+            )
+            if groups == 1 and len(copies) == 1 and all(len(s) == 1 for s in c.segments):
+                self.view = (piece, tuple(s[0][0] for s in c.segments))
+            else:
+                self.plans.append((c.group, piece, list(copy_boxes(c))))
 
     def slab(self, slab: tuple[tuple[int, int], ...], shape: tuple[int, ...], n: int) -> Any:
         """The region's items in ``slab`` (local ``(start, stop)`` per dim), shaped ``shape``."""
         import numpy as np
 
         if self.view is not None:
-            k, arr, starts = self.view
+            p, starts = self.view
             key = tuple(slice(s + a, s + b) for s, (a, b) in zip(starts, slab, strict=True))
-            self.files.touch(self.src, k, key)
-            return arr[key] if key else arr[...]
+            self.files.touch_slices(p.fi, p.base, p.strides, self.isz, key)
+            return p.arr[key] if key else p.arr[...]
         while len(self.bufs) < self.groups:
             self.bufs.append(bytearray())
         isz = DTYPE_SIZES[self.src.dtype]
@@ -189,7 +216,7 @@ class _Region:
             if len(self.bufs[g]) < n * isz:
                 self.bufs[g] = bytearray(n * isz)
             views.append(np.frombuffer(self.bufs[g], dtype=self.npt, count=n).reshape(shape))
-        for g, k, arr, boxes in self.plans:
+        for g, p, boxes in self.plans:
             for s_st, d_st, sz in boxes:
                 dst_sl = []
                 src_sl = []
@@ -203,8 +230,8 @@ class _Region:
                 else:
                     dkey = tuple(dst_sl) if dst_sl else ...
                     skey = tuple(src_sl) if src_sl else ...
-                    views[g][dkey] = arr[skey]
-                    self.files.touch(self.src, k, tuple(src_sl))
+                    views[g][dkey] = p.arr[skey]
+                    self.files.touch_slices(p.fi, p.base, p.strides, isz, src_sl)
         if self.groups == 1:
             return views[0]
         from .torch_ops import cast_reduce
@@ -213,13 +240,26 @@ class _Region:
         return out.view(self.npt).reshape(shape)
 
 
-_Match = tuple[
-    tuple[Block, ...],
-    tuple[tuple[Copy, ...], ...],
-    int,
-    tuple[tuple[Copy, ...], ...],
-    int,
-]
+_Geometry = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Match:
+    """How the regions (B's blocks) are read from A and from B: shared by tensors of a signature."""
+
+    regions: tuple[Block, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    a_copies: tuple[tuple[Copy, ...], ...]
+    ga: int
+    a_geometry: _Geometry
+    b_copies: tuple[tuple[Copy, ...], ...]
+    gb: int
+    b_geometry: _Geometry
+
+
+def _piece_geometry(src: TensorSource) -> _Geometry:
+    shapes = [block_shape(b) for b in src.piece_blocks]
+    return tuple((s, row_major_strides(s)) for s in shapes)
 
 
 def _regions(b: TensorSource) -> tuple[Block, ...]:
@@ -238,12 +278,38 @@ def _regions(b: TensorSource) -> tuple[Block, ...]:
     return tuple(out)
 
 
+def _self_copies(
+    b: TensorSource, regions: tuple[Block, ...]
+) -> tuple[tuple[Copy, ...], ...] | None:
+    """B over its own blocks, one whole piece each, when they tile B's tensor (else None).
+
+    Volumes adding up to the tensor's with no hole mean the blocks are
+    disjoint; then the quadratic matching is not needed.
+    """
+    from .check import coverage_holes  # check builds on this module
+
+    if b.piece_partials is not None and len(set(b.piece_partials)) > 1:
+        return None
+    if sum(block_volume(r) for r in regions) != b.numel or coverage_holes(b.shape, regions):
+        return None
+    first: dict[Block, int] = {}
+    for k, blk in enumerate(b.piece_blocks):
+        first.setdefault(blk, k)  # the lowest piece, as match_blocks reads replicas
+    return tuple(
+        (Copy(first[r], tuple(((0, 0, n),) for n in block_shape(r))),) for r in regions
+    )
+
+
 def _match(a: TensorSource, b: TensorSource, a_path: str, b_path: str) -> _Match:
     regions = _regions(b)
-    try:
-        b_copies, gb = match_blocks(b, regions)
-    except PlanError as e:
-        raise PlanError(f"{b_path}: {e.message}", path=b_path, tensor=b.name) from None
+    own = _self_copies(b, regions)
+    if own is not None:
+        b_copies, gb = own, 1
+    else:
+        try:
+            b_copies, gb = match_blocks(b, regions)
+        except PlanError as e:
+            raise PlanError(f"{b_path}: {e.message}", path=b_path, tensor=b.name) from None
     covered = sum(block_volume(r) for r in regions)
     if covered != b.numel:
         raise PlanError(
@@ -257,7 +323,10 @@ def _match(a: TensorSource, b: TensorSource, a_path: str, b_path: str) -> _Match
         a_copies, ga = match_blocks(a, regions)
     except PlanError as e:
         raise PlanError(f"{a_path}: {e.message}", path=a_path, tensor=a.name) from None
-    return regions, a_copies, ga, b_copies, gb
+    return _Match(
+        regions, tuple(block_shape(r) for r in regions), a_copies, ga, _piece_geometry(a),
+        b_copies, gb, _piece_geometry(b),
+    )
 
 
 def _first_difference(
@@ -272,48 +341,42 @@ def _first_difference(
     """Bytes compared, and the smallest differing global index with A's and B's bits (or None)."""
     import numpy as np
 
-    regions, a_copies, ga, b_copies, gb = m
     isz = DTYPE_SIZES[a.dtype]
+    ga, gb = m.ga, m.gb
     # bytes held per item: gather buffers (plus reduction outputs) of both sides, and the mask
     per_item = isz * (ga + gb + (ga > 1) + (gb > 1)) + 1
     items = max(1, max_bytes // per_item)
     compared = 0
     best: tuple[list[int], int, int] | None = None
-    try:
-        for j, blk in enumerate(regions):
-            if best is not None:
-                # a block's smallest global index is its first index along every dim
-                corner = [il[0].start for il in blk]
-                if corner >= best[0]:
-                    continue
-            dshape = block_shape(blk)
-            ra = _Region(fa, a, a_copies[j], ga, dshape, bufs[0])
-            rb = _Region(fb, b, b_copies[j], gb, dshape, bufs[1])
-            for slab in _slabs(dshape, 1, items):
-                shape = tuple(hi - lo for lo, hi in slab)
-                n = _prod(shape)
-                va = ra.slab(slab, shape, n)
-                vb = rb.slab(slab, shape, n)
-                compared += n * isz
-                neq = np.not_equal(va, vb)
-                if neq.any():
-                    pos = int(np.argmax(neq.reshape(-1)))
-                    local = [int(x) for x in np.unravel_index(pos, shape)] if shape else []
-                    at = tuple(local)
-                    bits_a, bits_b = int(va[at]), int(vb[at])
-                    pos_in_blk = [lo + x for (lo, _), x in zip(slab, local, strict=True)]
-                    idx = global_index(blk, pos_in_blk)
-                    if best is None or idx < best[0]:
-                        best = (idx, bits_a, bits_b)
-                    del va, vb, neq
-                    break  # local row-major order is global order within a block
+    for j, blk in enumerate(m.regions):
+        if best is not None:
+            # a block's smallest global index is its first index along every dim
+            corner = [il[0].start for il in blk]
+            if corner >= best[0]:
+                continue
+        dshape = m.shapes[j]
+        ra = _Region(fa, a, m.a_copies[j], ga, m.a_geometry, bufs[0])
+        rb = _Region(fb, b, m.b_copies[j], gb, m.b_geometry, bufs[1])
+        for slab in _slabs(dshape, 1, items):
+            shape = tuple(hi - lo for lo, hi in slab)
+            n = _prod(shape)
+            va = ra.slab(slab, shape, n)
+            vb = rb.slab(slab, shape, n)
+            compared += n * isz
+            neq = np.not_equal(va, vb)
+            if neq.any():
+                pos = int(np.argmax(neq.reshape(-1)))
+                local = [int(x) for x in np.unravel_index(pos, shape)] if shape else []
+                at = tuple(local)
+                bits_a, bits_b = int(va[at]), int(vb[at])
+                pos_in_blk = [lo + x for (lo, _), x in zip(slab, local, strict=True)]
+                idx = global_index(blk, pos_in_blk)
+                if best is None or idx < best[0]:
+                    best = (idx, bits_a, bits_b)
                 del va, vb, neq
-            del ra, rb
-            fa.release()
-            fb.release()
-    finally:
-        fa.release()
-        fb.release()
+                break  # local row-major order is global order within a block
+            del va, vb, neq
+        del ra, rb
     return compared, best
 
 
@@ -349,7 +412,7 @@ def verify_checkpoints(
     fa = MappedFiles(a.files, max_bytes // 4)
     fb = MappedFiles(b.files, max_bytes // 4)
     bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
-    cache: dict[tuple[Any, Any], _Match] = {}
+    matches: dict[tuple[Any, ...], _Match] = {}
     try:
         for name in names:
             ta = a.tensors.get(name)
@@ -378,11 +441,11 @@ def verify_checkpoints(
                 continue
             if ta.numel == 0:
                 continue
-            key = (ta.signature, tb.signature)
-            m = cache.get(key)
+            key = (ta.signature, tb.signature, ta.shape)
+            m = matches.get(key)
             if m is None:
                 m = _match(ta, tb, a.path, b.path)
-                cache[key] = m
+                matches[key] = m
             n, first = _first_difference(fa, fb, ta, tb, m, max_bytes, bufs)
             total += n
             if first is not None:

@@ -175,11 +175,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def layout_yaml(mesh: Mesh, pls: dict[str, tuple[Placement, ...]]) -> str:
+def placement_text(p: Placement, mesh: Mesh, named_sf: bool) -> str:
+    """Text form; with ``named_sf`` a split factor equal to a mesh dim's size is written
+    as that dim's name (``_S(0, d1)``), which the layout resolves on its mesh."""
+    if named_sf and isinstance(p, StridedShard) and p.split_factor in mesh.shape:
+        return f"_S({p.dim}, {mesh.names[mesh.shape.index(p.split_factor)]})"
+    return str(p)
+
+
+def layout_yaml(mesh: Mesh, pls: dict[str, tuple[Placement, ...]], *, named_sf: bool = False) -> str:
     sizes = ", ".join(f"{n}: {s}" for n, s in zip(mesh.names, mesh.shape))
     lines = [f"mesh: {{{sizes}}}", "placements:"]
     for name, p in pls.items():
-        lines.append(f"  {json.dumps(name)}: {json.dumps([str(x) for x in p])}")
+        texts = [placement_text(x, mesh, named_sf) for x in p]
+        lines.append(f"  {json.dumps(name)}: {json.dumps(texts)}")
     return "\n".join(lines) + "\n"
 
 
@@ -244,7 +253,7 @@ def round_trip_cases(draw: st.DrawFn):
     }
     seed = draw(st.integers(0, 2**16))
     opts = draw(exec_options())
-    return ma, mb, sx, sy, pa, pb, seed, opts
+    return ma, mb, sx, sy, pa, pb, seed, opts, draw(st.booleans())
 
 
 RT_EXAMPLES = [
@@ -267,7 +276,7 @@ RT_EXAMPLES = [
         1,
     ),
 ]
-RT_EXAMPLES = [(*c, {"buffer_size": 16, "workers": 1}) for c in RT_EXAMPLES]
+RT_EXAMPLES = [(*c, {"buffer_size": 16, "workers": 1}, True) for c in RT_EXAMPLES]
 
 
 @settings(
@@ -278,7 +287,7 @@ RT_EXAMPLES = [(*c, {"buffer_size": 16, "workers": 1}) for c in RT_EXAMPLES]
 @example(RT_EXAMPLES[0])
 @example(RT_EXAMPLES[1])
 def test_round_trip_real_files_against_torch(case):
-    ma, mb, sx, sy, pa, pb, seed, opts = case
+    ma, mb, sx, sy, pa, pb, seed, opts, named_sf = case
     g = torch.Generator().manual_seed(seed)
     full = {
         "x": torch.arange(math.prod(sx), dtype=torch.int64).reshape(sx),
@@ -286,8 +295,8 @@ def test_round_trip_real_files_against_torch(case):
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        (root / "a.yaml").write_text(layout_yaml(ma, pa))
-        (root / "b.yaml").write_text(layout_yaml(mb, pb))
+        (root / "a.yaml").write_text(layout_yaml(ma, pa, named_sf=named_sf))
+        (root / "b.yaml").write_text(layout_yaml(mb, pb, named_sf=named_sf))
         write_per_rank(root / "A", ma, {k: [v] for k, v in full.items()}, pa)
 
         convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "B",
@@ -367,24 +376,30 @@ def test_partial_source_reduces_to_the_full_tensor(case):
         check_per_rank(root / "B", mb, {"w": full}, {"w": pb})
 
 
-@pytest.mark.parametrize("target", ["P(sum)", "Partial(max)", "P"])
-def test_partial_target_is_refused_with_exit_code_2(tmp_path, target):
+def _refused(tmp_path: Path, src_pls: tuple[Placement, ...], layout_text: str | None, *extra: str) -> None:
     mesh = Mesh(("tp",), (2,))
     full = torch.arange(8, dtype=torch.float32).reshape(4, 2)
-    (tmp_path / "a.yaml").write_text(layout_yaml(mesh, {"w": (Shard(0),)}))
-    (tmp_path / "b.yaml").write_text(
-        f'mesh: {{tp: 2}}\nplacements:\n  "w": [{json.dumps(target)}]\n'
-    )
-    write_per_rank(tmp_path / "A", mesh, {"w": [full]}, {"w": (Shard(0),)})
-    dst = tmp_path / "B"
-    res = CliRunner().invoke(
-        app,
-        ["convert", str(tmp_path / "A"), str(dst), "--source-layout", str(tmp_path / "a.yaml"),
-         "--target-layout", str(tmp_path / "b.yaml")],
-    )
+    (tmp_path / "a.yaml").write_text(layout_yaml(mesh, {"w": src_pls}))
+    write_per_rank(tmp_path / "A", mesh, {"w": [full, full]}, {"w": src_pls})
+    args = ["convert", str(tmp_path / "A"), str(tmp_path / "B"), "--source-layout", str(tmp_path / "a.yaml")]
+    if layout_text is not None:
+        (tmp_path / "b.yaml").write_text(layout_text)
+        args += ["--target-layout", str(tmp_path / "b.yaml")]
+    res = CliRunner().invoke(app, args + list(extra))
     assert res.exit_code == 2, res.output
     assert "Partial" in res.output
+    dst = tmp_path / "B"
     assert not dst.exists() or not any(dst.iterdir()), "nothing may be written"
+
+
+@pytest.mark.parametrize("target", ["P(sum)", "Partial(max)", "P", "Partial()"])
+def test_partial_target_layout_is_refused_with_exit_code_2(tmp_path, target):
+    _refused(tmp_path, (Shard(0),), f'mesh: {{tp: 2}}\nplacements:\n  "w": [{json.dumps(target)}]\n')
+
+
+def test_partial_source_rules_reused_on_a_target_mesh_are_refused_with_exit_code_2(tmp_path):
+    # --target-mesh reuses the source rules, P(sum) included: a Partial target
+    _refused(tmp_path, (Partial("sum"),), None, "--target-mesh", "tp=4")
 
 
 def test_partial_target_is_refused_by_the_planner():
