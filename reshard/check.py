@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, TensorSource
-from .execute import _slabs, file_checksum
+from .execute import slabs, file_checksum
 from .intervals import (
     Block,
     Box,
@@ -275,22 +275,20 @@ class _Data:
         fr, fk = t.piece_files[r], t.piece_files[k]
         orr, ok = t.piece_offsets[r], t.piece_offsets[k]
         pos = 0
-        try:
-            while pos < nbytes:
-                n = min(self.chunk, nbytes - pos)
-                a = self.files.raw(fr, orr + pos, n)
-                b = self.files.raw(fk, ok + pos, n)
-                neq = np.not_equal(a, b)
-                if neq.any():
-                    byte = pos + int(np.argmax(neq))
-                    item = byte // DTYPE_SIZES[t.dtype]
-                    shape = t.piece_shape(r)
-                    local = [int(x) for x in np.unravel_index(item, shape)] if shape else []
-                    return global_index(t.piece_blocks[r], local)
-                del a, b, neq
-                pos += n
-        finally:
-            self.files.release()
+        # touched pages are released every `release_every` bytes (MappedFiles.touch_range)
+        while pos < nbytes:
+            n = min(self.chunk, nbytes - pos)
+            a = self.files.raw(fr, orr + pos, n)
+            b = self.files.raw(fk, ok + pos, n)
+            neq = np.not_equal(a, b)
+            if neq.any():
+                byte = pos + int(np.argmax(neq))
+                item = byte // DTYPE_SIZES[t.dtype]
+                shape = t.piece_shape(r)
+                local = [int(x) for x in np.unravel_index(item, shape)] if shape else []
+                return global_index(t.piece_blocks[r], local)
+            del a, b, neq
+            pos += n
         return None
 
     def overlap(
@@ -310,7 +308,7 @@ class _Data:
                 s_st = [s[0] for s in combo]
                 d_st = [s[1] for s in combo]
                 sizes = tuple(s[2] for s in combo)
-                for slab in _slabs(sizes, 1, items):
+                for slab in slabs(sizes, 1, items):
                     ki = tuple(slice(s + a, s + b) for s, (a, b) in zip(s_st, slab, strict=True))
                     kj = tuple(slice(s + a, s + b) for s, (a, b) in zip(d_st, slab, strict=True))
                     va = ai[ki] if ki else ai[...]

@@ -36,6 +36,7 @@ __all__ = [
     "execute_plan",
     "write_out_file",
     "file_checksum",
+    "slabs",
 ]
 
 DEFAULT_BUFFER = 256 * 1024
@@ -191,7 +192,7 @@ def _copy_range(src_fd: int, dst_fd: int, n: int, src_off: int, dst_off: int) ->
         dst_off += done
 
 
-def _slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterator[tuple[tuple[int, int], ...]]:
+def slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterator[tuple[tuple[int, int], ...]]:
     """Contiguous pieces of a row-major array, each at most ``budget`` bytes (at least one row)."""
     nd = len(shape)
     if nd == 0:
@@ -302,7 +303,7 @@ class _Writer:
                 self.sources.map(fi), dtype=npt, count=count, offset=src.piece_offsets[c.piece]
             ).reshape(sshape)
             plans.append((c.group, fi, src.piece_offsets[c.piece], sshape, arr, list(copy_boxes(c))))
-        for slab in _slabs(dshape, 1, budget_items):
+        for slab in slabs(dshape, 1, budget_items):
             sshape_slab = tuple(b - a for a, b in slab)
             n = 1
             for x in sshape_slab:

@@ -23,7 +23,7 @@ from typing import Any
 
 from .checkpoint import Checkpoint, TensorSource
 from .errors import PlanError
-from .execute import SourceFiles, _slabs
+from .execute import SourceFiles, slabs
 from .intervals import Block, block_shape, block_volume, row_major_strides
 from .io.header import DTYPE_SIZES
 from .plan import Copy, copy_boxes, match_blocks, natural_key
@@ -357,7 +357,7 @@ def _first_difference(
         dshape = m.shapes[j]
         ra = _Region(fa, a, m.a_copies[j], ga, m.a_geometry, bufs[0])
         rb = _Region(fb, b, m.b_copies[j], gb, m.b_geometry, bufs[1])
-        for slab in _slabs(dshape, 1, items):
+        for slab in slabs(dshape, 1, items):
             shape = tuple(hi - lo for lo, hi in slab)
             n = _prod(shape)
             va = ra.slab(slab, shape, n)

@@ -53,7 +53,9 @@ def numel(shape: Sequence[int]) -> int:
 
 
 @st.composite
-def mesh_shapes(draw: st.DrawFn, *, min_dims: int = 1, max_dims: int = 4, max_ranks: int = 16) -> tuple[int, ...]:
+def mesh_shapes(
+    draw: st.DrawFn, *, min_dims: int = 1, max_dims: int = 4, max_ranks: int = 16
+) -> tuple[int, ...]:
     """Mesh shapes of ``min_dims..max_dims`` dims, sizes 1-4, at most ``max_ranks`` ranks."""
     ndim = draw(st.integers(min_dims, max_dims))
     budget = max_ranks
@@ -76,7 +78,9 @@ def dim_sizes() -> st.SearchStrategy[int]:
     return st.sampled_from(DIM_SIZES)
 
 
-def tensor_shapes(*, min_dims: int = 0, max_dims: int = 4, max_numel: int = 4096) -> st.SearchStrategy[tuple[int, ...]]:
+def tensor_shapes(
+    *, min_dims: int = 0, max_dims: int = 4, max_numel: int = 4096
+) -> st.SearchStrategy[tuple[int, ...]]:
     """Tensor shapes of ``min_dims..max_dims`` dims with at most ``max_numel`` elements."""
     return (
         st.lists(dim_sizes(), min_size=min_dims, max_size=max_dims)
@@ -115,7 +119,9 @@ def placements(
 
 
 @st.composite
-def layouts_on(draw: st.DrawFn, mesh: Mesh, *, shape: Sequence[int] | None = None, **kw: Any) -> TensorLayout:
+def layouts_on(
+    draw: st.DrawFn, mesh: Mesh, *, shape: Sequence[int] | None = None, **kw: Any
+) -> TensorLayout:
     """A random layout of a random (or the given) shape on ``mesh``.
 
     Keyword options go to :func:`placements`, except ``min_dims``/``max_dims``/``max_numel``
@@ -172,7 +178,9 @@ def boxes(draw: st.DrawFn, shape: Sequence[int]) -> Box:
 
 
 @st.composite
-def shapes_and_boxes(draw: st.DrawFn, *, max_dims: int = 4, max_numel: int = 4096) -> tuple[tuple[int, ...], Box]:
+def shapes_and_boxes(
+    draw: st.DrawFn, *, max_dims: int = 4, max_numel: int = 4096
+) -> tuple[tuple[int, ...], Box]:
     shape = draw(tensor_shapes(max_dims=max_dims, max_numel=max_numel))
     return shape, draw(boxes(shape))
 
@@ -208,7 +216,9 @@ def torch_placements(pls: Sequence[Placement], ndim: int) -> list[Any]:
     return [torch_placement(p, ndim) for p in pls]
 
 
-def torch_local(full: Any, mesh_shape: Sequence[int], coord: Sequence[int], pls: Sequence[Any]) -> Any:
+def torch_local(
+    full: Any, mesh_shape: Sequence[int], coord: Sequence[int], pls: Sequence[Any]
+) -> Any:
     """The local tensor torch's own placement splitting gives ``coord``.
 
     ``pls`` are torch placements; they apply left to right on the local tensor,

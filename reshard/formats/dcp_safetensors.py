@@ -362,6 +362,7 @@ def _overlap_warning(
     a, b = chunks[i], chunks[j]
     more = f" (and {len(pairs) - 1} more overlapping pair(s))" if len(pairs) > 1 else ""
     return (
+        "problem: "  # check.PROBLEM_PREFIX: inspect --check reports it as a data problem
         f'tensor "{name}": stored boxes {format_box(a.box)} ({files[a.file].name}) and '
         f"{format_box(b.box)} ({files[b.file].name}) overlap{more}. torch saves a "
         "_StridedShard (or any non-contiguous) local tensor as one box at its first global "

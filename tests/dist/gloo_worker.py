@@ -1,7 +1,9 @@
 """Worker for tests/dist/test_gloo.py, run under ``torchrun`` in a real gloo world on CPU.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 4 tests/dist/gloo_worker.py save4 OUT
-    python -m torch.distributed.run --standalone --nproc-per-node 8 tests/dist/gloo_worker.py world8 OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 4 \
+        tests/dist/gloo_worker.py save4 OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 8 \
+        tests/dist/gloo_worker.py world8 OUT
 
 Each rank builds the (deterministic) full tensors below, calls torch's own
 ``distribute_tensor(full, mesh, placements)`` and saves ``dt.to_local()`` into

@@ -18,14 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-torch = pytest.importorskip("torch")
-from safetensors.torch import load_file  # noqa: E402
-
-from reshard.layout import TensorLayout  # noqa: E402
-from reshard.mesh import Mesh  # noqa: E402
-from tests.dist import gloo_worker as W  # noqa: E402
-from tests.strategies import torch_local, torch_placements  # noqa: E402
+from reshard.layout import TensorLayout
+from reshard.mesh import Mesh
+from tests.dist import gloo_worker as W
+from tests.strategies import torch_local, torch_placements
 
 pytestmark = pytest.mark.dist
 
@@ -44,8 +43,15 @@ def _env() -> dict[str, str]:
 
 def run_world(nproc: int, phase: str, out: Path) -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "--max-restarts=0", str(WORKER), phase, str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        str(WORKER),
+        phase,
+        str(out),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=WORLD_TIMEOUT, env=_env())
     assert res.returncode == 0, f"{phase} world failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
@@ -53,13 +59,19 @@ def run_world(nproc: int, phase: str, out: Path) -> None:
 
 def reshard_cli(*args: str) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("reshard")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from reshard.cli import main; main()"]
+    cmd = (
+        [str(exe)]
+        if exe.exists()
+        else [sys.executable, "-c", "from reshard.cli import main; main()"]
+    )
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120, env=_env())
 
 
 def convert(*args: str) -> dict:
     res = reshard_cli("convert", *args, "--json")
-    assert res.returncode == 0, f"reshard convert {' '.join(args)} failed ({res.returncode}):\n{res.stderr}"
+    assert res.returncode == 0, (
+        f"reshard convert {' '.join(args)} failed ({res.returncode}):\n{res.stderr}"
+    )
     doc = json.loads(res.stdout)
     assert doc["ok"] is True
     return doc
@@ -80,7 +92,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.dtype == b.dtype
         and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        and torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
     )
 
 
@@ -91,7 +106,8 @@ def assert_same_files(got_dir: Path, want_dir: Path, world: int, names) -> None:
         assert set(got) == set(want) == set(names)
         for name in names:
             assert same_bits(got[name], want[name]), (
-                f"rank {r} {name}: reshard {tuple(got[name].shape)} vs distribute_tensor {tuple(want[name].shape)}"
+                f"rank {r} {name}: reshard {tuple(got[name].shape)} "
+                f"vs distribute_tensor {tuple(want[name].shape)}"
             )
 
 
@@ -110,24 +126,47 @@ def worlds(tmp_path_factory):
 
     c1 = out / "case1"
     (c1 / "tp4.yaml").write_text(layout_yaml(W.CASE1_MESH, W.CASE1))
-    convert(str(c1 / "src"), str(c1 / "tp8"), "--source-layout", str(c1 / "tp4.yaml"), "--target-mesh", "tp=8")
+    convert(
+        str(c1 / "src"),
+        str(c1 / "tp8"),
+        "--source-layout",
+        str(c1 / "tp4.yaml"),
+        "--target-mesh",
+        "tp=8",
+    )
 
     c2 = out / "case2"
     (c2 / "fsdp_tp.yaml").write_text(layout_yaml(W.CASE2_MESH, W.CASE2))
     (c2 / "tp4.yaml").write_text(layout_yaml(W.CASE2_TARGET_MESH, W.CASE2_TARGET))
-    convert(str(c2 / "src"), str(c2 / "tp4"), "--source-layout", str(c2 / "fsdp_tp.yaml"),
-            "--target-layout", str(c2 / "tp4.yaml"))
-    convert(str(c2 / "src"), str(c2 / "hf"), "--source-layout", str(c2 / "fsdp_tp.yaml"), "--consolidate")
+    convert(
+        str(c2 / "src"),
+        str(c2 / "tp4"),
+        "--source-layout",
+        str(c2 / "fsdp_tp.yaml"),
+        "--target-layout",
+        str(c2 / "tp4.yaml"),
+    )
+    convert(
+        str(c2 / "src"),
+        str(c2 / "hf"),
+        "--source-layout",
+        str(c2 / "fsdp_tp.yaml"),
+        "--consolidate",
+    )
 
     run_world(8, "world8", out)
 
     c3 = out / "case3"
     (c3 / "abc.yaml").write_text(layout_yaml(W.CASE3_MESH, W.CASE3))
-    convert(str(c3 / "src"), str(c3 / "hf"), "--source-layout", str(c3 / "abc.yaml"), "--consolidate")
+    convert(
+        str(c3 / "src"), str(c3 / "hf"), "--source-layout", str(c3 / "abc.yaml"), "--consolidate"
+    )
     return out
 
 
-def _check_oracle(directory: Path, mesh_dims: dict[str, int], rules: dict[str, list[str]], prefix=()) -> None:
+def _check_oracle(
+    directory: Path, mesh_dims: dict[str, int], rules: dict[str, list[str]], prefix=()
+) -> None:
     mesh = Mesh(tuple(mesh_dims), tuple(mesh_dims.values()))
     for r, coord in enumerate(mesh.coordinates()):
         got = load_file(str(directory / rank_file(r, mesh.size)))
@@ -146,12 +185,17 @@ def test_distribute_tensor_agrees_with_the_split_oracle(worlds):
     _check_oracle(worlds / "case3" / "src", W.CASE3_MESH, W.CASE3)
     # the empty shards really are empty: 3 rows over 4 and 8 ranks
     assert load_file(str(worlds / "case1" / "src" / rank_file(3, 4)))["few_rows"].shape == (0, 2)
-    assert load_file(str(worlds / "case1" / "expect_tp8" / rank_file(7, 8)))["few_rows"].shape == (0, 2)
+    assert load_file(str(worlds / "case1" / "expect_tp8" / rank_file(7, 8)))["few_rows"].shape == (
+        0,
+        2,
+    )
 
 
 def test_tp4_to_tp8_matches_distribute_tensor(worlds):
     c1 = worlds / "case1"
-    assert sorted(p.name for p in (c1 / "tp8").glob("*.safetensors")) == [rank_file(r, 8) for r in range(8)]
+    assert sorted(p.name for p in (c1 / "tp8").glob("*.safetensors")) == [
+        rank_file(r, 8) for r in range(8)
+    ]
     assert_same_files(c1 / "tp8", c1 / "expect_tp8", 8, W.CASE1)
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from reshard.intervals import (
     Interval,
@@ -41,9 +42,6 @@ from tests.strategies import (
     torch_local,
     torch_placements,
 )
-
-torch = pytest.importorskip("torch")
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # noqa: E402
 
 
 @st.composite
@@ -75,7 +73,9 @@ def _check_against_torch(mesh: Mesh, shape: tuple[int, ...], pls: tuple) -> None
         assert tuple(got.shape) == tuple(want.shape), where
         assert torch.equal(got, want), where
         assert lay.local_shape(coord) == tuple(want.shape), where
-        t_shape, t_offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coord), tpls)
+        t_shape, t_offset = _compute_local_shape_and_global_offset(
+            shape, mesh.shape, list(coord), tpls
+        )
         assert lay.local_shape(coord) == tuple(t_shape), where
         for d, ilist in enumerate(block):
             if t_shape[d] > 0:
@@ -107,7 +107,11 @@ def test_blocks_tile_the_tensor(case):
     flat = np.arange(n).reshape(shape)
     distinct: dict[frozenset[int], int] = {}
     for r, blk in enumerate(lay.blocks()):
-        sel = flat[np.ix_(*[np.array(index_array(il), dtype=np.int64) for il in blk])] if shape else flat
+        sel = (
+            flat[np.ix_(*[np.array(index_array(il), dtype=np.int64) for il in blk])]
+            if shape
+            else flat
+        )
         elems = frozenset(np.asarray(sel).ravel().tolist())
         assert len(elems) == block_volume(blk) == np.asarray(sel).size, f"rank {r}"
         distinct.setdefault(elems, r)
@@ -158,7 +162,9 @@ def test_negative_dims_mean_the_same_as_positive(case):
         else p
         for p in pls
     )
-    assert TensorLayout.make(shape, mesh, pls).blocks() == TensorLayout.make(shape, mesh, pos).blocks()
+    assert (
+        TensorLayout.make(shape, mesh, pls).blocks() == TensorLayout.make(shape, mesh, pos).blocks()
+    )
 
 
 # --- interval algebra --------------------------------------------------------------
@@ -229,8 +235,7 @@ def test_overlap_segments_match_brute_force(src, dst):
     segs = overlap_segments(src, dst)
     got = [(s + k, d + k) for s, d, size in segs for k in range(size)]
     assert got == want
-    for s, d, size in segs:
-        assert size > 0
+    assert all(size > 0 for _, _, size in segs)
     for (s1, d1, z1), (s2, d2, _) in itertools.pairwise(segs):
         assert s1 + z1 <= s2 and d1 + z1 <= d2, "segments in ascending order"
         assert not (s1 + z1 == s2 and d1 + z1 == d2), "segments contiguous on both sides are merged"

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch as safetensors_torch
+import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from reshard.checkpoint import Checkpoint, TensorSource
+from reshard.cli import app
 from reshard.convert import SourceSpec, TargetSpec, convert
 from reshard.errors import PlanError
 from reshard.intervals import block_shape, block_volume, full_block
@@ -25,18 +29,13 @@ from reshard.plan import PER_RANK, copy_boxes, make_plan, match_blocks, rank_fil
 from tests.strategies import (
     examples,
     index_array,
+    mesh_shapes,
     meshes,
     placements,
     tensor_shapes,
     torch_local,
     torch_placements,
 )
-
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-from typer.testing import CliRunner  # noqa: E402
-
-from reshard.cli import app  # noqa: E402
 
 # --- pure planner properties -------------------------------------------------------
 
@@ -80,17 +79,25 @@ def _check_cover(src: TensorSource, dst_blocks, copies, groups: int) -> None:
             sblk = src.piece_blocks[c.piece]
             if src.piece_partials is not None:
                 # the copy's group is the rank of the piece's partial group among all groups
-                gids = sorted({g for g, b in zip(src.piece_partials, src.piece_blocks) if block_volume(b)})
+                gids = sorted(
+                    {
+                        g
+                        for g, b in zip(src.piece_partials, src.piece_blocks, strict=True)
+                        if block_volume(b)
+                    }
+                )
                 assert gids[c.group] == src.piece_partials[c.piece]
             src_idx = [index_array(il) for il in sblk]
             for s0, d0, size in copy_boxes(c):
                 for d in range(len(dshape)):
-                    assert src_idx[d][s0[d] : s0[d] + size[d]] == dst_idx[d][d0[d] : d0[d] + size[d]], (
-                        f"rank {r} dim {d}: copy maps different global indices"
-                    )
-                sl = tuple(slice(a, a + n) for a, n in zip(d0, size))
+                    assert (
+                        src_idx[d][s0[d] : s0[d] + size[d]] == dst_idx[d][d0[d] : d0[d] + size[d]]
+                    ), f"rank {r} dim {d}: copy maps different global indices"
+                sl = tuple(slice(a, a + n) for a, n in zip(d0, size, strict=True))
                 counts[(c.group, *sl)] += 1
-        assert (counts == 1).all(), f"destination rank {r}: element covered {counts.min()}..{counts.max()} times"
+        assert (counts == 1).all(), (
+            f"destination rank {r}: element covered {counts.min()}..{counts.max()} times"
+        )
 
 
 @settings(max_examples=examples(150))
@@ -113,7 +120,9 @@ def test_match_blocks_covers_every_destination_element_once(case):
     copies, groups = match_blocks(src, lb.blocks())
     assert len(copies) == lb.mesh.size
     if math.prod(la.shape) > 0:
-        k = math.prod(s for p, s in zip(la.placements, la.mesh.shape) if isinstance(p, Partial))
+        k = math.prod(
+            s for p, s in zip(la.placements, la.mesh.shape, strict=True) if isinstance(p, Partial)
+        )
         assert groups == k
     _check_cover(src, lb.blocks(), copies, groups)
 
@@ -145,10 +154,17 @@ def test_match_blocks_refuses_a_source_with_a_hole(case, data):
 @given(plan_cases(src_partial=False))
 def test_make_plan_lays_out_each_rank_file(case):
     la, lb = case
-    tensors = {"a.w": source_from_layout("a.w", la, "F32"), "b.w": source_from_layout("b.w", la, "BF16")}
-    ckpt = Checkpoint(path="mem", format="per-rank", files=(), file_sizes=(), tensors=tensors, mesh=la.mesh)
+    tensors = {
+        "a.w": source_from_layout("a.w", la, "F32"),
+        "b.w": source_from_layout("b.w", la, "BF16"),
+    }
+    ckpt = Checkpoint(
+        path="mem", format="per-rank", files=(), file_sizes=(), tensors=tensors, mesh=la.mesh
+    )
     plan = make_plan(ckpt, lb.mesh, lambda name: lb.placements, fmt=PER_RANK)
-    assert [f.name for f in plan.files] == [rank_file_name(r, lb.mesh.size) for r in range(lb.mesh.size)]
+    assert [f.name for f in plan.files] == [
+        rank_file_name(r, lb.mesh.size) for r in range(lb.mesh.size)
+    ]
     for r, f in enumerate(plan.files):
         assert f.rank == r
         pos = len(f.prefix)
@@ -164,14 +180,14 @@ def test_make_plan_lays_out_each_rank_file(case):
 
 # --- real files ----------------------------------------------------------------------
 
-DTYPE_NAMES = {torch.int64: "I64", torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32"}
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.dtype == b.dtype
         and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        and torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
     )
 
 
@@ -183,8 +199,10 @@ def placement_text(p: Placement, mesh: Mesh, named_sf: bool) -> str:
     return str(p)
 
 
-def layout_yaml(mesh: Mesh, pls: dict[str, tuple[Placement, ...]], *, named_sf: bool = False) -> str:
-    sizes = ", ".join(f"{n}: {s}" for n, s in zip(mesh.names, mesh.shape))
+def layout_yaml(
+    mesh: Mesh, pls: dict[str, tuple[Placement, ...]], *, named_sf: bool = False
+) -> str:
+    sizes = ", ".join(f"{n}: {s}" for n, s in zip(mesh.names, mesh.shape, strict=True))
     lines = [f"mesh: {{{sizes}}}", "placements:"]
     for name, p in pls.items():
         texts = [placement_text(x, mesh, named_sf) for x in p]
@@ -193,7 +211,10 @@ def layout_yaml(mesh: Mesh, pls: dict[str, tuple[Placement, ...]], *, named_sf: 
 
 
 def write_per_rank(
-    directory: Path, mesh: Mesh, values: dict[str, list[torch.Tensor]], pls: dict[str, tuple[Placement, ...]]
+    directory: Path,
+    mesh: Mesh,
+    values: dict[str, list[torch.Tensor]],
+    pls: dict[str, tuple[Placement, ...]],
 ) -> None:
     """Per-rank files; ``values[name][g]`` is partial group g's value (one group if no Partial)."""
     directory.mkdir(parents=True)
@@ -215,7 +236,9 @@ def check_per_rank(directory: Path, mesh: Mesh, full: dict[str, torch.Tensor], p
         assert set(got) == set(full)
         for name, t in full.items():
             want = torch_local(t, mesh.shape, coord, torch_placements(pls[name], t.ndim))
-            assert same_bits(got[name], want), f"{directory.name} rank {r} coord {coord} tensor {name}"
+            assert same_bits(got[name], want), (
+                f"{directory.name} rank {r} coord {coord} tensor {name}"
+            )
 
 
 def check_consolidated(directory: Path, full: dict[str, torch.Tensor]) -> None:
@@ -233,7 +256,10 @@ def exec_options() -> st.SearchStrategy[dict[str, int]]:
     """Executor options that must not change a byte of output: slab buffer size
     (at least the largest item size) and worker threads."""
     return st.fixed_dictionaries(
-        {"buffer_size": st.sampled_from([256 * 1024, 8, 16, 24, 40, 64, 4096]), "workers": st.sampled_from([1, 3])}
+        {
+            "buffer_size": st.sampled_from([256 * 1024, 8, 16, 24, 40, 64, 4096]),
+            "workers": st.sampled_from([1, 3]),
+        }
     )
 
 
@@ -280,7 +306,7 @@ RT_EXAMPLES = [(*c, {"buffer_size": 16, "workers": 1}, True) for c in RT_EXAMPLE
 
 
 @settings(
-    max_examples=examples(20),
+    max_examples=examples(40),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(round_trip_cases())
@@ -299,8 +325,12 @@ def test_round_trip_real_files_against_torch(case):
         (root / "b.yaml").write_text(layout_yaml(mb, pb, named_sf=named_sf))
         write_per_rank(root / "A", ma, {k: [v] for k, v in full.items()}, pa)
 
-        convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "B",
-                TargetSpec(layout=str(root / "b.yaml"), to="per-rank"), **opts)
+        convert(
+            SourceSpec(str(root / "A"), layout=str(root / "a.yaml")),
+            root / "B",
+            TargetSpec(layout=str(root / "b.yaml"), to="per-rank"),
+            **opts,
+        )
         check_per_rank(root / "B", mb, full, pb)
 
         # B describes itself: no layout file needed
@@ -309,11 +339,72 @@ def test_round_trip_real_files_against_torch(case):
 
         # back to A: the original tensors, and byte-identical files on a second run
         # (with the default executor options: they must not matter either)
-        convert(SourceSpec(str(root / "B")), root / "A1", TargetSpec(layout=str(root / "a.yaml"), to="per-rank"),
-                **opts)
+        convert(
+            SourceSpec(str(root / "B")),
+            root / "A1",
+            TargetSpec(layout=str(root / "a.yaml"), to="per-rank"),
+            **opts,
+        )
         check_per_rank(root / "A1", ma, full, pa)
-        convert(SourceSpec(str(root / "B")), root / "A2", TargetSpec(layout=str(root / "a.yaml"), to="per-rank"))
+        convert(
+            SourceSpec(str(root / "B")),
+            root / "A2",
+            TargetSpec(layout=str(root / "a.yaml"), to="per-rank"),
+        )
         assert file_bytes(root / "A1") == file_bytes(root / "A2")
+
+
+@st.composite
+def target_mesh_cases(draw: st.DrawFn):
+    ma = draw(meshes(max_ranks=8))
+    mb_shape = draw(mesh_shapes(min_dims=ma.ndim, max_dims=ma.ndim, max_ranks=8))
+    shape = draw(tensor_shapes(max_numel=256))
+    pa = draw(placements(len(shape), ma.ndim, allow_partial=False))
+    return ma, Mesh(ma.names, mb_shape), shape, pa, draw(st.booleans())
+
+
+@settings(
+    max_examples=examples(30),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(target_mesh_cases())
+@example(
+    (
+        Mesh(("fsdp", "tp"), (2, 2)),
+        Mesh(("fsdp", "tp"), (2, 4)),
+        (10, 4),
+        (StridedShard(0, 2), Shard(0)),
+        True,
+    )
+)
+@example(
+    (
+        Mesh(("fsdp", "tp"), (2, 4)),
+        Mesh(("fsdp", "tp"), (1, 3)),
+        (13,),
+        (Shard(0), StridedShard(0, 2)),
+        True,
+    )
+)
+def test_target_mesh_reuses_the_source_rules(case):
+    """``--target-mesh`` = the source's rules on the resized mesh; a split factor named
+    after a mesh dim (``_S(0, tp)``) follows that dim's new size."""
+    ma, mb, shape, pa, named_sf = case
+    full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    text = layout_yaml(ma, {"w": pa}, named_sf=named_sf)
+    texts = [placement_text(p, ma, named_sf) for p in pa]
+    lay_b = TensorLayout.make(shape, mb, texts)  # named split factors bound on the new mesh
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "a.yaml").write_text(text)
+        write_per_rank(root / "A", ma, {"w": [full]}, {"w": pa})
+        spec = ",".join(f"{n}={s}" for n, s in zip(mb.names, mb.shape, strict=True))
+        convert(
+            SourceSpec(str(root / "A"), layout=str(root / "a.yaml")),
+            root / "B",
+            TargetSpec(mesh=spec, to="per-rank"),
+        )
+        check_per_rank(root / "B", mb, {"w": full}, {"w": lay_b.placements})
 
 
 # --- Partial sources -------------------------------------------------------------------
@@ -348,40 +439,90 @@ def partial_values(full: torch.Tensor, k: int, op: str, g: torch.Generator) -> l
 
 
 @settings(
-    max_examples=examples(20),
+    max_examples=examples(40),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(partial_cases())
-@example(("sum", Mesh(("tp",), (4,)), (5, 3), (Partial("sum"),), Mesh(("tp",), (1,)), (Replicate(),), torch.int64, 0, {"buffer_size": 8, "workers": 1}))
-@example(("max", Mesh(("dp", "tp"), (2, 2)), (7,), (Partial("max"), Shard(0)), Mesh(("tp",), (3,)), (Shard(0),),
-          torch.float32, 0, {"buffer_size": 16, "workers": 3}))
-@example(("avg", Mesh(("dp", "tp"), (3, 2)), (4, 5), (Partial("avg"), StridedShard(1, 2)), Mesh(("tp",), (2,)),
-          (Shard(1),), torch.float32, 0, {"buffer_size": 256 * 1024, "workers": 1}))
+@example(
+    (
+        "sum",
+        Mesh(("tp",), (4,)),
+        (5, 3),
+        (Partial("sum"),),
+        Mesh(("tp",), (1,)),
+        (Replicate(),),
+        torch.int64,
+        0,
+        {"buffer_size": 8, "workers": 1},
+    )
+)
+@example(
+    (
+        "max",
+        Mesh(("dp", "tp"), (2, 2)),
+        (7,),
+        (Partial("max"), Shard(0)),
+        Mesh(("tp",), (3,)),
+        (Shard(0),),
+        torch.float32,
+        0,
+        {"buffer_size": 16, "workers": 3},
+    )
+)
+@example(
+    (
+        "avg",
+        Mesh(("dp", "tp"), (3, 2)),
+        (4, 5),
+        (Partial("avg"), StridedShard(1, 2)),
+        Mesh(("tp",), (2,)),
+        (Shard(1),),
+        torch.float32,
+        0,
+        {"buffer_size": 256 * 1024, "workers": 1},
+    )
+)
 def test_partial_source_reduces_to_the_full_tensor(case):
     op, ma, shape, pls, mb, pb, dtype, seed, opts = case
     g = torch.Generator().manual_seed(seed)
     full = torch.arange(math.prod(shape)).reshape(shape).to(dtype) - 3
-    k = math.prod(s for p, s in zip(pls, ma.shape) if isinstance(p, Partial))
+    k = math.prod(s for p, s in zip(pls, ma.shape, strict=True) if isinstance(p, Partial))
     parts = partial_values(full, k, op, g)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "a.yaml").write_text(layout_yaml(ma, {"w": pls}))
         (root / "b.yaml").write_text(layout_yaml(mb, {"w": pb}))
         write_per_rank(root / "A", ma, {"w": parts}, {"w": pls})
-        convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "HF", TargetSpec(consolidate=True),
-                **opts)
+        convert(
+            SourceSpec(str(root / "A"), layout=str(root / "a.yaml")),
+            root / "HF",
+            TargetSpec(consolidate=True),
+            **opts,
+        )
         check_consolidated(root / "HF", {"w": full})
-        convert(SourceSpec(str(root / "A"), layout=str(root / "a.yaml")), root / "B",
-                TargetSpec(layout=str(root / "b.yaml"), to="per-rank"), **opts)
+        convert(
+            SourceSpec(str(root / "A"), layout=str(root / "a.yaml")),
+            root / "B",
+            TargetSpec(layout=str(root / "b.yaml"), to="per-rank"),
+            **opts,
+        )
         check_per_rank(root / "B", mb, {"w": full}, {"w": pb})
 
 
-def _refused(tmp_path: Path, src_pls: tuple[Placement, ...], layout_text: str | None, *extra: str) -> None:
+def _refused(
+    tmp_path: Path, src_pls: tuple[Placement, ...], layout_text: str | None, *extra: str
+) -> None:
     mesh = Mesh(("tp",), (2,))
     full = torch.arange(8, dtype=torch.float32).reshape(4, 2)
     (tmp_path / "a.yaml").write_text(layout_yaml(mesh, {"w": src_pls}))
     write_per_rank(tmp_path / "A", mesh, {"w": [full, full]}, {"w": src_pls})
-    args = ["convert", str(tmp_path / "A"), str(tmp_path / "B"), "--source-layout", str(tmp_path / "a.yaml")]
+    args = [
+        "convert",
+        str(tmp_path / "A"),
+        str(tmp_path / "B"),
+        "--source-layout",
+        str(tmp_path / "a.yaml"),
+    ]
     if layout_text is not None:
         (tmp_path / "b.yaml").write_text(layout_text)
         args += ["--target-layout", str(tmp_path / "b.yaml")]
@@ -394,7 +535,9 @@ def _refused(tmp_path: Path, src_pls: tuple[Placement, ...], layout_text: str | 
 
 @pytest.mark.parametrize("target", ["P(sum)", "Partial(max)", "P", "Partial()"])
 def test_partial_target_layout_is_refused_with_exit_code_2(tmp_path, target):
-    _refused(tmp_path, (Shard(0),), f'mesh: {{tp: 2}}\nplacements:\n  "w": [{json.dumps(target)}]\n')
+    _refused(
+        tmp_path, (Shard(0),), f'mesh: {{tp: 2}}\nplacements:\n  "w": [{json.dumps(target)}]\n'
+    )
 
 
 def test_partial_source_rules_reused_on_a_target_mesh_are_refused_with_exit_code_2(tmp_path):
@@ -405,7 +548,8 @@ def test_partial_source_rules_reused_on_a_target_mesh_are_refused_with_exit_code
 def test_partial_target_is_refused_by_the_planner():
     lay = TensorLayout.make((4,), Mesh(("tp",), (2,)), ["S(0)"])
     src = source_from_layout("w", lay)
-    ckpt = Checkpoint(path="mem", format="per-rank", files=(), file_sizes=(), tensors={"w": src}, mesh=lay.mesh)
+    ckpt = Checkpoint(
+        path="mem", format="per-rank", files=(), file_sizes=(), tensors={"w": src}, mesh=lay.mesh
+    )
     with pytest.raises(PlanError, match="Partial"):
         make_plan(ckpt, Mesh(("tp",), (2,)), lambda name: ["P(sum)"], fmt=PER_RANK)
-

@@ -39,6 +39,7 @@ mesh: {fsdp: 2, tp: 2}
 placements:
   "*.w": {fsdp: "_S(0, tp)", tp: S(0)}
   "*.o": {fsdp: S(0), tp: S(1)}
+  "*.r": {tp: S(0)}
   "*": R
 """
 
@@ -54,6 +55,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "l1.w": torch.randn(5, 3, generator=g).to(torch.bfloat16),
         "nan.o": nan_o,
         "norm": torch.randn(7, generator=g),
+        "l0.r": torch.randn(5, 4, generator=g),
         "step": torch.tensor(12345, dtype=torch.int64),
         "empty.w": torch.zeros(0, 4),
     }
@@ -363,12 +365,16 @@ def test_check_differing_replica(ckpts: dict[str, Path], tmp_path: Path) -> None
 
 
 def test_check_differing_replica_in_strided_layout(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    # l0.o [6, 7] with fsdp: S(0), tp: S(1): ranks (0, 1) and (1, 1) hold disjoint rows; use norm
-    # and l0.w's neighbours: l0.w [10, 6] _S(0, tp) x S(0) is never replicated, norm is on all 4
+    # l0.r [5, 4] is S(0) over tp=2 and replicated over fsdp=2: ranks 1 = (0, 1) and
+    # 3 = (1, 1) both hold rows 3:5; rank 3's local (1, 2) is global (4, 2)
     bad = _copy(ckpts["fsdp_tp"], tmp_path)
-    _flip(_rank(bad, 3, 4), "norm", 6)
+    _flip(_rank(bad, 3, 4), "l0.r", 1 * 4 + 2)
     problems = [p for p in check_checkpoint(_open(bad)) if p["kind"] == "replica"]
-    assert [(p["tensor"], p["index"], p["region"]) for p in problems] == [("norm", [6], [[0, 7]])]
+    assert [(p["tensor"], p["index"], p["region"]) for p in problems] == [
+        ("l0.r", [4, 2], [[3, 5], [0, 4]])
+    ]
+    assert problems[0]["path"] == str(_rank(bad, 3, 4))
+    assert problems[0]["other"] == str(_rank(bad, 1, 4))
 
 
 def test_check_manifest_files(ckpts: dict[str, Path], tmp_path: Path) -> None:

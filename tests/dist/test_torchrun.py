@@ -1,0 +1,238 @@
+"""The torchrun path, in real multi-process gloo worlds on CPU (tiny tensors).
+
+* ``save_dtensors``: 4 ranks on an (fsdp=2, tp=2) mesh save uneven ``Shard(0)``, nested
+  ``[S(0), S(0)]``, ``Shard(1)``, ``Replicate``, FSDP2-over-TP ``_StridedShard(0, 2)``,
+  ``Partial``, an fsdp-sub-mesh DTensor and a plain tensor; ``reshard inspect --check``
+  accepts the directory and ``reshard convert --consolidate`` gives the full tensors.
+* ``load_dtensors``: 4 ranks load a consolidated ``model.safetensors`` onto a tp=4 mesh
+  with a layout YAML; every ``to_local()`` equals ``distribute_tensor``'s, checked in the
+  ranks (``torchrun_scripts/load_world.py``); their ``save_dtensors`` of what they loaded
+  equals ``reshard convert --target-layout`` byte for byte.
+* ``reshard convert`` under ``torchrun --nproc-per-node 2`` (the console script): the
+  ranks split the output files, and the output directory is byte-identical to a
+  one-process conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from reshard.dist import share_by_bytes  # noqa: E402
+from reshard.execute import file_checksum  # noqa: E402
+from reshard.layout import TensorLayout  # noqa: E402
+from reshard.mesh import Mesh  # noqa: E402
+from tests.dist.torchrun_scripts import load_world as L  # noqa: E402
+from tests.dist.torchrun_scripts import save_world as S  # noqa: E402
+from tests.strategies import torch_local, torch_placements  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).with_name("torchrun_scripts")
+BIN = Path(sys.executable).parent
+TIMEOUT = 120  # seconds per world; each takes ~5-10 s on 2 cores
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("RESHARD_DEBUG", None)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def torchrun(nproc: int, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone`` (a free rendezvous port per run), failing the test on a non-zero exit."""
+    exe = BIN / "torchrun"
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [*launcher, "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *map(str, args)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+    return res
+
+
+def reshard_exe() -> list[str]:
+    exe = BIN / "reshard"
+    return [str(exe)] if exe.exists() else [sys.executable, "-c", "from reshard.cli import main; main()"]
+
+
+def reshard(*args: str | Path, code: int = 0) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run([*reshard_exe(), *map(str, args)], capture_output=True, text=True,
+                         timeout=TIMEOUT, env=_env())
+    assert res.returncode == code, f"reshard {' '.join(map(str, args))} -> {res.returncode}:\n{res.stderr}"
+    return res
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    return (
+        a.dtype == b.dtype
+        and tuple(a.shape) == tuple(b.shape)
+        and bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                             b.contiguous().reshape(-1).view(torch.uint8)))
+    )
+
+
+def assert_same_dirs(got: Path, want: Path) -> None:
+    """Same file names, every file byte for byte (reshard.json and the hf index included)."""
+    names = sorted(p.name for p in want.iterdir())
+    assert sorted(p.name for p in got.iterdir()) == names
+    for name in names:
+        assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+def rank_file(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+# --------------------------------------------------------------------------- save_dtensors
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("save_world")
+    torchrun(S.WORLD, SCRIPTS / "save_world.py", out)
+    return out / "ckpt"
+
+
+WANT_PLACEMENTS = {
+    "a.uneven_s0": ["S(0)", "R"],
+    "a.nested_s0": ["S(0)", "S(0)"],
+    "b.s1": ["R", "S(1)"],
+    "c.rep": ["R", "R"],
+    "d.fsdp_tp": ["_S(0, 2)", "S(0)"],
+    "e.2d_int": ["S(0)", "S(1)"],
+    "f.bool": ["R", "S(0)"],
+    "g.partial": ["P(sum)", "S(1)"],
+    "h.fsdp_only": ["S(0)", "R"],  # saved from the fsdp sub-mesh
+    "step": ["R", "R"],  # a plain tensor
+}
+
+
+def test_save_dtensors_writes_a_checked_self_describing_checkpoint(saved: Path) -> None:
+    world = S.WORLD
+    assert sorted(p.name for p in saved.iterdir()) == [rank_file(r, world) for r in range(world)] + [
+        "reshard.json"
+    ]
+    doc = json.loads(reshard("inspect", saved, "--check", "--json").stdout)
+    assert doc["ok"] is True and doc["format"] == "per-rank"
+    assert doc["mesh"] == {"names": list(S.MESH_NAMES), "shape": list(S.MESH_SHAPE)}
+    assert {t["name"]: t["placements"] for t in doc["tensors"]} == WANT_PLACEMENTS
+
+    manifest = json.loads((saved / "reshard.json").read_text())
+    assert manifest["format"] == "per-rank"
+    assert manifest["reshard"]["format_version"] == 1
+    assert manifest["mesh"] == doc["mesh"]
+    full = S.full_tensors()
+    assert manifest["tensors"]["b.s1"] == {"dtype": "BF16", "shape": [4, 5], "placements": ["R", "S(1)"]}
+    assert {n: t["placements"] for n, t in manifest["tensors"].items()} == WANT_PLACEMENTS
+    assert {n: t["shape"] for n, t in manifest["tensors"].items()} == {n: list(t.shape) for n, t in full.items()}
+    assert list(manifest["files"]) == [rank_file(r, world) for r in range(world)]
+    for name, info in manifest["files"].items():
+        assert info == {"size": (saved / name).stat().st_size, "checksum": file_checksum(saved / name)}
+
+    mesh = Mesh(S.MESH_NAMES, S.MESH_SHAPE)
+    for r, coord in enumerate(mesh.coordinates()):
+        with safe_open(str(saved / rank_file(r, world)), "pt") as f:
+            meta = json.loads(f.metadata()["reshard"])
+        assert meta["format_version"] == 1 and meta["rank"] == r and meta["coordinate"] == list(coord)
+        assert meta["mesh"] == doc["mesh"]
+        # every local tensor is what torch's own placement splitting gives this coordinate
+        got = load_file(str(saved / rank_file(r, world)))
+        for name, texts in WANT_PLACEMENTS.items():
+            if name == "g.partial":
+                continue
+            lay = TensorLayout.make(tuple(full[name].shape), mesh, texts)
+            want = torch_local(full[name], mesh.shape, coord, torch_placements(lay.placements, full[name].ndim))
+            assert same_bits(got[name], want), f"rank {r} {name}"
+
+
+def test_save_dtensors_consolidates_to_the_full_tensors(saved: Path, tmp_path: Path) -> None:
+    reshard("convert", saved, tmp_path / "hf", "--consolidate", "--quiet")
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    full = S.full_tensors()
+    assert sorted(got) == sorted(full)
+    for name, t in full.items():  # g.partial: the sum of the two fsdp partials
+        assert same_bits(got[name], t), name
+
+
+# --------------------------------------------------------------------------- load_dtensors
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A consolidated model.safetensors (in its own directory) and the tp=4 layout next to it."""
+    root = tmp_path_factory.mktemp("model")
+    (root / "hf").mkdir()
+    save_file(L.full_tensors(), str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "tp4.yaml").write_text(L.LAYOUT_YAML)
+    return root
+
+
+@pytest.fixture(scope="module")
+def loaded(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("load_world")
+    # the ranks compare with distribute_tensor themselves and exit 1 on any difference
+    torchrun(L.WORLD, SCRIPTS / "load_world.py", model / "hf" / "model.safetensors", model / "tp4.yaml", out)
+    return out
+
+
+def test_load_dtensors_matches_distribute_tensor(loaded: Path) -> None:
+    assert (loaded / "saved" / "reshard.json").is_file()
+
+
+def test_saving_loaded_dtensors_equals_reshard_convert(loaded: Path, model: Path, tmp_path: Path) -> None:
+    """save_dtensors writes the very rank files `reshard convert --target-layout` writes."""
+    reshard("convert", model / "hf", tmp_path / "tp4", "--target-layout", model / "tp4.yaml", "--quiet")
+    for r in range(L.WORLD):
+        name = rank_file(r, L.WORLD)
+        assert (loaded / "saved" / name).read_bytes() == (tmp_path / "tp4" / name).read_bytes(), name
+    reshard("inspect", loaded / "saved", "--check", "--json")
+
+
+# --------------------------------------------------------------------------- convert under torchrun
+
+
+@pytest.fixture(scope="module")
+def tp2(model: Path) -> Path:
+    """A self-describing per-rank tp=2 checkpoint, written by a one-process conversion."""
+    src = model / "tp2"
+    reshard("convert", model / "hf", src, "--target-layout", model / "tp4.yaml", "--target-mesh", "tp=2",
+            "--quiet")
+    return src
+
+
+def test_convert_under_torchrun_equals_one_process(tp2: Path, tmp_path: Path) -> None:
+    reshard("convert", tp2, tmp_path / "single", "--target-mesh", "tp=4", "--quiet")
+    # the console script itself (`torchrun -m reshard.cli` would import the module and do nothing)
+    torchrun(2, *reshard_exe(), "convert", tp2, tmp_path / "dist", "--target-mesh", "tp=4", "--quiet")
+    assert_same_dirs(tmp_path / "dist", tmp_path / "single")
+    reshard("verify", tmp_path / "dist", tp2)
+
+
+def test_convert_under_torchrun_shares_the_files(tp2: Path, tmp_path: Path) -> None:
+    """Each rank writes its share (balanced by bytes), none twice; rank 0 the index and manifest."""
+    args = ("convert", tp2, "--consolidate", "--max-shard-size", "150B", "--quiet")
+    reshard(args[0], args[1], tmp_path / "single", *args[2:])
+    log = tmp_path / "log"
+    log.mkdir()
+    torchrun(2, SCRIPTS / "convert_shares.py", log, args[0], args[1], tmp_path / "dist", *args[2:])
+    assert_same_dirs(tmp_path / "dist", tmp_path / "single")
+
+    files = json.loads((tmp_path / "single" / "reshard.json").read_text())["files"]
+    names = list(files)
+    assert len(names) >= 3 and (tmp_path / "dist" / "model.safetensors.index.json").is_file()
+    shares = share_by_bytes([files[n]["size"] for n in names], 2)
+    for r in range(2):
+        written = (log / f"rank-{r}.txt").read_text().split()
+        assert written and sorted(written) == sorted(names[i] for i in shares[r])
