@@ -78,12 +78,34 @@ class Coordinator:
         return list(items)
 
 
+def _init_gloo() -> None:
+    """Initialise the default process group (gloo, env://) and destroy it at exit.
+
+    A gloo process group still alive at interpreter exit can abort the process
+    ("terminate called without an active exception", exit code -6) in torch 2.x,
+    which torchrun reports as a failed worker; a group we create, we destroy.
+    """
+    import atexit
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    atexit.register(_destroy_default_group, dist.group.WORLD)
+
+
+def _destroy_default_group(pg: object) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.group.WORLD is pg:
+        dist.destroy_process_group()
+
+
 class _TorchrunCoordinator(Coordinator):
     def __init__(self) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
+            _init_gloo()
         self._dist = dist
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -131,7 +153,7 @@ def _live_coordinator() -> Coordinator:
         return coordinator()
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-            dist.init_process_group("gloo")
+            _init_gloo()
         else:
             return coordinator()
     world_pg = dist.group.WORLD
@@ -281,7 +303,7 @@ def load_dtensors(
     from .formats import open_checkpoint
 
     if dist.is_available() and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        _init_gloo()
     ckpt = open_checkpoint(path)
     rmesh, cfg = _resolve_layout(layout, ckpt, mesh)
     coord = mesh.get_coordinate()

@@ -40,6 +40,7 @@ from reshard.errors import HeaderError, TensorNotFoundError
 
 __all__ = [
     "DTYPE_SIZES",
+    "DTYPE_RANK",
     "FLOAT_DTYPES",
     "MAX_HEADER_SIZE",
     "TensorEntry",
@@ -121,6 +122,9 @@ _RUST_DTYPE_ORDER = (
     "U64",
 )
 _RANK = {name: rank for rank, name in enumerate(_RUST_DTYPE_ORDER)}
+DTYPE_RANK = _RANK
+"""Position of each dtype in the Rust ``Dtype`` enum: the reference writer lays out
+tensors by this rank, descending, then by name."""
 
 _METADATA_KEY = "__metadata__"
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")

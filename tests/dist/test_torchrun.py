@@ -234,5 +234,5 @@ def test_convert_under_torchrun_shares_the_files(tp2: Path, tmp_path: Path) -> N
     assert len(names) >= 3 and (tmp_path / "dist" / "model.safetensors.index.json").is_file()
     shares = share_by_bytes([files[n]["size"] for n in names], 2)
     for r in range(2):
-        written = (log / f"rank-{r}.txt").read_text().split()
+        written = (log / f"rank-{r}.txt").read_text(encoding="utf-8").split()
         assert written and sorted(written) == sorted(names[i] for i in shares[r])

@@ -2,10 +2,10 @@
 
 ``python -m torch.distributed.run --standalone --nproc-per-node 2 convert_shares.py LOG convert SRC DST ...``
 
-Exactly what the ``reshard`` console script runs (``reshard.cli.main``), with
-``reshard.execute.write_out_file`` wrapped to append each file name this rank writes
-to ``LOG/rank-{RANK}.txt``, so the parent can check that the ranks split the output
-files between them (and that no file is written twice).
+Exactly what the ``reshard`` console script runs (``reshard.cli.main``), with the
+``execute_plan`` that ``reshard.convert`` calls wrapped to append the names of the
+files this rank is given (its share) to ``LOG/rank-{RANK}.txt``, so the parent can
+check that the ranks split the output files between them, none twice.
 """
 
 from __future__ import annotations
@@ -17,19 +17,21 @@ from typing import Any
 
 
 def main() -> None:
-    import reshard.execute as execute
+    import reshard.convert as convert
     from reshard.cli import main as cli_main
 
     log = Path(sys.argv[1])
     rank = os.environ.get("RANK", "0")
-    write = execute.write_out_file
+    execute_plan = convert.execute_plan
 
-    def recording(plan: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+    def recording(plan: Any, dst: Any, **kwargs: Any) -> Any:
+        files = kwargs.get("files")
+        names = [f.name for f in (plan.files if files is None else files)]
         with open(log / f"rank-{rank}.txt", "a", encoding="utf-8") as out:
-            out.write(f.name + "\n")
-        return write(plan, f, *args, **kwargs)
+            out.write("".join(n + "\n" for n in names))
+        return execute_plan(plan, dst, **kwargs)
 
-    execute.write_out_file = recording  # type: ignore[assignment]
+    convert.execute_plan = recording  # type: ignore[assignment]
     sys.argv = ["reshard", *sys.argv[2:]]
     cli_main()
 
