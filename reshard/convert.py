@@ -226,7 +226,8 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = F
     s = src.resolve()
     d = dst.resolve()
     src_dir = s if s.is_dir() else s.parent
-    if d == src_dir or _is_within(d, src_dir):
+    # a single-file source: only its own directory is off limits (outputs would mix with it)
+    if d == src_dir or (s.is_dir() and _is_within(d, src_dir)):
         raise UsageError(f"{dst}: the destination is inside the source {src}; choose another directory")
     if _is_within(src_dir, d):
         raise UsageError(f"{dst}: the destination contains the source {src}; choose another directory")

@@ -231,7 +231,7 @@ class _Writer:
         self.plan = plan
         self.sources = sources
         self.fd = fd
-        self.budget = buffer_size
+        self.budget = max(buffer_size, 16)  # at least one item of the widest dtype (C64, F64: 8 bytes)
         self.progress = progress
         self._bufs: list[bytearray] = []
         self._touched: dict[int, list[int]] = {}

@@ -267,3 +267,36 @@ def test_resume_keeps_verified_files_and_redoes_the_rest(tp4: Path, tmp_path: Pa
     assert sorted(os.listdir(out)) == sorted(os.listdir(ref))
     for n in os.listdir(ref):
         assert (out / n).read_bytes() == (ref / n).read_bytes(), n
+
+
+ALL_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+]
+
+
+def test_every_safetensors_dtype_is_carried_byte_exactly(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    full = {}
+    for i, dt in enumerate(ALL_DTYPES):
+        raw = torch.randint(0, 256, (11, 5 * torch.empty(0, dtype=dt).element_size()), generator=gen,
+                            dtype=torch.uint8)
+        full[f"t{i}.w"] = raw.view(dt) if dt != torch.bool else (raw % 2).to(torch.bool)
+    save_file(full, str(tmp_path / "model.safetensors"))
+    (tmp_path / "l.yaml").write_text('mesh: {tp: 4}\nplacements:\n  "t1*": {tp: S(0)}\n  "*": {tp: S(1)}\n')
+    assert run("convert", str(tmp_path / "model.safetensors"), str(tmp_path / "tp4"), "--target-layout",
+               str(tmp_path / "l.yaml")).returncode == 0
+    p = run("convert", str(tmp_path / "tp4"), str(tmp_path / "tp3"), "--target-mesh", "tp=3")
+    assert p.returncode == 0, p.stderr
+    p = run("convert", str(tmp_path / "tp3"), str(tmp_path / "hf"), "--consolidate")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes()[8:] != b""
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for n, t in full.items():
+        assert got[n].dtype == t.dtype, n
+        assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), n
+    # and the whole file is the reference writer's bytes
+    ref = tmp_path / "ref.safetensors"
+    save_file(full, str(ref), metadata={"format": "pt"})
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == ref.read_bytes()
