@@ -86,7 +86,10 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     """Open the source checkpoint named by ``spec``."""
     layout = _load_layout(spec.layout) if spec.layout else None
     sizes = parse_mesh_spec(spec.mesh, option="--source-mesh") if spec.mesh else None
-    return open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
+    ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
+    if layout is not None:
+        ckpt.warnings.extend(rule_warnings(layout, ckpt.tensors))
+    return ckpt
 
 
 def merge_mesh(base: Mesh, sizes: dict[str, int]) -> Mesh:
@@ -179,8 +182,20 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
     return Target(PER_RANK, mesh, rules, dtype, max_shard)
 
 
+def rule_warnings(cfg: LayoutConfig, names: Any) -> list[str]:
+    """SPEC §2: a rule that matches nothing is a warning."""
+    return [
+        f"{cfg.source}{':' + str(r.line) if r.line else ''}: rule {r.pattern!r} matches no tensor"
+        for r in cfg.unused_rules(names)
+    ]
+
+
 def build_plan(source: Checkpoint, target: Target) -> Plan:
     rules = target.rules
+    if rules is not None and rules is not source.layout:
+        for w in rule_warnings(rules, source.tensors):
+            if w not in source.warnings:
+                source.warnings.append(w)
 
     def placements_for(name: str) -> Any:
         assert rules is not None

@@ -40,6 +40,10 @@ __all__ = [
 ]
 
 DEFAULT_BUFFER = 256 * 1024
+
+COPY_MODE = os.environ.get("RESHARD_COPY", "buffer")
+"""How contiguous runs move: ``buffer`` (pread/pwrite through a reused buffer, hashed on
+the way) or ``kernel`` (copy_file_range, then the file is read back to hash it)."""
 _RELEASE_EVERY = 32 * 1024 * 1024
 _PAGE = mmap.PAGESIZE
 
@@ -237,6 +241,10 @@ class _Writer:
         self._touched: dict[int, list[int]] = {}
         self._touched_bytes = 0
         self.bytes_read = 0
+        import xxhash
+
+        self.hasher: Any = xxhash.xxh3_128()
+        self.pos = 0  # bytes hashed so far: the file is hashed while it is written, in order
 
     def buf(self, k: int) -> bytearray:
         while len(self._bufs) <= k:
@@ -252,26 +260,58 @@ class _Writer:
         transform = t.groups > 1 or t.dtype != t.src.dtype
         if not transform and self._all_contiguous(t.src, copies, dshape):
             isz = DTYPE_SIZES[t.src.dtype]
+            runs = []
             for c in copies:
                 sshape = t.src.piece_shape(c.piece)
-                sfd = self.sources.fd(t.src.piece_files[c.piece])
+                fi = t.src.piece_files[c.piece]
                 base = t.src.piece_offsets[c.piece]
                 for s_st, d_st, sz in copy_boxes(c):
                     n = isz
                     for x in sz:
                         n *= x
-                    _copy_range(
-                        sfd,
-                        self.fd,
-                        n,
-                        base + _box_offset(sshape, s_st) * isz,
-                        e.start + _box_offset(dshape, d_st) * isz,
-                    )
-                    self.bytes_read += n
-                    if self.progress:
-                        self.progress(n)
+                    runs.append((e.start + _box_offset(dshape, d_st) * isz, fi,
+                                 base + _box_offset(sshape, s_st) * isz, n))
+            runs.sort()  # in file order, so the file is hashed as it is written
+            for dst_off, fi, src_off, n in runs:
+                self._copy_run(fi, src_off, dst_off, n)
+                self.bytes_read += n
+                if self.progress:
+                    self.progress(n)
             return
         self._gather(e, copies, dshape)
+
+    def write_at(self, data: memoryview | bytes, off: int) -> None:
+        """pwrite all of ``data`` at ``off``, hashing it when the file is being written in order."""
+        mv = memoryview(data)
+        if self.hasher is not None:
+            if off == self.pos:
+                self.hasher.update(mv)
+                self.pos += len(mv)
+            else:
+                self.hasher = None  # out of order: hash by reading the file back
+        while len(mv):
+            w = os.pwrite(self.fd, mv, off)
+            mv = mv[w:]
+            off += w
+
+    def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
+        """Copy one contiguous run: through the reused buffer (hashed on the way) or in the kernel."""
+        sfd = self.sources.fd(fi)
+        if COPY_MODE == "kernel":
+            if self.hasher is not None:
+                self.hasher = None  # bytes never pass through here: hash by reading back
+            _copy_range(sfd, self.fd, n, src_off, dst_off)
+            return
+        buf = memoryview(self.buf(0))
+        step = len(buf)
+        while n > 0:
+            k = os.preadv(sfd, [buf[: min(step, n)]], src_off)
+            if k <= 0:
+                raise OSError(f"unexpected end of source file at offset {src_off}")
+            self.write_at(buf[:k], dst_off)
+            n -= k
+            src_off += k
+            dst_off += k
 
     @staticmethod
     def _all_contiguous(src: Any, copies: Sequence[Copy], dshape: Sequence[int]) -> bool:
@@ -330,11 +370,7 @@ class _Writer:
                         self._touch(fi, base, sshape, s_isz, src_sl)
             out = self._transform(t, views, n)
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
-            mv = memoryview(out)[: n * d_isz]
-            while len(mv):
-                w = os.pwrite(self.fd, mv, off)
-                mv = mv[w:]
-                off += w
+            self.write_at(memoryview(out)[: n * d_isz], off)
             if self.progress:
                 self.progress(n * d_isz)
         del plans
@@ -375,13 +411,15 @@ class _Writer:
 def _write_tmp(
     plan: Plan, f: OutFile, dst: Path, sources: SourceFiles, buffer_size: int,
     progress: ProgressFn | None,
-) -> tuple[Path, int]:
+) -> tuple[Path, int, str | None]:
+    """Write ``NAME.tmp``; returns it, the source bytes moved, and its checksum when it
+    was hashed on the way (None: the caller reads it back)."""
     tmp = dst / (f.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, f.size)
-        os.pwrite(fd, f.prefix, 0)
         w = _Writer(plan, sources, fd, buffer_size, progress)
+        w.write_at(f.prefix, 0)
         for e in f.entries:
             w.write_entry(e)
     except BaseException:
@@ -389,12 +427,16 @@ def _write_tmp(
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    return tmp, w.bytes_read
+    checksum = None
+    if w.hasher is not None and w.pos == f.size:
+        checksum = "xxh3_128:" + w.hasher.hexdigest()
+    return tmp, w.bytes_read, checksum
 
 
-def _finish(f: OutFile, tmp: Path, bytes_read: int) -> FileResult:
-    """Hash a written ``NAME.tmp`` and rename it into place."""
-    checksum = file_checksum(tmp)
+def _finish(f: OutFile, tmp: Path, bytes_read: int, checksum: str | None = None) -> FileResult:
+    """Rename a written ``NAME.tmp`` into place (hashing it first if it was not hashed while written)."""
+    if checksum is None:
+        checksum = file_checksum(tmp)
     os.replace(tmp, tmp.with_name(f.name))
     return FileResult(f.name, f.size, checksum, bytes_read)
 
@@ -441,16 +483,20 @@ def execute_plan(
     hasher = ThreadPoolExecutor(max_workers=1)
     pending: dict[str, Future[FileResult]] = {}
 
-    def finish(f: OutFile, tmp: Path, nread: int) -> FileResult:
-        r = _finish(f, tmp, nread)
+    def finish(f: OutFile, tmp: Path, nread: int, checksum: str | None) -> FileResult:
+        r = _finish(f, tmp, nread, checksum)
         if on_file_done is not None:
             with lock:
                 on_file_done(r)
         return r
 
     def one(f: OutFile) -> None:
-        tmp, nread = _write_tmp(plan, f, dst, sources, buffer_size, prog)
-        pending[f.name] = hasher.submit(finish, f, tmp, nread)
+        tmp, nread, checksum = _write_tmp(plan, f, dst, sources, buffer_size, prog)
+        if checksum is not None:
+            pending[f.name] = Future()
+            pending[f.name].set_result(finish(f, tmp, nread, checksum))
+        else:
+            pending[f.name] = hasher.submit(finish, f, tmp, nread, None)
 
     try:
         if workers <= 1 or len(todo) <= 1:

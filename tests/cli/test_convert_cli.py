@@ -300,3 +300,13 @@ def test_every_safetensors_dtype_is_carried_byte_exactly(tmp_path: Path) -> None
     ref = tmp_path / "ref.safetensors"
     save_file(full, str(ref), metadata={"format": "pt"})
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() == ref.read_bytes()
+
+
+def test_rule_matching_nothing_is_a_warning(tp4: Path, tmp_path: Path) -> None:
+    lay = tmp_path / "extra.yaml"
+    lay.write_text(LAYOUT.replace('  "*": R\n', '  "*.never": {tp: S(0)}\n  "*": R\n'))
+    p = run("convert", str(tp4), str(tmp_path / "o"), "--source-layout", str(lay), "--consolidate", "--json")
+    assert p.returncode == 0, p.stderr
+    warnings = json.loads(p.stdout)["warnings"]
+    assert warnings == [f"{lay}:6: rule '*.never' matches no tensor"]
+    assert "matches no tensor" in p.stderr
