@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .intervals import block_shape, row_major_strides
+from .intervals import block_shape, clip_box, row_major_strides
 from .io.header import DTYPE_SIZES
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 
@@ -354,18 +354,11 @@ class _Writer:
             ]
             for g, fi, base, sshape, arr, boxes in plans:
                 for s_st, d_st, sz in boxes:
-                    dst_sl = []
-                    src_sl = []
-                    for (a, b), ss, ds, z in zip(slab, s_st, d_st, sz):
-                        lo = max(a, ds)
-                        hi = min(b, ds + z)
-                        if hi <= lo:
-                            break
-                        dst_sl.append(slice(lo - a, hi - a))
-                        src_sl.append(slice(ss + lo - ds, ss + hi - ds))
-                    else:
-                        part = arr[tuple(src_sl)]
-                        views[g][tuple(dst_sl)] = part
+                    clipped = clip_box(slab, s_st, d_st, sz)
+                    if clipped is not None:
+                        src_sl, dst_sl = clipped
+                        part = arr[src_sl]
+                        views[g][dst_sl] = part
                         self.bytes_read += part.nbytes
                         self._touch(fi, base, sshape, s_isz, src_sl)
             out = self._transform(t, views, n)
@@ -376,7 +369,7 @@ class _Writer:
         del plans
         self._release_all()
 
-    def _touch(self, fi: int, base: int, sshape: Sequence[int], isz: int, sl: list[slice]) -> None:
+    def _touch(self, fi: int, base: int, sshape: Sequence[int], isz: int, sl: Sequence[slice]) -> None:
         if not sshape:
             lo, hi = base, base + isz
         else:

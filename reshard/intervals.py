@@ -27,6 +27,7 @@ __all__ = [
     "full_block",
     "contiguous_runs",
     "row_major_strides",
+    "clip_box",
 ]
 
 
@@ -235,3 +236,30 @@ def contiguous_runs(shape: Sequence[int], box: Box) -> Iterator[tuple[int, int]]
         prev = (off, size)
     if prev is not None:
         yield prev
+
+
+def clip_box(
+    window: Sequence[tuple[int, int]],
+    src_starts: Sequence[int],
+    dst_starts: Sequence[int],
+    sizes: Sequence[int],
+) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """The part of a copy box inside a destination window, as (src, window-relative dst) slices.
+
+    The box maps ``src_starts + i`` to ``dst_starts + i`` for ``0 <= i < sizes``;
+    ``window`` is a ``(start, stop)`` range per dim in destination coordinates.
+    Returns None when they do not meet.
+
+    >>> clip_box([(0, 4), (2, 6)], (10, 0), (1, 0), (5, 3))
+    ((slice(10, 13, None), slice(2, 3, None)), (slice(1, 4, None), slice(0, 1, None)))
+    """
+    src: list[slice] = []
+    dst: list[slice] = []
+    for (a, b), ss, ds, z in zip(window, src_starts, dst_starts, sizes):
+        lo = max(a, ds)
+        hi = min(b, ds + z)
+        if hi <= lo:
+            return None
+        dst.append(slice(lo - a, hi - a))
+        src.append(slice(ss + lo - ds, ss + hi - ds))
+    return tuple(src), tuple(dst)

@@ -24,7 +24,7 @@ from typing import Any
 from .checkpoint import Checkpoint, TensorSource
 from .errors import PlanError
 from .execute import SourceFiles, slabs
-from .intervals import Block, block_shape, block_volume, row_major_strides
+from .intervals import Block, block_shape, block_volume, clip_box, row_major_strides
 from .io.header import DTYPE_SIZES
 from .plan import Copy, copy_boxes, match_blocks, natural_key
 
@@ -218,19 +218,10 @@ class _Region:
             views.append(np.frombuffer(self.bufs[g], dtype=self.npt, count=n).reshape(shape))
         for g, p, boxes in self.plans:
             for s_st, d_st, sz in boxes:
-                dst_sl = []
-                src_sl = []
-                for (a, b), ss, ds, z in zip(slab, s_st, d_st, sz, strict=True):
-                    lo = max(a, ds)
-                    hi = min(b, ds + z)
-                    if hi <= lo:
-                        break
-                    dst_sl.append(slice(lo - a, hi - a))
-                    src_sl.append(slice(ss + lo - ds, ss + hi - ds))
-                else:
-                    dkey = tuple(dst_sl) if dst_sl else ...
-                    skey = tuple(src_sl) if src_sl else ...
-                    views[g][dkey] = p.arr[skey]
+                clipped = clip_box(slab, s_st, d_st, sz)
+                if clipped is not None:
+                    src_sl, dst_sl = clipped
+                    views[g][dst_sl or ...] = p.arr[src_sl or ...]
                     self.files.touch_slices(p.fi, p.base, p.strides, isz, src_sl)
         if self.groups == 1:
             return views[0]
