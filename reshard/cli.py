@@ -205,6 +205,10 @@ def convert(
                 progress=prog,
                 on_plan=on_plan,
             )
+        from .dist import coordinator
+
+        if not coordinator().is_main:
+            return  # under torchrun, rank 0 reports for everyone
         for w in result["warnings"]:
             err.print(f"warning: {w}")
         if json_:
@@ -360,4 +364,23 @@ def _human(n: float) -> str:
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    code = 0
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if "torch.distributed" in sys.modules:
+        # under torchrun: tear the process group down while the interpreter is whole, then
+        # leave without running finalizers (gloo can abort in them)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

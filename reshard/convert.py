@@ -319,9 +319,22 @@ def convert(
         mine = coord.share(todo)
         if resume:
             done, mine = finished_files(plan, dst_path, mine)
-        results = execute_plan(plan, dst_path, workers=workers, buffer_size=buffer_size,
-                               progress=progress, files=mine,
-                               on_file_done=lambda r: record_finished(dst_path, r, coord.rank))
+        failure: BaseException | None = None
+        try:
+            results = execute_plan(plan, dst_path, workers=workers, buffer_size=buffer_size,
+                                   progress=progress, files=mine,
+                                   on_file_done=lambda r: record_finished(dst_path, r, coord.rank))
+        except (ReshardError, OSError) as e:
+            if coord.world == 1:
+                raise
+            failure, results = e, []
+        # under torchrun a failure on one rank stops them all (nobody waits on a dead peer)
+        failures = coord.gather([(coord.rank, str(failure))] if failure is not None else [])
+        if failure is not None:
+            raise failure
+        if failures:
+            rank, message = failures[0]
+            raise WriteError(f"rank {rank} failed while writing: {message}; partial files were removed")
         results = coord.gather(results)
         done = coord.gather(done) if resume else done
         by_name = {r.name: r for r in done + results}

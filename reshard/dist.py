@@ -94,10 +94,17 @@ def _init_gloo() -> None:
 
 
 def _destroy_default_group(pg: object) -> None:
+    global _COORD
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.group.WORLD is pg:
         dist.destroy_process_group()
+        # free the groups while the interpreter is whole, not during its finalization
+        if isinstance(_COORD, _TorchrunCoordinator):
+            _COORD = None
+        gc.collect()
 
 
 class _TorchrunCoordinator(Coordinator):
@@ -107,6 +114,7 @@ class _TorchrunCoordinator(Coordinator):
         if not dist.is_initialized():
             _init_gloo()
         self._dist = dist
+        self.world_group: object = dist.group.WORLD
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self._pg = dist.new_group(backend="gloo")
@@ -136,17 +144,14 @@ def coordinator() -> Coordinator:
 
 # --------------------------------------------------------------------------- live DTensors
 
-_LIVE: tuple[object, Coordinator] | None = None
-
-
 def _live_coordinator() -> Coordinator:
     """A coordinator over the live default process group (initialising gloo under torchrun).
 
     Without a process group and outside torchrun this is the one-rank coordinator.
     The module-level :func:`coordinator` is updated too, so ``convert()`` in the same
-    process shares the same group.
+    process shares the group. A collective: every rank calls it at the same point.
     """
-    global _COORD, _LIVE
+    global _COORD
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -156,16 +161,9 @@ def _live_coordinator() -> Coordinator:
             _init_gloo()
         else:
             return coordinator()
-    world_pg = dist.group.WORLD
-    if _LIVE is not None and _LIVE[0] is world_pg:
-        return _LIVE[1]
-    if isinstance(_COORD, _TorchrunCoordinator) and _LIVE is None:
-        coord: Coordinator = _COORD
-    else:
-        coord = _TorchrunCoordinator()
-    _COORD = coord
-    _LIVE = (world_pg, coord)
-    return coord
+    if not (isinstance(_COORD, _TorchrunCoordinator) and _COORD.world_group is dist.group.WORLD):
+        _COORD = _TorchrunCoordinator()  # first use, or the process group was re-initialised
+    return _COORD
 
 
 def _mesh_names(device_mesh: Any) -> tuple[str, ...] | None:
@@ -304,7 +302,7 @@ def load_dtensors(
 
     if dist.is_available() and not dist.is_initialized():
         _init_gloo()
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(Path(path))
     rmesh, cfg = _resolve_layout(layout, ckpt, mesh)
     coord = mesh.get_coordinate()
     if coord is None:
@@ -374,6 +372,7 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
                 tuple(slice(s, s + z) for s, z in zip(s_st, sz))
             ]
     arrays.clear()
+    arr = None  # no view of a mapped file may outlive this function (SourceFiles.close)
     for k in {c.piece for c in copies}:
         start = src.piece_offsets[k]
         sources.release(src.piece_files[k], start, start + src.piece_numel(k) * isz)
@@ -416,15 +415,20 @@ def _is_submesh(sub: Any, world: Any) -> list[int] | None:
     return dims
 
 
-def _agree(coord: Coordinator, error: ReshardError | None, what: str) -> None:
-    """Raise on every rank if any rank failed (so no rank waits at a barrier for a dead peer)."""
+def _agree(
+    coord: Coordinator, error: ReshardError | None, what: str, cls: type[ReshardError] = ReshardError
+) -> None:
+    """Raise on every rank if any rank failed (so no rank waits at a barrier for a dead peer).
+
+    A collective: the failing rank raises its own error, the others a ``cls`` naming it.
+    """
     errors = coord.gather([(coord.rank, type(error).__name__, error.message) if error else None])
     failed = [e for e in errors if e is not None]
     if error is not None:
         raise error
     if failed:
         rank, kind, message = failed[0]
-        raise ReshardError(f"{what} failed on rank {rank} ({kind}): {message}")
+        raise cls(f"{what} failed on rank {rank} ({kind}): {message}")
 
 
 def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
@@ -476,33 +480,58 @@ def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -
             f"save_dtensors: rank {bad}'s state dict differs from rank 0's (tensor names, "
             "dtypes, global shapes, placements or mesh); every rank must save the same tensors"
         )
+    # every rank runs the same collectives whatever fails where: the gathers in _agree
+    # are the barriers (rank 0 prepares the directory before anyone writes into it)
     error = None
-    result: tuple[str, int, str] | None = None
-    try:
-        if coord.is_main:
+    if coord.is_main:
+        try:
             out.mkdir(parents=True, exist_ok=True)
             _clear_stale(out, mesh.size)
-        coord.barrier()
+        except OSError as e:
+            error = WriteError(f"{out}: cannot prepare the directory ({e.strerror or e})", path=str(out))
+    _agree(coord, error, "preparing the output directory", WriteError)
+    result: tuple[str, int, str] | None = None
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # a node that does not share rank 0's disk
         result = _write_rank_file(out, fname, prefix, datas)
     except OSError as e:
         error = WriteError(f"{out / fname}: writing failed ({e.strerror or e})", path=str(out / fname))
-    _agree(coord, error, "writing the per-rank files")
+    try:
+        _agree(coord, error, "writing the per-rank files", WriteError)
+    except WriteError:
+        if result is not None:  # no partial checkpoint is left behind
+            (out / fname).unlink(missing_ok=True)
+        raise
     results = coord.gather([result])
+    error = None
     if coord.is_main:
-        files = {name: {"size": size, "checksum": cs} for name, size, cs in sorted(
-            (r for r in results if r is not None), key=lambda r: r[0])}
-        manifest = {
-            "reshard": {"format_version": 1, "version": __version__},
-            "format": PER_RANK,
-            "mesh": mesh.to_json(),
-            "rules": [["re:" + re.escape(n), t["placements"]] for n, t in info.items()],
-            "tensors": info,
-            "files": files,
-        }
-        tmp = out / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, out / MANIFEST)
-    coord.barrier()
+        try:
+            _write_manifest(out, mesh, info, results)
+        except OSError as e:
+            where = out / MANIFEST
+            error = WriteError(f"{where}: writing failed ({e.strerror or e})", path=str(where))
+    _agree(coord, error, "writing reshard.json", WriteError)
+
+
+def _write_manifest(
+    out: Path, mesh: Mesh, info: dict[str, Any], results: Sequence[tuple[str, int, str] | None]
+) -> None:
+    """``reshard.json`` (as ``convert.manifest_for`` writes it), atomically."""
+    files = {
+        name: {"size": size, "checksum": cs}
+        for name, size, cs in sorted((r for r in results if r is not None), key=lambda r: r[0])
+    }
+    manifest = {
+        "reshard": {"format_version": 1, "version": __version__},
+        "format": PER_RANK,
+        "mesh": mesh.to_json(),
+        "rules": [["re:" + re.escape(n), t["placements"]] for n, t in info.items()],
+        "tensors": info,
+        "files": files,
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
 
 
 def _clear_stale(out: Path, world: int) -> None:
@@ -529,7 +558,7 @@ def _prepare_save(
             raise UsageError(f"save_dtensors: tensor names must be strings, got {name!r}")
         if not isinstance(value, torch.Tensor):
             raise UsageError(
-                f'save_dtensors: "{name}" is a {type(value).__name__}, not a tensor; '
+                f'save_dtensors: "{name}" ({type(value).__name__}) is not a tensor; '
                 "save only tensors (keep other state elsewhere)",
                 tensor=name,
             )

@@ -357,10 +357,12 @@ class _Writer:
                     clipped = clip_box(slab, s_st, d_st, sz)
                     if clipped is not None:
                         src_sl, dst_sl = clipped
+                        self._touch(fi, base, sshape, s_isz, src_sl)
                         part = arr[src_sl]
                         views[g][dst_sl] = part
                         self.bytes_read += part.nbytes
-                        self._touch(fi, base, sshape, s_isz, src_sl)
+                        if self._touched_bytes >= _RELEASE_EVERY:
+                            self._release_all()
             out = self._transform(t, views, n)
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
             self.write_at(memoryview(out)[: n * d_isz], off)
@@ -369,7 +371,10 @@ class _Writer:
         del plans
         self._release_all()
 
-    def _touch(self, fi: int, base: int, sshape: Sequence[int], isz: int, sl: Sequence[slice]) -> None:
+    def _touch(
+        self, fi: int, base: int, sshape: Sequence[int], isz: int, sl: Sequence[slice]
+    ) -> tuple[int, int]:
+        """Record the source byte span a copy reads (to release its mapped pages later)."""
         if not sshape:
             lo, hi = base, base + isz
         else:
@@ -384,8 +389,7 @@ class _Writer:
             r[0] = min(r[0], lo)
             r[1] = max(r[1], hi)
         self._touched_bytes += hi - lo
-        if self._touched_bytes >= _RELEASE_EVERY:
-            self._release_all()
+        return lo, hi
 
     def _release_all(self) -> None:
         for fi, (lo, hi) in self._touched.items():

@@ -29,6 +29,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from reshard.dist import share_by_bytes  # noqa: E402
+from reshard.errors import UsageError  # noqa: E402
 from reshard.execute import file_checksum  # noqa: E402
 from reshard.layout import TensorLayout  # noqa: E402
 from reshard.mesh import Mesh  # noqa: E402
@@ -52,13 +53,28 @@ def _env() -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone`` (a free rendezvous port per run), failing the test on a non-zero exit."""
+# torch 2.13: a torchrun worker that used gloo collectives rarely aborts in C++ teardown,
+# after its work is done (even after destroy_process_group); seen in ~1-5% of worlds.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun(
+    nproc: int, *args: str | Path, teardown_abort_ok: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone`` (a free rendezvous port per run), failing the test on a non-zero exit.
+
+    With ``teardown_abort_ok``, a world whose only failure is that teardown abort (no
+    Python traceback in any rank) passes: the caller then checks every output file.
+    """
     exe = BIN / "torchrun"
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     cmd = [*launcher, "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *map(str, args)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
-    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+    teardown_only = (
+        TEARDOWN_ABORT in res.stderr and "(SIGABRT)" in res.stderr and "]: Traceback" not in res.stderr
+    )
+    ok = res.returncode == 0 or (teardown_abort_ok and teardown_only)
+    assert ok, f"{' '.join(cmd)} failed:\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
     return res
 
 
@@ -105,18 +121,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "ckpt"
 
 
-WANT_PLACEMENTS = {
-    "a.uneven_s0": ["S(0)", "R"],
-    "a.nested_s0": ["S(0)", "S(0)"],
-    "b.s1": ["R", "S(1)"],
-    "c.rep": ["R", "R"],
-    "d.fsdp_tp": ["_S(0, 2)", "S(0)"],
-    "e.2d_int": ["S(0)", "S(1)"],
-    "f.bool": ["R", "S(0)"],
-    "g.partial": ["P(sum)", "S(1)"],
-    "h.fsdp_only": ["S(0)", "R"],  # saved from the fsdp sub-mesh
-    "step": ["R", "R"],  # a plain tensor
-}
+WANT_PLACEMENTS = S.SAVED_PLACEMENTS
 
 
 def test_save_dtensors_writes_a_checked_self_describing_checkpoint(saved: Path) -> None:
@@ -136,7 +141,8 @@ def test_save_dtensors_writes_a_checked_self_describing_checkpoint(saved: Path) 
     full = S.full_tensors()
     assert manifest["tensors"]["b.s1"] == {"dtype": "BF16", "shape": [4, 5], "placements": ["R", "S(1)"]}
     assert {n: t["placements"] for n, t in manifest["tensors"].items()} == WANT_PLACEMENTS
-    assert {n: t["shape"] for n, t in manifest["tensors"].items()} == {n: list(t.shape) for n, t in full.items()}
+    shapes = {n: list(t.shape) for n, t in full.items()}
+    assert {n: t["shape"] for n, t in manifest["tensors"].items()} == shapes
     assert list(manifest["files"]) == [rank_file(r, world) for r in range(world)]
     for name, info in manifest["files"].items():
         assert info == {"size": (saved / name).stat().st_size, "checksum": file_checksum(saved / name)}
@@ -153,7 +159,8 @@ def test_save_dtensors_writes_a_checked_self_describing_checkpoint(saved: Path) 
             if name == "g.partial":
                 continue
             lay = TensorLayout.make(tuple(full[name].shape), mesh, texts)
-            want = torch_local(full[name], mesh.shape, coord, torch_placements(lay.placements, full[name].ndim))
+            pls = torch_placements(lay.placements, full[name].ndim)
+            want = torch_local(full[name], mesh.shape, coord, pls)
             assert same_bits(got[name], want), f"rank {r} {name}"
 
 
@@ -215,7 +222,8 @@ def tp2(model: Path) -> Path:
 def test_convert_under_torchrun_equals_one_process(tp2: Path, tmp_path: Path) -> None:
     reshard("convert", tp2, tmp_path / "single", "--target-mesh", "tp=4", "--quiet")
     # the console script itself (`torchrun -m reshard.cli` would import the module and do nothing)
-    torchrun(2, *reshard_exe(), "convert", tp2, tmp_path / "dist", "--target-mesh", "tp=4", "--quiet")
+    torchrun(2, *reshard_exe(), "convert", tp2, tmp_path / "dist", "--target-mesh", "tp=4", "--quiet",
+             teardown_abort_ok=True)
     assert_same_dirs(tmp_path / "dist", tmp_path / "single")
     reshard("verify", tmp_path / "dist", tp2)
 
@@ -236,3 +244,21 @@ def test_convert_under_torchrun_shares_the_files(tp2: Path, tmp_path: Path) -> N
     for r in range(2):
         written = (log / f"rank-{r}.txt").read_text(encoding="utf-8").split()
         assert written and sorted(written) == sorted(names[i] for i in shares[r])
+
+
+def test_save_dtensors_without_torchrun_writes_a_one_rank_checkpoint(tmp_path: Path) -> None:
+    """Outside torchrun (no process group) plain tensors make a world=1 checkpoint."""
+    from reshard import save_dtensors
+
+    full = L.full_tensors()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / rank_file(0, 2)).write_bytes(b"stale")  # another world's file: removed
+    save_dtensors(full, tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [rank_file(0, 1), "reshard.json"]
+    doc = json.loads(reshard("inspect", tmp_path / "ckpt", "--check", "--json").stdout)
+    assert doc["ok"] is True and doc["mesh"] == {"names": ["world"], "shape": [1]}
+    got = load_file(str(tmp_path / "ckpt" / rank_file(0, 1)))
+    assert sorted(got) == sorted(full) and all(same_bits(got[n], t) for n, t in full.items())
+    with pytest.raises(UsageError, match=r'"step" \(int\) is not a tensor'):
+        save_dtensors({"w": full["w.s0"], "step": 3}, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

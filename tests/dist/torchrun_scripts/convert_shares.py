@@ -33,7 +33,20 @@ def main() -> None:
 
     convert.execute_plan = recording  # type: ignore[assignment]
     sys.argv = ["reshard", *sys.argv[2:]]
-    cli_main()
+    try:
+        cli_main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    else:
+        code = 0
+    # as save_world.hard_exit: no interpreter teardown (a rare gloo abort in torch 2.13)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -136,4 +136,6 @@ def main(model: str, layout: str, out: Path) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1], sys.argv[2], Path(sys.argv[3])))
+    from save_world import hard_exit  # the script's directory is on sys.path
+
+    hard_exit(main(sys.argv[1], sys.argv[2], Path(sys.argv[3])))

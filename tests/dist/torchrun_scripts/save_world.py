@@ -7,12 +7,15 @@ them with ``distribute_tensor(..., src_data_rank=None)`` (each rank keeps its ow
 slice, no communication) and calls :func:`reshard.save_dtensors` into ``OUT/ckpt``.
 The state dict also holds a Partial DTensor (rank fsdp=0 holds the value, fsdp=1
 zeros, so the sum is exact), a DTensor on the 1-D ``fsdp`` sub-mesh (as FSDP2 leaves
-non-TP parameters) and a plain tensor. The parent test checks the directory with
-``reshard inspect --check`` and consolidates it against :func:`expected`.
+non-TP parameters) and a plain tensor. The ranks then load the checkpoint back with
+:func:`reshard.load_dtensors` (:func:`check_round_trip`; exit 1 on a difference). The
+parent test checks the directory with ``reshard inspect --check`` and consolidates it
+against :func:`full_tensors`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,64 @@ def placements() -> dict[str, list[Any]]:
     }
 
 
+# what reshard records for each tensor (str forms of its placements on the fsdp x tp mesh)
+SAVED_PLACEMENTS = {
+    "a.uneven_s0": ["S(0)", "R"],
+    "a.nested_s0": ["S(0)", "S(0)"],
+    "b.s1": ["R", "S(1)"],
+    "c.rep": ["R", "R"],
+    "d.fsdp_tp": ["_S(0, 2)", "S(0)"],
+    "e.2d_int": ["S(0)", "S(1)"],
+    "f.bool": ["R", "S(0)"],
+    "g.partial": ["P(sum)", "S(1)"],
+    "h.fsdp_only": ["S(0)", "R"],  # saved from the fsdp sub-mesh
+    "step": ["R", "R"],  # a plain tensor
+}
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    import torch
+
+    def bits(t: Any) -> Any:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and bool(torch.equal(bits(a), bits(b)))
+
+
+def check_round_trip(ckpt: Path, mesh: Any, state: dict[str, Any]) -> list[str]:
+    """load_dtensors of the saved checkpoint gives back each rank's tensors; Partial is reduced."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from reshard import load_dtensors
+    from reshard.config import LayoutConfig
+    from reshard.errors import ReshardError
+
+    full = full_tensors()
+    rules = [[n, ["R", "S(1)"] if n == "g.partial" else t] for n, t in SAVED_PLACEMENTS.items()]
+    cfg = LayoutConfig.from_json({"mesh": {"names": list(MESH_NAMES), "shape": list(MESH_SHAPE)},
+                                  "rules": rules})
+    loaded = load_dtensors(ckpt, mesh, cfg)
+    want = {name: t.to_local() for name, t in state.items()
+            if name not in ("g.partial", "h.fsdp_only", "step")}
+    want["step"] = full["step"]
+    want["g.partial"] = distribute_tensor(full["g.partial"], mesh, [Replicate(), Shard(1)],
+                                          src_data_rank=None).to_local()
+    want["h.fsdp_only"] = distribute_tensor(full["h.fsdp_only"], mesh, [Shard(0), Replicate()],
+                                            src_data_rank=None).to_local()
+    problems = [f"{name}: loaded local differs" for name, w in want.items()
+                if not _same_bits(loaded[name].to_local(), w)]
+    for name, t in state.items():
+        if name not in ("g.partial", "h.fsdp_only", "step") and loaded[name].placements != t.placements:
+            problems.append(f"{name}: placements {loaded[name].placements} != {t.placements}")
+    try:  # the checkpoint's own rules place g.partial as P(sum): refused as a target
+        load_dtensors(ckpt, mesh)
+        problems.append("layout=None loaded a Partial target")
+    except ReshardError as e:
+        if "P(sum)" not in e.message or "g.partial" not in e.message:
+            problems.append(f"unclear error: {e.message}")
+    return problems
+
+
 def main(out: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -82,9 +143,21 @@ def main(out: Path) -> int:
                                              src_data_rank=None)
     state["step"] = full["step"]
     save_dtensors(state, out / "ckpt")
+    problems = check_round_trip(out / "ckpt", mesh, state)
+    for p in problems:
+        sys.stderr.write(f"rank {dist.get_rank()}: {p}\n")
     dist.destroy_process_group()
-    return 0
+    return 1 if problems else 0
+
+
+def hard_exit(code: int) -> None:
+    """Flush and leave without interpreter teardown: a torchrun worker that used gloo
+    sometimes aborts in C++ static destruction after its work is done ("terminate called
+    without an active exception", exit -6; torch 2.13, even after destroy_process_group)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(Path(sys.argv[1])))
+    hard_exit(main(Path(sys.argv[1])))
