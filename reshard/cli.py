@@ -75,7 +75,17 @@ DtypeOpt = Annotated[
 MaxShardOpt = Annotated[
     str, typer.Option("--max-shard-size", help="Split hf output files at this size.", metavar="SIZE")
 ]
-WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Threads writing output files.")]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option("--workers", min=1, help="Threads writing output files [default: cores, at most 4].",
+                 show_default=False),
+]
+
+
+def _workers(n: int | None) -> int:
+    from .execute import default_workers
+
+    return n if n is not None else default_workers()
 MaxMemoryOpt = Annotated[
     str, typer.Option("--max-memory", help="Bound on in-flight buffers (per worker share).", metavar="SIZE")
 ]
@@ -164,7 +174,7 @@ def convert(
     from_: FromOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
-    workers: WorkersOpt = 1,
+    workers: WorkersOpt = None,
     max_memory: MaxMemoryOpt = "64MiB",
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
@@ -187,6 +197,7 @@ def convert(
         budget = parse_size(max_memory, option="--max-memory")
         from .execute import buffer_for
 
+        workers = _workers(workers)
         buf = buffer_for(budget, workers)
         with _progress(_show_progress(json_, quiet), "converting") as prog:
             def on_plan(plan: Any) -> None:
@@ -283,7 +294,7 @@ def plan(
     from_: FromOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
-    workers: WorkersOpt = 1,
+    workers: WorkersOpt = None,
     max_memory: MaxMemoryOpt = "64MiB",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -307,6 +318,7 @@ def plan(
             ck, TargetSpec(target_layout, target_mesh, to.value if to else None, consolidate, dtype, max_shard_size)
         )
         p = build_plan(ck, tgt)
+        workers = _workers(workers)
         doc = plan_report(p, workers=workers, buffer_size=buffer_for(budget, workers))
         if json_:
             _emit({"ok": True, "command": "plan", **doc})
