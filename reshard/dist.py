@@ -373,9 +373,8 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
             ]
     arrays.clear()
     arr = None  # no view of a mapped file may outlive this function (SourceFiles.close)
-    for k in {c.piece for c in copies}:
-        start = src.piece_offsets[k]
-        sources.release(src.piece_files[k], start, start + src.piece_numel(k) * isz)
+    for fi in {src.piece_files[c.piece] for c in copies}:
+        sources.release(fi)
     if groups > 1:
         reduced = cast_reduce(bufs, src.dtype, src.dtype, src.reduce_op, n)
         dst.reshape(-1).view(np.uint8)[:] = reduced

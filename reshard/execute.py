@@ -45,8 +45,7 @@ DEFAULT_BUFFER = 256 * 1024
 COPY_MODE = os.environ.get("RESHARD_COPY", "buffer")
 """How contiguous runs move: ``buffer`` (pread/pwrite through a reused buffer, hashed on
 the way) or ``kernel`` (copy_file_range, then the file is read back to hash it)."""
-_RELEASE_EVERY = 32 * 1024 * 1024
-_PAGE = mmap.PAGESIZE
+_RELEASE_EVERY = 8 * 1024 * 1024
 
 ProgressFn = Callable[[int], None]
 
@@ -87,7 +86,7 @@ def memory_estimate(plan: Plan, *, workers: int, buffer_size: int) -> int:
     """
     groups = max((t.groups for t in plan.tensors), default=1)
     casts = any(t.dtype != t.src.dtype for t in plan.tensors) or groups > 1
-    per_worker = buffer_size * (groups + (1 if casts else 0)) + _RELEASE_EVERY
+    per_worker = buffer_size * (groups + (1 if casts else 0) + 2) + _RELEASE_EVERY
     header = max((len(f.prefix) for f in plan.files), default=0)
     n = min(workers, max(1, len(plan.files)))
     return BASELINE_RSS + (TORCH_RSS if casts else 0) + n * (per_worker + header)
@@ -148,15 +147,16 @@ class SourceFiles:
                     self._maps[i] = mm
         return mm
 
-    def release(self, i: int, start: int, stop: int) -> None:
-        """Drop mapped pages of ``[start, stop)`` from this process (the page cache keeps them)."""
+    def release(self, i: int) -> None:
+        """Drop every mapped page of file ``i`` from this process (the page cache keeps them).
+
+        The whole mapping, not just the ranges read: the kernel maps neighbours of
+        each faulting page too (fault-around, read-around), and those would pile up
+        run after run. Walking the page tables of a mostly unmapped range is cheap.
+        """
         mm = self._maps.get(i)
-        if mm is None or stop <= start:
-            return
-        lo = start - start % _PAGE
-        hi = min(stop, len(mm))
-        if hi > lo:
-            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        if mm is not None and len(mm):
+            mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
 
     def close(self) -> None:
         for mm in self._maps.values():
@@ -237,6 +237,51 @@ def slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterator[tuple[tu
     yield from rec(0, ())
 
 
+class _Sink:
+    """The write stage of one output file: pwrite buffers, hashing them when they come in order.
+
+    (A second thread writing while the first gathers was measured: with one
+    worker per core it was no faster, so writes happen in the caller's thread.)
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        import xxhash
+
+        self.fd = fd
+        self._buf = bytearray(size)
+        self.hasher: Any = xxhash.xxh3_128()
+        self.pos = 0  # bytes hashed so far: the file is hashed while it is written, in order
+
+    def buffer(self) -> bytearray:
+        """The reused write buffer (free again once :meth:`submit` returns)."""
+        return self._buf
+
+    def release(self, buf: bytearray) -> None:
+        """Give back a buffer from :meth:`buffer` without writing it."""
+
+    def submit(self, data: Any, off: int, pooled: bytearray | None = None) -> None:
+        """Write all of ``data`` (bytes-like) at ``off``."""
+        mv = memoryview(data)
+        if self.hasher is not None:
+            if off == self.pos:
+                self.hasher.update(mv)
+                self.pos += len(mv)
+            else:
+                self.hasher = None  # out of order: hash by reading the file back
+        while len(mv):
+            w = os.pwrite(self.fd, mv, off)
+            mv = mv[w:]
+            off += w
+
+    def no_hash(self) -> None:
+        """Bytes reach the file another way: hash it by reading it back instead."""
+        self.hasher = None
+
+    def close(self) -> str | None:
+        """The checksum if the file was hashed on the way, else None."""
+        return None if self.hasher is None else "xxh3_128:" + self.hasher.hexdigest()
+
+
 class _Writer:
     """Writes the entries of one output file."""
 
@@ -251,10 +296,8 @@ class _Writer:
         self._touched: dict[int, list[int]] = {}
         self._touched_bytes = 0
         self.bytes_read = 0
-        import xxhash
-
-        self.hasher: Any = xxhash.xxh3_128()
-        self.pos = 0  # bytes hashed so far: the file is hashed while it is written, in order
+        self.scratch = bytearray(2 * self.budget + 64)  # source spans read whole (<= 2x used)
+        self.sink = _Sink(fd, self.budget)
 
     def buf(self, k: int) -> bytearray:
         while len(self._bufs) <= k:
@@ -290,35 +333,24 @@ class _Writer:
             return
         self._gather(e, copies, dshape)
 
-    def write_at(self, data: memoryview | bytes, off: int) -> None:
-        """pwrite all of ``data`` at ``off``, hashing it when the file is being written in order."""
-        mv = memoryview(data)
-        if self.hasher is not None:
-            if off == self.pos:
-                self.hasher.update(mv)
-                self.pos += len(mv)
-            else:
-                self.hasher = None  # out of order: hash by reading the file back
-        while len(mv):
-            w = os.pwrite(self.fd, mv, off)
-            mv = mv[w:]
-            off += w
+    def write_at(self, data: bytes, off: int) -> None:
+        """Queue ``data`` (not reused by the caller) to be written at ``off``."""
+        self.sink.submit(data, off)
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
-        """Copy one contiguous run: through the reused buffer (hashed on the way) or in the kernel."""
+        """Copy one contiguous run: through pooled buffers (hashed on the way) or in the kernel."""
         sfd = self.sources.fd(fi)
         if COPY_MODE == "kernel":
-            if self.hasher is not None:
-                self.hasher = None  # bytes never pass through here: hash by reading back
+            self.sink.no_hash()
             _copy_range(sfd, self.fd, n, src_off, dst_off)
             return
-        buf = memoryview(self.buf(0))
-        step = len(buf)
         while n > 0:
-            k = os.preadv(sfd, [buf[: min(step, n)]], src_off)
+            buf = self.sink.buffer()
+            k = os.preadv(sfd, [memoryview(buf)[: min(len(buf), n)]], src_off)
             if k <= 0:
+                self.sink.release(buf)
                 raise OSError(f"unexpected end of source file at offset {src_off}")
-            self.write_at(buf[:k], dst_off)
+            self.sink.submit(memoryview(buf)[:k], dst_off, buf)
             n -= k
             src_off += k
             dst_off += k
@@ -358,24 +390,53 @@ class _Writer:
             n = 1
             for x in sshape_slab:
                 n *= x
+            pooled = self.sink.buffer()
             views = [
-                np.frombuffer(self.buf(g), dtype=npt, count=n).reshape(sshape_slab)
+                np.frombuffer(pooled if g == 0 else self.buf(g), dtype=npt, count=n).reshape(sshape_slab)
                 for g in range(t.groups)
             ]
             for g, fi, base, sshape, arr, boxes in plans:
+                strides = row_major_strides(sshape)
                 for s_st, d_st, sz in boxes:
                     clipped = clip_box(slab, s_st, d_st, sz)
-                    if clipped is not None:
-                        src_sl, dst_sl = clipped
+                    if clipped is None:
+                        continue
+                    src_sl, dst_sl = clipped
+                    sizes = [x.stop - x.start for x in src_sl]
+                    used = s_isz
+                    for x in sizes:
+                        used *= x
+                    first = sum(x.start * st for x, st in zip(src_sl, strides))
+                    last = sum((x.stop - 1) * st for x, st in zip(src_sl, strides))
+                    span = (last - first + 1) * s_isz
+                    if span <= 2 * used and span <= len(self.scratch):
+                        # dense enough: one pread of the span, then a strided view of it
+                        # (no mapped pages, no page faults)
+                        mv = memoryview(self.scratch)[:span]
+                        got = os.preadv(self.sources.fd(fi), [mv], base + first * s_isz)
+                        if got != span:
+                            raise OSError(f"short read from {self.plan.source.files[fi]}")
+                        part = np.ndarray(tuple(sizes), dtype=npt, buffer=self.scratch,
+                                          strides=tuple(st * s_isz for st in strides))
+                    else:
+                        # sparse (a narrow column of wide rows): touch only the pages needed
                         self._touch(fi, base, sshape, s_isz, src_sl)
                         part = arr[src_sl]
-                        views[g][dst_sl] = part
-                        self.bytes_read += part.nbytes
-                        if self._touched_bytes >= _RELEASE_EVERY:
-                            self._release_all()
-            out = self._transform(t, views, n)
+                    views[g][dst_sl] = part
+                    self.bytes_read += part.nbytes
+                    if self._touched_bytes >= _RELEASE_EVERY:
+                        self._release_all()
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
-            self.write_at(memoryview(out)[: n * d_isz], off)
+            del views
+            if t.groups == 1 and t.dtype == src.dtype:
+                self.sink.submit(memoryview(pooled)[: n * d_isz], off, pooled)
+            else:
+                out = self._transform(t, [
+                    np.frombuffer(pooled if g == 0 else self.buf(g), dtype=npt, count=n).reshape(sshape_slab)
+                    for g in range(t.groups)
+                ], n)
+                self.sink.release(pooled)
+                self.sink.submit(memoryview(out)[: n * d_isz], off)
             if self.progress:
                 self.progress(n * d_isz)
         del plans
@@ -402,14 +463,12 @@ class _Writer:
         return lo, hi
 
     def _release_all(self) -> None:
-        for fi, (lo, hi) in self._touched.items():
-            self.sources.release(fi, lo, hi)
+        for fi in self._touched:
+            self.sources.release(fi)
         self._touched.clear()
         self._touched_bytes = 0
 
     def _transform(self, t: Any, views: list[Any], n: int) -> Any:
-        if t.groups == 1 and t.dtype == t.src.dtype:
-            return self.buf(0)
         from .torch_ops import cast_reduce
 
         return cast_reduce(views, t.src.dtype, t.dtype, t.reduce_op, n)
@@ -426,17 +485,19 @@ def _write_tmp(
     try:
         os.ftruncate(fd, f.size)
         w = _Writer(plan, sources, fd, buffer_size, progress)
-        w.write_at(f.prefix, 0)
-        for e in f.entries:
-            w.write_entry(e)
+        try:
+            w.write_at(f.prefix, 0)
+            for e in f.entries:
+                w.write_entry(e)
+        finally:
+            checksum = w.sink.close()  # every queued write done (or its error raised)
+        if checksum is not None and w.sink.pos != f.size:
+            checksum = None
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    checksum = None
-    if w.hasher is not None and w.pos == f.size:
-        checksum = "xxh3_128:" + w.hasher.hexdigest()
     return tmp, w.bytes_read, checksum
 
 

@@ -143,8 +143,8 @@ class MappedFiles:
 
     def release(self) -> None:
         """Drop every touched page from this process."""
-        for fi, (lo, hi) in self._touched.items():
-            self.sources.release(fi, lo, hi)
+        for fi in self._touched:
+            self.sources.release(fi)
         self._touched.clear()
         self._touched_bytes = 0
 

@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--naive-rounds", type=int, default=1)
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=0, help="reshard --workers (0: its default)")
     ap.add_argument("--pause", type=float, default=3.0, help="seconds between runs (see MACHINE-NOTES)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
     ap.add_argument("--jobs", default="tp4-tp8,tp4-hf,hf-tp8")
@@ -172,7 +172,8 @@ def main() -> int:
         marker.write_text("")
     size = sum(p.stat().st_size for p in src.iterdir())
     lay = str(base / "layout.yaml")
-    w = ["--workers", str(args.workers)] if args.workers > 1 else []
+    w = ["--workers", str(args.workers)] if args.workers > 0 else []
+    workers_text = str(args.workers) if args.workers > 0 else f"default ({min(4, os.cpu_count() or 1)})"
     jobs = {
         "cp": (["cp", "-r", str(src), "OUT"], [src]),
         "tp4-tp8": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [src]),
@@ -218,11 +219,11 @@ def main() -> int:
         })
     cache = "cold (sources evicted before each run)" if args.cold else "warm page cache"
     if args.json:
-        print(json.dumps({"size_bytes": size, "layers": layers, "workers": args.workers, "cache": cache,
+        print(json.dumps({"size_bytes": size, "layers": layers, "workers": workers_text, "cache": cache,
                           "rows": rows}, indent=2))
     else:
         print(f"checkpoint: {size / 1e9:.2f} GB TP-4 bf16 ({layers} layers), {cache}, "
-              f"workers={args.workers}, rounds={args.rounds}")
+              f"workers={workers_text}, rounds={args.rounds}")
         print(f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}{'peak RSS MiB':>14}{'x cp':>7}")
         for r in rows:
             print(f"{r['job']:<15}{r['runs']:>5}{r['median_s']:>10.3f}{r['spread_s']:>10.3f}"
