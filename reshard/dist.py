@@ -313,15 +313,7 @@ def load_dtensors(
     try:
         for name, src in ckpt.tensors.items():
             pls = cfg.placements_for(name) if cfg is not None else ["R"] * rmesh.ndim
-            try:
-                lay = TensorLayout.make(src.shape, rmesh, pls)
-            except ReshardError as e:
-                raise LayoutError(
-                    f'tensor "{name}" of shape {list(src.shape)}: {e.message}',
-                    tensor=name,
-                    path=e.path,
-                    hint=e.hint,
-                ) from None
+            lay = TensorLayout.for_tensor(name, src.shape, rmesh, pls)
             tpls = _torch_placements(lay.placements, name)
             local = _read_block(sources, src, lay.block(coord))
             out[name] = DTensor.from_local(

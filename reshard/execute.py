@@ -38,6 +38,7 @@ __all__ = [
     "write_out_file",
     "file_checksum",
     "slabs",
+    "PageWindow",
 ]
 
 DEFAULT_BUFFER = 256 * 1024
@@ -170,6 +171,44 @@ class SourceFiles:
         self._fds.clear()
 
 
+class PageWindow:
+    """Source pages read through the maps, released (whole mappings) every ``every`` bytes.
+
+    Mapped pages count in a process's RSS; releasing them as reading goes on keeps
+    memory bounded however large the source files are.
+    """
+
+    def __init__(self, sources: SourceFiles, every: int) -> None:
+        self.sources = sources
+        self._every = every
+        self._touched: set[int] = set()
+        self._touched_bytes = 0
+
+    def touch_slices(
+        self, fi: int, base: int, strides: Sequence[int], isz: int, key: Sequence[slice]
+    ) -> None:
+        """Record reading slices ``key`` of the row-major array at byte ``base`` of file ``fi``."""
+        first = last = 0
+        for s, st in zip(key, strides):
+            first += s.start * st
+            last += (s.stop - 1) * st
+        self.touch_range(fi, base + first * isz, base + (last + 1) * isz)
+
+    def touch_range(self, fi: int, lo: int, hi: int) -> None:
+        """Record that bytes ``[lo, hi)`` of file ``fi`` were read through its map."""
+        self._touched.add(fi)
+        self._touched_bytes += hi - lo
+        if self._touched_bytes >= self._every:
+            self.release()
+
+    def release(self) -> None:
+        """Drop every mapped page of the files read since the last release."""
+        for fi in self._touched:
+            self.sources.release(fi)
+        self._touched.clear()
+        self._touched_bytes = 0
+
+
 def _np_dtype(itemsize: int) -> Any:
     import numpy as np
 
@@ -293,8 +332,7 @@ class _Writer:
         self.budget = max(buffer_size, 16)  # at least one item of the widest dtype (C64, F64: 8 bytes)
         self.progress = progress
         self._bufs: list[bytearray] = []
-        self._touched: dict[int, list[int]] = {}
-        self._touched_bytes = 0
+        self.window = PageWindow(sources, _RELEASE_EVERY)
         self.bytes_read = 0
         self.scratch = bytearray(2 * self.budget + 64)  # source spans read whole (<= 2x used)
         self.sink = _Sink(fd, self.budget)
@@ -420,12 +458,10 @@ class _Writer:
                                           strides=tuple(st * s_isz for st in strides))
                     else:
                         # sparse (a narrow column of wide rows): touch only the pages needed
-                        self._touch(fi, base, sshape, s_isz, src_sl)
+                        self.window.touch_slices(fi, base, strides, s_isz, src_sl)
                         part = arr[src_sl]
                     views[g][dst_sl] = part
                     self.bytes_read += part.nbytes
-                    if self._touched_bytes >= _RELEASE_EVERY:
-                        self._release_all()
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
             del views
             if t.groups == 1 and t.dtype == src.dtype:
@@ -440,33 +476,7 @@ class _Writer:
             if self.progress:
                 self.progress(n * d_isz)
         del plans
-        self._release_all()
-
-    def _touch(
-        self, fi: int, base: int, sshape: Sequence[int], isz: int, sl: Sequence[slice]
-    ) -> tuple[int, int]:
-        """Record the source byte span a copy reads (to release its mapped pages later)."""
-        if not sshape:
-            lo, hi = base, base + isz
-        else:
-            strides = row_major_strides(sshape)
-            first = sum(s.start * st for s, st in zip(sl, strides))
-            last = sum((s.stop - 1) * st for s, st in zip(sl, strides))
-            lo, hi = base + first * isz, base + (last + 1) * isz
-        r = self._touched.get(fi)
-        if r is None:
-            self._touched[fi] = [lo, hi]
-        else:
-            r[0] = min(r[0], lo)
-            r[1] = max(r[1], hi)
-        self._touched_bytes += hi - lo
-        return lo, hi
-
-    def _release_all(self) -> None:
-        for fi in self._touched:
-            self.sources.release(fi)
-        self._touched.clear()
-        self._touched_bytes = 0
+        self.window.release()
 
     def _transform(self, t: Any, views: list[Any], n: int) -> Any:
         from .torch_ops import cast_reduce

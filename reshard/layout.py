@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .errors import LayoutError
+from .errors import LayoutError, ReshardError
 from .intervals import Block, IndexList, Interval, block_shape, normalize
 from .mesh import Mesh
 from .placements import Partial, Placement, Shard, StridedShard, parse_placement
@@ -68,6 +68,25 @@ class TensorLayout:
                 q = q.normalized(ndim)
             out.append(q)
         return cls(tuple(int(s) for s in shape), mesh, tuple(out))
+
+    @classmethod
+    def for_tensor(
+        cls, name: str, shape: Sequence[int], mesh: Mesh, placements: Sequence[Placement | str]
+    ) -> TensorLayout:
+        """:meth:`make` for a named tensor: a placement that does not fit says which tensor.
+
+        Raises:
+            LayoutError: naming the tensor and its shape.
+        """
+        try:
+            return cls.make(shape, mesh, placements)
+        except ReshardError as e:
+            raise LayoutError(
+                f'tensor "{name}" of shape {list(shape)}: {e.message}',
+                tensor=name,
+                path=e.path,
+                hint=e.hint,
+            ) from None
 
     @property
     def partial_op(self) -> str | None:

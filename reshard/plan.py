@@ -18,7 +18,7 @@ from itertools import product
 from typing import Any
 
 from .checkpoint import Checkpoint, TensorSource
-from .errors import LayoutError, PlanError, ReshardError
+from .errors import PlanError
 from .intervals import Block, IndexList, Segment, block_shape, block_volume, overlap_segments
 from .io.header import DTYPE_RANK, DTYPE_SIZES, FLOAT_DTYPES
 from .layout import TensorLayout
@@ -386,15 +386,7 @@ def make_plan(
             if src.dtype in FLOAT_DTYPES:
                 out_dtype = dtype
         pl = placements_for(name) if fmt == PER_RANK else ["R"] * mesh.ndim
-        try:
-            layout = TensorLayout.make(src.shape, mesh, pl)
-        except ReshardError as e:
-            raise LayoutError(
-                f'tensor "{name}" of shape {list(src.shape)}: {e.message}',
-                tensor=name,
-                path=e.path,
-                hint=e.hint,
-            ) from None
+        layout = TensorLayout.for_tensor(name, src.shape, mesh, pl)
         tensors.append(plan_tensor(src, layout, out_dtype))
     if fmt == PER_RANK:
         files = _per_rank_files(tensors, mesh)

@@ -23,7 +23,7 @@ from typing import Any
 
 from .checkpoint import Checkpoint, TensorSource
 from .errors import PlanError
-from .execute import SourceFiles, slabs
+from .execute import PageWindow, SourceFiles, slabs
 from .intervals import Block, block_shape, block_volume, clip_box, row_major_strides
 from .io.header import DTYPE_SIZES
 from .plan import Copy, copy_boxes, match_blocks, natural_key
@@ -69,7 +69,7 @@ def global_index(block: Block, local: Sequence[int]) -> list[int]:
     return out
 
 
-class MappedFiles:
+class MappedFiles(PageWindow):
     """Read-only maps of a checkpoint's files whose touched pages are released as we go.
 
     Pages read through the maps stay counted in this process's RSS until
@@ -82,10 +82,7 @@ class MappedFiles:
     """
 
     def __init__(self, files: Sequence[str], release_every: int) -> None:
-        self.sources = SourceFiles(files)
-        self._every = max(_MIN_RELEASE, release_every)
-        self._touched: dict[int, list[int]] = {}
-        self._touched_bytes = 0
+        super().__init__(SourceFiles(files), max(_MIN_RELEASE, release_every))
 
     def array(self, src: TensorSource, k: int, shape: tuple[int, ...] | None = None) -> Any:
         """Piece ``k`` of ``src``: a read-only numpy array of unsigned items, in its local shape.
@@ -118,35 +115,6 @@ class MappedFiles:
         self.touch_slices(
             src.piece_files[k], src.piece_offsets[k], strides, DTYPE_SIZES[src.dtype], key
         )
-
-    def touch_slices(
-        self, fi: int, base: int, strides: Sequence[int], isz: int, key: Sequence[slice]
-    ) -> None:
-        """Record reading slices ``key`` of the row-major array at byte ``base`` of file ``fi``."""
-        first = last = 0
-        for s, st in zip(key, strides, strict=True):
-            first += s.start * st
-            last += (s.stop - 1) * st
-        self.touch_range(fi, base + first * isz, base + (last + 1) * isz)
-
-    def touch_range(self, fi: int, lo: int, hi: int) -> None:
-        """Record that bytes ``[lo, hi)`` of file ``fi`` were read."""
-        r = self._touched.get(fi)
-        if r is None:
-            self._touched[fi] = [lo, hi]
-        else:
-            r[0] = min(r[0], lo)
-            r[1] = max(r[1], hi)
-        self._touched_bytes += hi - lo
-        if self._touched_bytes >= self._every:
-            self.release()
-
-    def release(self) -> None:
-        """Drop every touched page from this process."""
-        for fi in self._touched:
-            self.sources.release(fi)
-        self._touched.clear()
-        self._touched_bytes = 0
 
     def close(self) -> None:
         """Release pages and close maps and file descriptors."""
