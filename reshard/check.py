@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, TensorSource
-from .execute import slabs, file_checksum
+from .execute import file_checksum, slabs
 from .intervals import (
     Block,
     Box,
@@ -238,9 +238,7 @@ def _geometry(t: TensorSource) -> _Geometry:
         if sum(block_volume(b) for b in distinct) > covered:
             # some distinct blocks overlap: find which (a well-formed layout never gets here)
             for i, j in _overlapping(distinct):
-                segs = tuple(
-                    overlap_segments(a, b) for a, b in zip(distinct[i], distinct[j], strict=True)
-                )
+                segs = tuple(overlap_segments(a, b) for a, b in zip(distinct[i], distinct[j], strict=True))
                 overlaps.append((reps[distinct[i]], reps[distinct[j]], segs))
         groups.append(_Group(gid, tuple(holes), tuple(replicas), tuple(overlaps)))
     return _Geometry((), tuple(groups), numels)
@@ -367,82 +365,113 @@ def _check_manifest(ckpt: Checkpoint, out: list[dict[str, Any]], max_bytes: int)
                 out.append(_problem("manifest", msg, path=where))
                 continue
             if not path.is_file():
-                out.append(_problem(
-                    "missing-file",
-                    f"{path}: listed in reshard.json but missing. Copy it back from the source "
-                    "or convert again.",
-                    path=str(path),
-                ))
+                out.append(
+                    _problem(
+                        "missing-file",
+                        f"{path}: listed in reshard.json but missing. Copy it back from the source "
+                        "or convert again.",
+                        path=str(path),
+                    )
+                )
                 continue
             size = path.stat().st_size
             want = info.get("size")
             if isinstance(want, int) and want != size:
-                out.append(_problem(
-                    "size",
-                    f"{path}: {size} bytes, but reshard.json says {want}; the file is truncated "
-                    "or was replaced",
-                    path=str(path), expected=want, actual=size,
-                ))
+                out.append(
+                    _problem(
+                        "size",
+                        f"{path}: {size} bytes, but reshard.json says {want}; the file is truncated "
+                        "or was replaced",
+                        path=str(path),
+                        expected=want,
+                        actual=size,
+                    )
+                )
                 continue
             cs = info.get("checksum")
             if cs is None:
                 continue
             if not isinstance(cs, str) or not cs.startswith(_CHECKSUM_ALGO):
-                out.append(_problem(
-                    "manifest",
-                    f"{where}: checksum {cs!r} of {name} is not {_CHECKSUM_ALGO}<hex>",
-                    path=where,
-                ))
+                out.append(
+                    _problem(
+                        "manifest",
+                        f"{where}: checksum {cs!r} of {name} is not {_CHECKSUM_ALGO}<hex>",
+                        path=where,
+                    )
+                )
                 continue
             actual = file_checksum(path, chunk=chunk)
             if actual != cs:
-                out.append(_problem(
-                    "checksum",
-                    f"{path}: checksum {actual} does not match {cs} in reshard.json; "
-                    "the file's bytes changed since it was written",
-                    path=str(path), expected=cs, actual=actual,
-                ))
+                out.append(
+                    _problem(
+                        "checksum",
+                        f"{path}: checksum {actual} does not match {cs} in reshard.json; "
+                        "the file's bytes changed since it was written",
+                        path=str(path),
+                        expected=cs,
+                        actual=actual,
+                    )
+                )
         for f in ckpt.files:
             p = Path(f)
             if p.parent == root and p.name not in files:
-                out.append(_problem(
-                    "unlisted-file", f"{p}: part of the checkpoint but not listed in reshard.json",
-                    path=str(p),
-                ))
+                out.append(
+                    _problem(
+                        "unlisted-file",
+                        f"{p}: part of the checkpoint but not listed in reshard.json",
+                        path=str(p),
+                    )
+                )
     tensors = man.get("tensors")
     if not isinstance(tensors, dict):
         return
     for name in sorted(set(tensors) - set(ckpt.tensors), key=natural_key):
-        out.append(_problem(
-            "manifest", f'{where}: tensor "{name}" is listed but no file holds it',
-            path=where, tensor=name,
-        ))
+        out.append(
+            _problem(
+                "manifest",
+                f'{where}: tensor "{name}" is listed but no file holds it',
+                path=where,
+                tensor=name,
+            )
+        )
     for name in sorted(set(ckpt.tensors) - set(tensors), key=natural_key):
-        out.append(_problem(
-            "manifest", f'{where}: tensor "{name}" is in the files but not listed',
-            path=where, tensor=name,
-        ))
+        out.append(
+            _problem(
+                "manifest",
+                f'{where}: tensor "{name}" is in the files but not listed',
+                path=where,
+                tensor=name,
+            )
+        )
     for name, info in tensors.items():
         t = ckpt.tensors.get(name)
         if t is None or not isinstance(info, dict):
             continue
         if "dtype" in info and info["dtype"] != t.dtype:
-            out.append(_problem(
-                "manifest",
-                f'{where}: tensor "{name}" is {info["dtype"]}, but the files hold {t.dtype}',
-                path=where, tensor=name,
-            ))
+            out.append(
+                _problem(
+                    "manifest",
+                    f'{where}: tensor "{name}" is {info["dtype"]}, but the files hold {t.dtype}',
+                    path=where,
+                    tensor=name,
+                )
+            )
         if "shape" in info and info["shape"] != list(t.shape):
-            out.append(_problem(
-                "manifest",
-                f'{where}: tensor "{name}" has shape {info["shape"]}, '
-                f"but the files give {list(t.shape)}",
-                path=where, tensor=name,
-            ))
+            out.append(
+                _problem(
+                    "manifest",
+                    f'{where}: tensor "{name}" has shape {info["shape"]}, but the files give {list(t.shape)}',
+                    path=where,
+                    tensor=name,
+                )
+            )
 
 
 def _check_bounds(
-    ckpt: Checkpoint, t: TensorSource, g: _Geometry, sizes: Sequence[int | None],
+    ckpt: Checkpoint,
+    t: TensorSource,
+    g: _Geometry,
+    sizes: Sequence[int | None],
     out: list[dict[str, Any]],
 ) -> bool:
     """Report pieces whose bytes are not all in their file; True when every piece is readable."""
@@ -460,17 +489,24 @@ def _check_bounds(
         if off < 0 or stop > size:
             ok = False
             f = ckpt.files[fi]
-            out.append(_problem(
-                "bounds",
-                f'{f}: tensor "{t.name}" bytes [{off}, {stop}) run past the end of the file '
-                f"({size} bytes); the file is truncated",
-                path=f, tensor=t.name,
-            ))
+            out.append(
+                _problem(
+                    "bounds",
+                    f'{f}: tensor "{t.name}" bytes [{off}, {stop}) run past the end of the file '
+                    f"({size} bytes); the file is truncated",
+                    path=f,
+                    tensor=t.name,
+                )
+            )
     return ok
 
 
 def _check_tensor(
-    ckpt: Checkpoint, t: TensorSource, g: _Geometry, sizes: Sequence[int | None], data: _Data,
+    ckpt: Checkpoint,
+    t: TensorSource,
+    g: _Geometry,
+    sizes: Sequence[int | None],
+    data: _Data,
     out: list[dict[str, Any]],
 ) -> None:
     q = f'tensor "{t.name}"'
@@ -478,32 +514,39 @@ def _check_tensor(
         for k, d in g.outside:
             f = ckpt.files[t.piece_files[k]]
             what = f"dim {d}" if d >= 0 else f"{len(t.piece_blocks[k])} dims"
-            out.append(_problem(
-                "outside",
-                f"{f}: {q} holds indices outside the global shape {list(t.shape)} ({what})",
-                path=f, tensor=t.name,
-            ))
+            out.append(
+                _problem(
+                    "outside",
+                    f"{f}: {q} holds indices outside the global shape {list(t.shape)} ({what})",
+                    path=f,
+                    tensor=t.name,
+                )
+            )
         return
     readable = _check_bounds(ckpt, t, g, sizes, out)
     several = len(g.groups) > 1
     for grp in g.groups:
         gtxt = f" in partial group {grp.gid}" if several else ""
         for box in grp.holes[:MAX_REGIONS]:
-            out.append(_problem(
-                "hole",
-                f"{q} (shape {list(t.shape)}): region {_box_str(box)}{gtxt} is in no piece "
-                f"({_volume(box)} elements). A rank file or shard is missing, "
-                "or the layout is wrong.",
-                tensor=t.name, region=box,
-            ))
+            out.append(
+                _problem(
+                    "hole",
+                    f"{q} (shape {list(t.shape)}): region {_box_str(box)}{gtxt} is in no piece "
+                    f"({_volume(box)} elements). A rank file or shard is missing, "
+                    "or the layout is wrong.",
+                    tensor=t.name,
+                    region=box,
+                )
+            )
         rest = grp.holes[MAX_REGIONS:]
         if rest:
-            out.append(_problem(
-                "hole",
-                f"{q}: {len(rest)} more hole region(s){gtxt} "
-                f"({sum(_volume(b) for b in rest)} elements)",
-                tensor=t.name,
-            ))
+            out.append(
+                _problem(
+                    "hole",
+                    f"{q}: {len(rest)} more hole region(s){gtxt} ({sum(_volume(b) for b in rest)} elements)",
+                    tensor=t.name,
+                )
+            )
     if not readable:
         return
     isz = DTYPE_SIZES[t.dtype]
@@ -514,12 +557,18 @@ def _check_tensor(
                 fr, fk = ckpt.files[t.piece_files[r]], ckpt.files[t.piece_files[k]]
                 blk = t.piece_blocks[r]
                 box = tuple(_interval_at(il, x) for il, x in zip(blk, idx, strict=True))
-                out.append(_problem(
-                    "replica",
-                    f"{q}: replicas of region {_box_str(box)} differ: {Path(fk).name} and "
-                    f"{Path(fr).name} hold different bytes, first at index {idx}",
-                    path=fk, tensor=t.name, region=box, index=idx, other=fr,
-                ))
+                out.append(
+                    _problem(
+                        "replica",
+                        f"{q}: replicas of region {_box_str(box)} differ: {Path(fk).name} and "
+                        f"{Path(fr).name} hold different bytes, first at index {idx}",
+                        path=fk,
+                        tensor=t.name,
+                        region=box,
+                        index=idx,
+                        other=fr,
+                    )
+                )
         for i, j, segs in grp.overlaps:
             idx = data.overlap(t, i, j, segs)
             if idx is not None:
@@ -528,12 +577,18 @@ def _check_tensor(
                     _interval_at(_overlap_list(t.piece_blocks[j][d], s), x)
                     for d, (s, x) in enumerate(zip(segs, idx, strict=True))
                 )
-                out.append(_problem(
-                    "overlap",
-                    f"{q}: overlapping pieces disagree on region {_box_str(box)}: {Path(fj).name} "
-                    f"and {Path(fi).name} hold different bytes, first at index {idx}",
-                    path=fj, tensor=t.name, region=box, index=idx, other=fi,
-                ))
+                out.append(
+                    _problem(
+                        "overlap",
+                        f"{q}: overlapping pieces disagree on region {_box_str(box)}: {Path(fj).name} "
+                        f"and {Path(fi).name} hold different bytes, first at index {idx}",
+                        path=fj,
+                        tensor=t.name,
+                        region=box,
+                        index=idx,
+                        other=fi,
+                    )
+                )
 
 
 def _overlap_list(ilist: IndexList, segs: tuple[Segment, ...]) -> IndexList:
@@ -544,9 +599,7 @@ def _overlap_list(ilist: IndexList, segs: tuple[Segment, ...]) -> IndexList:
     return normalize(sorted(out))
 
 
-def check_checkpoint(
-    ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES
-) -> list[dict[str, Any]]:
+def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[dict[str, Any]]:
     """Prove a checkpoint whole; returns its problems (empty when it is whole).
 
     Args:
@@ -562,7 +615,7 @@ def check_checkpoint(
     out: list[dict[str, Any]] = []
     for w in ckpt.warnings:
         if w.startswith(PROBLEM_PREFIX):
-            out.append(_problem("warning", w[len(PROBLEM_PREFIX):]))
+            out.append(_problem("warning", w[len(PROBLEM_PREFIX) :]))
     sizes = _check_files(ckpt, out)
     _check_manifest(ckpt, out, max_bytes)
     cache: dict[tuple[Any, ...], _Geometry] = {}

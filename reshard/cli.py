@@ -50,8 +50,9 @@ class InFormat(str, Enum):
 
 SourceLayoutOpt = Annotated[
     str | None,
-    typer.Option("--source-layout", help="Layout YAML (or preset name) the source was saved with.",
-                 metavar="FILE"),
+    typer.Option(
+        "--source-layout", help="Layout YAML (or preset name) the source was saved with.", metavar="FILE"
+    ),
 ]
 SourceMeshOpt = Annotated[
     str | None, typer.Option("--source-mesh", help="Override source mesh sizes, e.g. tp=4.", metavar="SPEC")
@@ -61,8 +62,12 @@ TargetLayoutOpt = Annotated[
 ]
 TargetMeshOpt = Annotated[
     str | None,
-    typer.Option("--target-mesh", help="Target mesh sizes, e.g. tp=8 or fsdp=2,tp=4; unnamed dims keep "
-                 "their size, tp=1 collapses a dim.", metavar="SPEC"),
+    typer.Option(
+        "--target-mesh",
+        help="Target mesh sizes, e.g. tp=8 or fsdp=2,tp=4; unnamed dims keep "
+        "their size, tp=1 collapses a dim.",
+        metavar="SPEC",
+    ),
 ]
 ConsolidateOpt = Annotated[
     bool, typer.Option("--consolidate", help="Write one consolidated HF checkpoint (same as --to hf).")
@@ -77,8 +82,12 @@ MaxShardOpt = Annotated[
 ]
 WorkersOpt = Annotated[
     int | None,
-    typer.Option("--workers", min=1, help="Threads writing output files [default: cores, at most 4].",
-                 show_default=False),
+    typer.Option(
+        "--workers",
+        min=1,
+        help="Threads writing output files [default: cores, at most 4].",
+        show_default=False,
+    ),
 ]
 
 
@@ -86,6 +95,8 @@ def _workers(n: int | None) -> int:
     from .execute import default_workers
 
     return n if n is not None else default_workers()
+
+
 MaxMemoryOpt = Annotated[
     str, typer.Option("--max-memory", help="Bound on in-flight buffers (per worker share).", metavar="SIZE")
 ]
@@ -118,7 +129,9 @@ def _errors(as_json: bool) -> Iterator[None]:
             err.print(f"hint: {e.hint}", soft_wrap=True)
         raise typer.Exit(code) from None
     except KeyboardInterrupt:
-        err.print("interrupted; finished output files were kept: run the same convert with --resume to finish")
+        err.print(
+            "interrupted; finished output files were kept: run the same convert with --resume to finish"
+        )
         raise typer.Exit(130) from None
 
 
@@ -191,7 +204,8 @@ def convert(
 
       reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
     """
-    from .convert import SourceSpec, TargetSpec, convert as run, parse_size
+    from .convert import SourceSpec, TargetSpec, parse_size
+    from .convert import convert as run
 
     with _errors(json_):
         budget = parse_size(max_memory, option="--max-memory")
@@ -200,6 +214,7 @@ def convert(
         workers = _workers(workers)
         buf = buffer_for(budget, workers)
         with _progress(_show_progress(json_, quiet), "converting") as prog:
+
             def on_plan(plan: Any) -> None:
                 if prog is not None:
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
@@ -207,8 +222,9 @@ def convert(
             result = run(
                 SourceSpec(src, from_.value if from_ else None, source_layout, source_mesh),
                 dst,
-                TargetSpec(target_layout, target_mesh, to.value if to else None, consolidate, dtype,
-                           max_shard_size),
+                TargetSpec(
+                    target_layout, target_mesh, to.value if to else None, consolidate, dtype, max_shard_size
+                ),
                 workers=workers,
                 buffer_size=buf,
                 overwrite=overwrite,
@@ -236,12 +252,16 @@ def convert(
 def inspect(
     ckpt: Annotated[str, typer.Argument(help="Checkpoint directory (or .safetensors file).")],
     layout: Annotated[
-        str | None, typer.Option("--layout", help="Layout YAML for per-rank files that do not describe themselves.",
-                                 metavar="FILE")
+        str | None,
+        typer.Option(
+            "--layout", help="Layout YAML for per-rank files that do not describe themselves.", metavar="FILE"
+        ),
     ] = None,
     mesh: SourceMeshOpt = None,
     from_: FromOpt = None,
-    check: Annotated[bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")] = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")
+    ] = False,
     all_: Annotated[bool, typer.Option("--all", help="One row per tensor (no grouping of layers).")] = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -315,7 +335,10 @@ def plan(
         budget = parse_size(max_memory, option="--max-memory")
         ck = open_source(SourceSpec(src, from_.value if from_ else None, source_layout, source_mesh))
         tgt = resolve_target(
-            ck, TargetSpec(target_layout, target_mesh, to.value if to else None, consolidate, dtype, max_shard_size)
+            ck,
+            TargetSpec(
+                target_layout, target_mesh, to.value if to else None, consolidate, dtype, max_shard_size
+            ),
         )
         p = build_plan(ck, tgt)
         workers = _workers(workers)
@@ -330,8 +353,14 @@ def plan(
 def verify(
     a: Annotated[str, typer.Argument(help="First checkpoint.")],
     b: Annotated[str, typer.Argument(help="Second checkpoint.")],
-    layout_a: Annotated[str | None, typer.Option("--layout-a", help="Layout of A if it does not describe itself.", metavar="FILE")] = None,
-    layout_b: Annotated[str | None, typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE")] = None,
+    layout_a: Annotated[
+        str | None,
+        typer.Option("--layout-a", help="Layout of A if it does not describe itself.", metavar="FILE"),
+    ] = None,
+    layout_b: Annotated[
+        str | None,
+        typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE"),
+    ] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -109,9 +109,7 @@ class Rule:
         object.__setattr__(self, "spec", spec)
         for entry in spec:
             if not isinstance(entry[1], Placement):
-                raise ConfigError(
-                    f"rule spec entries must be (dim name or None, placement), got {entry!r}"
-                )
+                raise ConfigError(f"rule spec entries must be (dim name or None, placement), got {entry!r}")
         names = [name for name, _ in spec]
         if self.kind == "named":
             if not spec:
@@ -128,9 +126,7 @@ class Rule:
                     )
             dups = sorted({n for n in names if names.count(n) > 1 and n is not None})
             if dups:
-                raise ConfigError(
-                    f"mesh dim {dups[0]!r} is given twice; give each dim one placement"
-                )
+                raise ConfigError(f"mesh dim {dups[0]!r} is given twice; give each dim one placement")
         else:
             if any(name is not None for name in names):
                 raise ConfigError(f"a {self.kind} rule has no dim names, got {names!r}")
@@ -168,8 +164,7 @@ class Rule:
                 spec.append((k, _parse_value(v)))
             return cls(pattern, tuple(spec), "named", line)
         raise ConfigError(
-            "placements must be a string (R), a list ([R, S(1)]) or a mapping ({tp: S(0)}), "
-            f"got {value!r}"
+            f"placements must be a string (R), a list ([R, S(1)]) or a mapping ({{tp: S(0)}}), got {value!r}"
         )
 
     @property
@@ -261,16 +256,12 @@ class LayoutConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
-            raise ConfigError(
-                f"{self.source}: mesh must be a Mesh, got {self.mesh!r}", path=self.source
-            )
+            raise ConfigError(f"{self.source}: mesh must be a Mesh, got {self.mesh!r}", path=self.source)
         object.__setattr__(self, "rules", tuple(self.rules))
         seen: dict[str, Rule] = {}
         for rule in self.rules:
             if not isinstance(rule, Rule):
-                raise ConfigError(
-                    f"{self.source}: rules must be Rule values, got {rule!r}", path=self.source
-                )
+                raise ConfigError(f"{self.source}: rules must be Rule values, got {rule!r}", path=self.source)
             first = seen.get(rule.pattern)
             if first is not None:
                 where = f" (first on line {first.line})" if first.line else ""
@@ -290,9 +281,7 @@ class LayoutConfig:
         try:
             return rule.placements(mesh)
         except ConfigError as e:
-            raise ConfigError(
-                f"{self._where(rule)}{e.message}", path=self.source, tensor=tensor
-            ) from None
+            raise ConfigError(f"{self._where(rule)}{e.message}", path=self.source, tensor=tensor) from None
 
     def _first(self, name: str) -> int | None:
         for i, rule in enumerate(self.rules):
@@ -383,16 +372,10 @@ class LayoutConfig:
                         f"mesh names must be a list of strings and shape a list, got {mesh_data!r}"
                     )
                 mesh = Mesh(tuple(names), tuple(shape))
-            elif (
-                isinstance(mesh_data, Mapping)
-                and mesh_data
-                and all(isinstance(n, str) for n in mesh_data)
-            ):
+            elif isinstance(mesh_data, Mapping) and mesh_data and all(isinstance(n, str) for n in mesh_data):
                 mesh = Mesh(tuple(mesh_data), tuple(mesh_data.values()))
             else:
-                raise ConfigError(
-                    f'mesh must be {{"names": [...], "shape": [...]}}, got {mesh_data!r}'
-                )
+                raise ConfigError(f'mesh must be {{"names": [...], "shape": [...]}}, got {mesh_data!r}')
         except ConfigError as e:
             raise ConfigError(f"{pre}{e.message}", path=source) from None
         rules_data = data.get("rules")
@@ -407,11 +390,7 @@ class LayoutConfig:
             )
         rules: list[Rule] = []
         for pair in pairs:
-            if (
-                not isinstance(pair, (list, tuple))
-                or len(pair) != 2
-                or not isinstance(pair[0], str)
-            ):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[0], str):
                 raise ConfigError(
                     f"{pre}each rule must be a [pattern, placements] pair, got {pair!r}",
                     path=source,
@@ -430,9 +409,7 @@ def _compile(pattern: str) -> re.Pattern[str]:
     if pattern.startswith(REGEX_PREFIX):
         body = pattern[len(REGEX_PREFIX) :]
         if not body:
-            raise ConfigError(
-                'the regex after "re:" is empty; write e.g. "re:model\\.layers\\.\\d+\\..*"'
-            )
+            raise ConfigError('the regex after "re:" is empty; write e.g. "re:model\\.layers\\.\\d+\\..*"')
         try:
             return re.compile(body)
         except re.error as e:
@@ -492,8 +469,7 @@ class _Parser:
         if node.tag not in _PLAIN_TAGS:
             raise self.error(
                 node,
-                f"unsupported YAML tag {node.tag!r}; a layout file holds plain mappings, "
-                "lists and strings",
+                f"unsupported YAML tag {node.tag!r}; a layout file holds plain mappings, lists and strings",
             )
 
     def value(self, node: yaml.Node) -> object:
@@ -527,14 +503,11 @@ class _Parser:
 
     def layout(self, root: yaml.Node | None) -> LayoutConfig:
         if root is None:
-            raise self.error(
-                None, "layout file is empty; it needs mesh: and placements: (see configs/)"
-            )
+            raise self.error(None, "layout file is empty; it needs mesh: and placements: (see configs/)")
         if not isinstance(root, yaml.MappingNode):
             raise self.error(
                 root,
-                "the top level must be a mapping with keys mesh: and placements:, "
-                f"got a {_kind(root)}",
+                f"the top level must be a mapping with keys mesh: and placements:, got a {_kind(root)}",
             )
         top = {key: (k, v) for key, k, v in self.mapping(root, "top-level")}
         for key, (k, v) in top.items():
@@ -547,13 +520,9 @@ class _Parser:
             if key in ("name", "description") and not isinstance(self.value(v), str):
                 raise self.error(v, f"{key} must be a string")
         if "mesh" not in top:
-            raise self.error(
-                root, "missing mesh:; add e.g. mesh: {fsdp: 2, tp: 4} (dim name -> size)"
-            )
+            raise self.error(root, "missing mesh:; add e.g. mesh: {fsdp: 2, tp: 4} (dim name -> size)")
         if "placements" not in top:
-            raise self.error(
-                root, 'missing placements:; add ordered pattern -> placement rules, e.g. "*": R'
-            )
+            raise self.error(root, 'missing placements:; add ordered pattern -> placement rules, e.g. "*": R')
         mesh = self.mesh(*top["mesh"])
         rules = self.rules(*top["placements"])
         return LayoutConfig(mesh, rules, self.source)
@@ -571,14 +540,10 @@ class _Parser:
         sizes: list[int] = []
         for name, k, v in items:
             if not _NAME.match(name):
-                raise self.error(
-                    k, f"mesh dim name {name!r} is not an identifier; use e.g. tp, fsdp, ep"
-                )
+                raise self.error(k, f"mesh dim name {name!r} is not an identifier; use e.g. tp, fsdp, ep")
             size = self.value(v)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise self.error(
-                    v, f"mesh dim {name!r} must have a positive integer size, got {size!r}"
-                )
+                raise self.error(v, f"mesh dim {name!r} must have a positive integer size, got {size!r}")
             names.append(name)
             sizes.append(size)
         return Mesh(tuple(names), tuple(sizes))
@@ -599,8 +564,7 @@ class _Parser:
         if not isinstance(node, yaml.ScalarNode):
             raise self.error(
                 node,
-                f"rule {pattern!r}: a placement must be a string such as R or S(0), "
-                f"got a {_kind(node)}",
+                f"rule {pattern!r}: a placement must be a string such as R or S(0), got a {_kind(node)}",
             )
         try:
             return _parse_value(self.value(node))
@@ -684,9 +648,7 @@ def load_layout(path: str | os.PathLike[str]) -> LayoutConfig:
             path=source,
         ) from None
     except IsADirectoryError:
-        raise ConfigError(
-            f"{source}: is a directory; pass a layout YAML file", path=source
-        ) from None
+        raise ConfigError(f"{source}: is a directory; pass a layout YAML file", path=source) from None
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{source}: cannot read the layout file: not UTF-8 text ({e.reason} at byte {e.start})",
@@ -694,8 +656,7 @@ def load_layout(path: str | os.PathLike[str]) -> LayoutConfig:
         ) from None
     except OSError as e:
         raise ConfigError(
-            f"{source}: cannot read the layout file: {e.strerror or e}; "
-            "check that it exists and is readable",
+            f"{source}: cannot read the layout file: {e.strerror or e}; check that it exists and is readable",
             path=source,
         ) from None
     return parse_layout_text(text, source)

@@ -32,8 +32,16 @@ __all__ = [
     "manifest_for",
 ]
 
-DTYPES = {"bf16": "BF16", "fp16": "F16", "f16": "F16", "fp32": "F32", "f32": "F32",
-          "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+DTYPES = {
+    "bf16": "BF16",
+    "fp16": "F16",
+    "f16": "F16",
+    "fp32": "F32",
+    "f32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+}
 
 
 def parse_size(text: str, *, option: str = "--max-shard-size") -> int:
@@ -43,14 +51,22 @@ def parse_size(text: str, *, option: str = "--max-shard-size") -> int:
     (5000000000, 2097152, 100)
     """
     t = text.strip().upper().replace(" ", "")
-    units = [("KIB", 2**10), ("MIB", 2**20), ("GIB", 2**30), ("TIB", 2**40),
-             ("KB", 10**3), ("MB", 10**6), ("GB", 10**9), ("TB", 10**12), ("B", 1)]
-    for suffix, mult in units:
+    units = [
+        ("KIB", 2**10),
+        ("MIB", 2**20),
+        ("GIB", 2**30),
+        ("TIB", 2**40),
+        ("KB", 10**3),
+        ("MB", 10**6),
+        ("GB", 10**9),
+        ("TB", 10**12),
+        ("B", 1),
+    ]
+    num, mult = t, 1
+    for suffix, factor in units:
         if t.endswith(suffix):
-            num = t[: -len(suffix)]
+            num, mult = t[: -len(suffix)], factor
             break
-    else:
-        num, mult = t, 1
     try:
         value = float(num)
     except ValueError:
@@ -173,9 +189,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
         mesh = merge_mesh(base.mesh, sizes)
         rules = base.with_mesh(mesh)
     else:
-        raise UsageError(
-            "say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate"
-        )
+        raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
     fmt = to or (PER_RANK if mesh.size > 1 else HF)
     if fmt == HF:
         return Target(HF, Mesh.single(), None, dtype, max_shard)
@@ -321,9 +335,15 @@ def convert(
             done, mine = finished_files(plan, dst_path, mine)
         failure: BaseException | None = None
         try:
-            results = execute_plan(plan, dst_path, workers=workers, buffer_size=buffer_size,
-                                   progress=progress, files=mine,
-                                   on_file_done=lambda r: record_finished(dst_path, r, coord.rank))
+            results = execute_plan(
+                plan,
+                dst_path,
+                workers=workers,
+                buffer_size=buffer_size,
+                progress=progress,
+                files=mine,
+                on_file_done=lambda r: record_finished(dst_path, r, coord.rank),
+            )
         except (ReshardError, OSError) as e:
             if coord.world == 1:
                 raise
@@ -363,8 +383,11 @@ def convert(
         _cleanup(dst_path, plan, created_dir, keep=resume)
         raise
     return {
-        "source": {"path": str(src_path), "format": ckpt.format,
-                   "mesh": ckpt.mesh.to_json() if ckpt.mesh else None},
+        "source": {
+            "path": str(src_path),
+            "format": ckpt.format,
+            "mesh": ckpt.mesh.to_json() if ckpt.mesh else None,
+        },
         "destination": {"path": str(dst_path), "format": plan.format, "mesh": plan.mesh.to_json()},
         "tensors": len(plan.tensors),
         "files": [{"name": r.name, "size": r.size, "checksum": r.checksum} for r in ordered],

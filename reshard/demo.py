@@ -22,8 +22,9 @@ from typing import Any
 __all__ = ["llama_shapes", "build_demo", "main"]
 
 
-def llama_shapes(layers: int = 4, hidden: int = 256, ffn: int = 688, vocab: int = 1000,
-                 kv_heads: int = 2, heads: int = 8) -> dict[str, tuple[int, ...]]:
+def llama_shapes(
+    layers: int = 4, hidden: int = 256, ffn: int = 688, vocab: int = 1000, kv_heads: int = 2, heads: int = 8
+) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a Hugging Face Llama state dict."""
     head_dim = hidden // heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
@@ -107,8 +108,11 @@ def build_demo(out: Path, *, layers: int = 4, tp: int = 4, seed: int = 0) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reshard.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m reshard.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="write the demo checkpoint")
     b.add_argument("out", type=Path)

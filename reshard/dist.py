@@ -144,6 +144,7 @@ def coordinator() -> Coordinator:
 
 # --------------------------------------------------------------------------- live DTensors
 
+
 def _live_coordinator() -> Coordinator:
     """A coordinator over the live default process group (initialising gloo under torchrun).
 
@@ -260,9 +261,7 @@ def _resolve_layout(layout: Any, ckpt: Any, device_mesh: Any) -> tuple[Mesh, Any
     return mesh, cfg
 
 
-def load_dtensors(
-    path: str | os.PathLike[str], mesh: Any, layout: Any = None
-) -> dict[str, Any]:
+def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: Any = None) -> dict[str, Any]:
     """Read a checkpoint into DTensors on ``mesh``; each rank reads only its own slices.
 
     Run under torchrun (the default process group is initialised with gloo if it is

@@ -324,8 +324,9 @@ class _Sink:
 class _Writer:
     """Writes the entries of one output file."""
 
-    def __init__(self, plan: Plan, sources: SourceFiles, fd: int, buffer_size: int,
-                 progress: ProgressFn | None) -> None:
+    def __init__(
+        self, plan: Plan, sources: SourceFiles, fd: int, buffer_size: int, progress: ProgressFn | None
+    ) -> None:
         self.plan = plan
         self.sources = sources
         self.fd = fd
@@ -360,8 +361,14 @@ class _Writer:
                     n = isz
                     for x in sz:
                         n *= x
-                    runs.append((e.start + _box_offset(dshape, d_st) * isz, fi,
-                                 base + _box_offset(sshape, s_st) * isz, n))
+                    runs.append(
+                        (
+                            e.start + _box_offset(dshape, d_st) * isz,
+                            fi,
+                            base + _box_offset(sshape, s_st) * isz,
+                            n,
+                        )
+                    )
             runs.sort()  # in file order, so the file is hashed as it is written
             for dst_off, fi, src_off, n in runs:
                 self._copy_run(fi, src_off, dst_off, n)
@@ -454,8 +461,12 @@ class _Writer:
                         got = os.preadv(self.sources.fd(fi), [mv], base + first * s_isz)
                         if got != span:
                             raise OSError(f"short read from {self.plan.source.files[fi]}")
-                        part = np.ndarray(tuple(sizes), dtype=npt, buffer=self.scratch,
-                                          strides=tuple(st * s_isz for st in strides))
+                        part = np.ndarray(
+                            tuple(sizes),
+                            dtype=npt,
+                            buffer=self.scratch,
+                            strides=tuple(st * s_isz for st in strides),
+                        )
                     else:
                         # sparse (a narrow column of wide rows): touch only the pages needed
                         self.window.touch_slices(fi, base, strides, s_isz, src_sl)
@@ -467,10 +478,16 @@ class _Writer:
             if t.groups == 1 and t.dtype == src.dtype:
                 self.sink.submit(memoryview(pooled)[: n * d_isz], off, pooled)
             else:
-                out = self._transform(t, [
-                    np.frombuffer(pooled if g == 0 else self.buf(g), dtype=npt, count=n).reshape(sshape_slab)
-                    for g in range(t.groups)
-                ], n)
+                out = self._transform(
+                    t,
+                    [
+                        np.frombuffer(pooled if g == 0 else self.buf(g), dtype=npt, count=n).reshape(
+                            sshape_slab
+                        )
+                        for g in range(t.groups)
+                    ],
+                    n,
+                )
                 self.sink.release(pooled)
                 self.sink.submit(memoryview(out)[: n * d_isz], off)
             if self.progress:
@@ -485,7 +502,11 @@ class _Writer:
 
 
 def _write_tmp(
-    plan: Plan, f: OutFile, dst: Path, sources: SourceFiles, buffer_size: int,
+    plan: Plan,
+    f: OutFile,
+    dst: Path,
+    sources: SourceFiles,
+    buffer_size: int,
     progress: ProgressFn | None,
 ) -> tuple[Path, int, str | None]:
     """Write ``NAME.tmp``; returns it, the source bytes moved, and its checksum when it

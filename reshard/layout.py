@@ -40,20 +40,18 @@ class TensorLayout:
         for p in self.placements:
             if isinstance(p, (Shard, StridedShard)):
                 if not 0 <= p.dim < ndim:
-                    raise LayoutError(
-                        f"{p} does not fit a {ndim}-d tensor of shape {list(self.shape)}"
-                    )
+                    raise LayoutError(f"{p} does not fit a {ndim}-d tensor of shape {list(self.shape)}")
                 if isinstance(p, StridedShard) and not isinstance(p.split_factor, int):
                     raise LayoutError(f"{p}: split factor is not bound to a mesh size")
             if isinstance(p, Partial):
                 ops.add(p.reduce_op)
         if len(ops) > 1:
-            raise LayoutError(f"mixed Partial reduce ops {sorted(ops)} are not supported (torch refuses them too)")
+            raise LayoutError(
+                f"mixed Partial reduce ops {sorted(ops)} are not supported (torch refuses them too)"
+            )
 
     @classmethod
-    def make(
-        cls, shape: Sequence[int], mesh: Mesh, placements: Sequence[Placement | str]
-    ) -> TensorLayout:
+    def make(cls, shape: Sequence[int], mesh: Mesh, placements: Sequence[Placement | str]) -> TensorLayout:
         """Build a layout, parsing text placements, resolving named split factors and negative dims."""
         sizes = dict(zip(mesh.names, mesh.shape))
         ndim = len(shape)
@@ -97,9 +95,7 @@ class TensorLayout:
 
     def block(self, coordinate: Sequence[int]) -> Block:
         """Per tensor dim, the ascending global intervals the rank at ``coordinate`` holds."""
-        return layout_blocks(self.shape, self.mesh.shape, self.placements)[
-            self.mesh.rank(coordinate)
-        ]
+        return layout_blocks(self.shape, self.mesh.shape, self.placements)[self.mesh.rank(coordinate)]
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         return block_shape(self.block(coordinate))
@@ -139,9 +135,7 @@ def layout_blocks(
         for m in sharding[d]:
             p = placements[m]
             n = mesh_shape[m]
-            table = {
-                sub + (c,): p.split(ilist, n, c) for sub, ilist in table.items() for c in range(n)
-            }
+            table = {sub + (c,): p.split(ilist, n, c) for sub, ilist in table.items() for c in range(n)}
         per_dim.append(table)
     world = 1
     for s in mesh_shape:
@@ -154,9 +148,7 @@ def layout_blocks(
             coord.append(rr % s)
             rr //= s
         coord.reverse()
-        out.append(
-            tuple(per_dim[d][tuple(coord[m] for m in sharding[d])] for d in range(ndim))
-        )
+        out.append(tuple(per_dim[d][tuple(coord[m] for m in sharding[d])] for d in range(ndim)))
     return tuple(out)
 
 
@@ -201,4 +193,3 @@ def infer_global_shape(
         if lay.local_shape(coord) != tuple(local_shapes[r]):
             return None
     return shape
-

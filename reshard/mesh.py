@@ -59,9 +59,7 @@ class Mesh:
         try:
             return self.shape[self.names.index(name)]
         except ValueError:
-            raise ConfigError(
-                f"mesh has no dim named {name!r} (dims: {', '.join(self.names)})"
-            ) from None
+            raise ConfigError(f"mesh has no dim named {name!r} (dims: {', '.join(self.names)})") from None
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.size:

@@ -89,8 +89,12 @@ class StridedShard:
     Not a :class:`Shard`, and never equal to one.
 
     >>> p = StridedShard(0, 2)
-    >>> [(r, (r,), [str(iv) for iv in p.split((Interval(0, 8),), 4, r)]) for r in range(4)]
-    [(0, (0,), ['[0:1)', '[4:5)']), (1, (1,), ['[1:2)', '[5:6)']), (2, (2,), ['[2:3)', '[6:7)']), (3, (3,), ['[3:4)', '[7:8)'])]
+    >>> for r in range(4):
+    ...     print(r, (r,), [str(iv) for iv in p.split((Interval(0, 8),), 4, r)])
+    0 (0,) ['[0:1)', '[4:5)']
+    1 (1,) ['[1:2)', '[5:6)']
+    2 (2,) ['[2:3)', '[6:7)']
+    3 (3,) ['[3:4)', '[7:8)']
     """
 
     dim: int

@@ -112,9 +112,7 @@ def _index_sources(src: TensorSource) -> dict[int, _SourceIndex]:
     return groups
 
 
-def match_blocks(
-    src: TensorSource, dst_blocks: Sequence[Block]
-) -> tuple[tuple[tuple[Copy, ...], ...], int]:
+def match_blocks(src: TensorSource, dst_blocks: Sequence[Block]) -> tuple[tuple[tuple[Copy, ...], ...], int]:
     """Copies filling each destination block from the source pieces.
 
     Returns per destination block its copies, and the number of partial groups.
@@ -244,17 +242,17 @@ class OutFile:
             for t in self.tensors:
                 shape_text, nbytes = _local_text(t, r)
                 stop = offset + nbytes
-                parts.append(f'{_quoted(t.name)}:{{"dtype":"{t.dtype}","shape":[{shape_text}],'
-                             f'"data_offsets":[{offset},{stop}]}}')
+                parts.append(
+                    f'{_quoted(t.name)}:{{"dtype":"{t.dtype}","shape":[{shape_text}],'
+                    f'"data_offsets":[{offset},{stop}]}}'
+                )
                 spans.append((offset, nbytes))
                 offset = stop
             body = ("{" + ",".join(parts) + "}").encode("utf-8")
             body += b" " * (-len(body) % 8)
             prefix = len(body).to_bytes(8, "little") + body
             base = len(prefix)
-            entries = tuple(
-                OutEntry(t, r, base + a, n) for t, (a, n) in zip(self.tensors, spans)
-            )
+            entries = tuple(OutEntry(t, r, base + a, n) for t, (a, n) in zip(self.tensors, spans))
             self._layout = (prefix, entries, base + offset)
         return self._layout
 
@@ -412,14 +410,18 @@ def _per_rank_files(tensors: Sequence[TargetTensor], mesh: Mesh) -> list[OutFile
             f'{{"format_version":1,"mesh":{mesh_json},"rank":{rank},'
             f'"coordinate":{json.dumps(coord, separators=(",", ":"))},"tensors":{tensors_json}}}'
         )
-        files.append(OutFile(rank_file_name(rank, mesh.size), rank, ordered,
-                             json.dumps({"reshard": meta}, ensure_ascii=False, separators=(",", ":"))))
+        files.append(
+            OutFile(
+                rank_file_name(rank, mesh.size),
+                rank,
+                ordered,
+                json.dumps({"reshard": meta}, ensure_ascii=False, separators=(",", ":")),
+            )
+        )
     return files
 
 
-def _hf_files(
-    tensors: Sequence[TargetTensor], max_shard_size: int
-) -> tuple[list[OutFile], dict[str, Any]]:
+def _hf_files(tensors: Sequence[TargetTensor], max_shard_size: int) -> tuple[list[OutFile], dict[str, Any]]:
     groups: list[list[TargetTensor]] = [[]]
     acc = 0
     for t in tensors:

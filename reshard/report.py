@@ -59,9 +59,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "path": ck.path,
         "format": ck.format,
         "mesh": ck.mesh.to_json() if ck.mesh is not None else None,
-        "files": [
-            {"name": os.path.basename(f), "size": s} for f, s in zip(ck.files, ck.file_sizes)
-        ],
+        "files": [{"name": os.path.basename(f), "size": s} for f, s in zip(ck.files, ck.file_sizes)],
         "file_bytes": ck.total_bytes,
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
@@ -122,9 +120,7 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     from rich.table import Table
 
     mesh = doc["mesh"]
-    mesh_text = (
-        ",".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh else "-"
-    )
+    mesh_text = ",".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh else "-"
     console.print(
         f"[bold]{doc['path']}[/]  format={doc['format']}  mesh={mesh_text}  "
         f"files={len(doc['files'])} ({human(doc['file_bytes'])})"
@@ -223,8 +219,11 @@ def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]
         )
     written = plan.bytes_written
     return {
-        "source": {"path": plan.source.path, "format": plan.source.format,
-                   "mesh": plan.source.mesh.to_json() if plan.source.mesh else None},
+        "source": {
+            "path": plan.source.path,
+            "format": plan.source.format,
+            "mesh": plan.source.mesh.to_json() if plan.source.mesh else None,
+        },
         "target": {"format": plan.format, "mesh": plan.mesh.to_json(), "files": len(plan.files)},
         "tensors": len(plan.tensors),
         "files": files,
@@ -255,7 +254,11 @@ def render_plan(doc: dict[str, Any], console: Any) -> None:
     for f in doc["files"]:
         srcs = ", ".join(s["file"] for s in f["sources"][:3]) + (" ..." if len(f["sources"]) > 3 else "")
         table.add_row(
-            f["name"], human(f["bytes_written"]), human(f["bytes_read"]), srcs, str(f["copies"]),
+            f["name"],
+            human(f["bytes_written"]),
+            human(f["bytes_read"]),
+            srcs,
+            str(f["copies"]),
             f"{f['read_amplification']:.2f}",
         )
     console.print(table)

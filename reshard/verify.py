@@ -112,9 +112,7 @@ class MappedFiles(PageWindow):
     def touch(self, src: TensorSource, k: int, key: tuple[slice, ...]) -> None:
         """Record that the slices ``key`` of piece ``k`` were read."""
         strides = row_major_strides(src.piece_shape(k))
-        self.touch_slices(
-            src.piece_files[k], src.piece_offsets[k], strides, DTYPE_SIZES[src.dtype], key
-        )
+        self.touch_slices(src.piece_files[k], src.piece_offsets[k], strides, DTYPE_SIZES[src.dtype], key)
 
     def close(self) -> None:
         """Release pages and close maps and file descriptors."""
@@ -159,7 +157,9 @@ class _Region:
         for c in copies:
             shape, strides = geometry[c.piece]
             piece = _Piece(
-                src.piece_files[c.piece], src.piece_offsets[c.piece], strides,
+                src.piece_files[c.piece],
+                src.piece_offsets[c.piece],
+                strides,
                 files.array(src, c.piece, shape),
             )
             if groups == 1 and len(copies) == 1 and all(len(s) == 1 for s in c.segments):
@@ -237,9 +237,7 @@ def _regions(b: TensorSource) -> tuple[Block, ...]:
     return tuple(out)
 
 
-def _self_copies(
-    b: TensorSource, regions: tuple[Block, ...]
-) -> tuple[tuple[Copy, ...], ...] | None:
+def _self_copies(b: TensorSource, regions: tuple[Block, ...]) -> tuple[tuple[Copy, ...], ...] | None:
     """B over its own blocks, one whole piece each, when they tile B's tensor (else None).
 
     Volumes adding up to the tensor's with no hole mean the blocks are
@@ -254,9 +252,7 @@ def _self_copies(
     first: dict[Block, int] = {}
     for k, blk in enumerate(b.piece_blocks):
         first.setdefault(blk, k)  # the lowest piece, as match_blocks reads replicas
-    return tuple(
-        (Copy(first[r], tuple(((0, 0, n),) for n in block_shape(r))),) for r in regions
-    )
+    return tuple((Copy(first[r], tuple(((0, 0, n),) for n in block_shape(r))),) for r in regions)
 
 
 def _match(a: TensorSource, b: TensorSource, a_path: str, b_path: str) -> _Match:
@@ -283,8 +279,14 @@ def _match(a: TensorSource, b: TensorSource, a_path: str, b_path: str) -> _Match
     except PlanError as e:
         raise PlanError(f"{a_path}: {e.message}", path=a_path, tensor=a.name) from None
     return _Match(
-        regions, tuple(block_shape(r) for r in regions), a_copies, ga, _piece_geometry(a),
-        b_copies, gb, _piece_geometry(b),
+        regions,
+        tuple(block_shape(r) for r in regions),
+        a_copies,
+        ga,
+        _piece_geometry(a),
+        b_copies,
+        gb,
+        _piece_geometry(b),
     )
 
 
@@ -343,9 +345,7 @@ def _describe(c: Checkpoint) -> dict[str, Any]:
     return {"path": c.path, "format": c.format}
 
 
-def verify_checkpoints(
-    a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES
-) -> dict[str, Any]:
+def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
     """Compare two checkpoints: tensor names, dtypes, global shapes and values bit for bit.
 
     Args:
@@ -387,16 +387,26 @@ def verify_checkpoints(
                 continue
             compared_tensors += 1
             if ta.dtype != tb.dtype:
-                diffs.append({
-                    "tensor": name, "kind": "dtype", "a": ta.dtype, "b": tb.dtype,
-                    "message": f"{q}: dtype {ta.dtype} in A, {tb.dtype} in B",
-                })
+                diffs.append(
+                    {
+                        "tensor": name,
+                        "kind": "dtype",
+                        "a": ta.dtype,
+                        "b": tb.dtype,
+                        "message": f"{q}: dtype {ta.dtype} in A, {tb.dtype} in B",
+                    }
+                )
                 continue
             if ta.shape != tb.shape:
-                diffs.append({
-                    "tensor": name, "kind": "shape", "a": list(ta.shape), "b": list(tb.shape),
-                    "message": f"{q}: shape {list(ta.shape)} in A, {list(tb.shape)} in B",
-                })
+                diffs.append(
+                    {
+                        "tensor": name,
+                        "kind": "shape",
+                        "a": list(ta.shape),
+                        "b": list(tb.shape),
+                        "message": f"{q}: shape {list(ta.shape)} in A, {list(tb.shape)} in B",
+                    }
+                )
                 continue
             if ta.numel == 0:
                 continue
@@ -411,11 +421,17 @@ def verify_checkpoints(
                 idx, bits_a, bits_b = first
                 w = 2 * DTYPE_SIZES[ta.dtype]
                 ha, hb = f"0x{bits_a:0{w}x}", f"0x{bits_b:0{w}x}"
-                diffs.append({
-                    "tensor": name, "kind": "values", "index": idx, "a_bits": ha, "b_bits": hb,
-                    "message": f"{q}: values differ, first at index {idx} "
-                    f"({ta.dtype} bits {ha} in A, {hb} in B)",
-                })
+                diffs.append(
+                    {
+                        "tensor": name,
+                        "kind": "values",
+                        "index": idx,
+                        "a_bits": ha,
+                        "b_bits": hb,
+                        "message": f"{q}: values differ, first at index {idx} "
+                        f"({ta.dtype} bits {ha} in A, {hb} in B)",
+                    }
+                )
     finally:
         del bufs
         fa.close()

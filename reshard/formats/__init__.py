@@ -108,7 +108,9 @@ def open_checkpoint(
             mesh = cfg.mesh.with_sizes(mesh_sizes) if mesh_sizes else cfg.mesh
             cfg = cfg.with_mesh(mesh)
         elif mesh_sizes:
-            raise ConfigError("--source-mesh needs --source-layout (or a self-describing checkpoint has its mesh)")
+            raise ConfigError(
+                "--source-mesh needs --source-layout (or a self-describing checkpoint has its mesh)"
+            )
         ckpt = open_per_rank(
             p,
             mesh=mesh,
@@ -123,7 +125,9 @@ def open_checkpoint(
                     {"mesh": manifest["mesh"], "rules": manifest["rules"]}, source=str(p / MANIFEST)
                 )
             except (ConfigError, KeyError, TypeError) as e:
-                raise LayoutError(f"{p / MANIFEST}: invalid layout rules ({e})", path=str(p / MANIFEST)) from None
+                raise LayoutError(
+                    f"{p / MANIFEST}: invalid layout rules ({e})", path=str(p / MANIFEST)
+                ) from None
         if cfg is None:
             cfg = _exact_rules(ckpt)
         ckpt.layout = cfg
@@ -139,8 +143,7 @@ def _exact_rules(ckpt: Checkpoint) -> Any:
 
     assert ckpt.mesh is not None
     rules = [
-        ["re:" + re.escape(t.name), [str(p) for p in (t.placements or ())]]
-        for t in ckpt.tensors.values()
+        ["re:" + re.escape(t.name), [str(p) for p in (t.placements or ())]] for t in ckpt.tensors.values()
     ]
     return LayoutConfig.from_json(
         {"mesh": ckpt.mesh.to_json(), "rules": rules}, source=f"{ckpt.path} (file metadata)"

@@ -157,9 +157,7 @@ def dcp_files(directory: Path) -> tuple[list[Path], list[str]]:
             path=str(directory),
         )
     found.sort(key=lambda t: (t[0], t[1], t[2].name))
-    warnings = [
-        f"{directory / n}: not a shard-*-model-*-of-*.safetensors file; ignored" for n in others
-    ]
+    warnings = [f"{directory / n}: not a shard-*-model-*-of-*.safetensors file; ignored" for n in others]
     return [p for _, _, p in found], warnings
 
 
@@ -192,9 +190,7 @@ def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, Any]]:
     try:
         info = json.loads(raw)
     except ValueError as e:
-        raise HeaderError(
-            f"{path}: {SHARDING_INFO_KEY} is not valid JSON ({e})", path=str(path)
-        ) from None
+        raise HeaderError(f"{path}: {SHARDING_INFO_KEY} is not valid JSON ({e})", path=str(path)) from None
     if not isinstance(info, dict):
         raise HeaderError(
             f"{path}: {SHARDING_INFO_KEY} must be a JSON object mapping tensor names to "
@@ -212,9 +208,7 @@ def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, Any]]:
     return info
 
 
-def _chunk(
-    name: str, info: dict[str, Any], header: Header, path: Path, file_index: int
-) -> StoredChunk:
+def _chunk(name: str, info: dict[str, Any], header: Header, path: Path, file_index: int) -> StoredChunk:
     entry = header.entry(name)
     where = f'{path}: tensor "{name}"'
     if SAVED_OFFSETS_KEY not in info:
@@ -267,9 +261,7 @@ def _chunk(
     )
 
 
-def _global_shape(
-    name: str, chunks: Sequence[StoredChunk], files: Sequence[Path]
-) -> tuple[int, ...]:
+def _global_shape(name: str, chunks: Sequence[StoredChunk], files: Sequence[Path]) -> tuple[int, ...]:
     first = chunks[0]
     for c in chunks[1:]:
         if c.dtype != first.dtype:

@@ -57,7 +57,9 @@ def open_hf(path: Path) -> Checkpoint:
             names = sorted(set(weight_map.values()))
             for n in names:
                 if "/" in n or n.startswith("."):
-                    raise HeaderError(f"{index}: shard name {n!r} points outside the checkpoint", path=str(index))
+                    raise HeaderError(
+                        f"{index}: shard name {n!r} points outside the checkpoint", path=str(index)
+                    )
             files = [path / n for n in names]
             for f in files:
                 if not f.exists():
@@ -68,9 +70,7 @@ def open_hf(path: Path) -> Checkpoint:
         else:
             cands = sorted(p for p in path.glob("*.safetensors"))
             if len(cands) != 1:
-                raise HeaderError(
-                    f"{path}: no {SINGLE} or {INDEX} found", path=str(path)
-                )
+                raise HeaderError(f"{path}: no {SINGLE} or {INDEX} found", path=str(path))
             files = cands
             weight_map = None
     headers = [read_header(f) for f in files]

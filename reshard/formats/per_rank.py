@@ -55,7 +55,8 @@ def rank_files(directory: Path, *, strict: bool) -> dict[int, Path]:
         missing = [r for r in range(world) if r not in out]
         if missing:
             raise HeaderError(
-                f"{directory}: missing rank file(s) {', '.join(f'rank-{r:05d}-of-{world:05d}.safetensors' for r in missing[:5])}"
+                f"{directory}: missing rank file(s) "
+                + ", ".join(f"rank-{r:05d}-of-{world:05d}.safetensors" for r in missing[:5])
                 + (" ..." if len(missing) > 5 else ""),
                 path=str(directory),
             )

@@ -343,9 +343,7 @@ def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
         )
     for key in _ENTRY_KEYS:
         if key not in value:
-            raise HeaderError(
-                f"{where}tensor {_q(name)} is missing {_q(key)}", path=path, tensor=name
-            )
+            raise HeaderError(f"{where}tensor {_q(name)} is missing {_q(key)}", path=path, tensor=name)
     for key in value:
         if key not in _ENTRY_KEYS:
             raise HeaderError(
@@ -441,13 +439,9 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HeaderError(
-            f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path
-        ) from None
+        raise HeaderError(f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path) from None
     try:
-        obj: object = json.loads(
-            text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant
-        )
+        obj: object = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise HeaderError(
             f"{path}: header is not valid JSON: {exc.msg} (char {exc.pos})", path=path
@@ -459,18 +453,14 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
             f"{path}: header is not valid JSON: non-standard constant {exc.constant}", path=path
         ) from None
     except RecursionError:
-        raise HeaderError(
-            f"{path}: header is not valid JSON: nested too deeply", path=path
-        ) from None
+        raise HeaderError(f"{path}: header is not valid JSON: nested too deeply", path=path) from None
     if not isinstance(obj, dict):
         raise HeaderError(f"{path}: header must be a JSON object, got {_json_type(obj)}", path=path)
     if not text.startswith("{"):
         raise HeaderError(f"{path}: header must start with '{{'", path=path)
 
     metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
-    entries = [
-        _parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY
-    ]
+    entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
     entries.sort(key=_layout_key)
     _check_layout(entries, path)
     header = Header(tuple(entries), metadata, 8 + len(raw))
@@ -537,8 +527,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             raise HeaderError(f"{name}: cannot read: {exc.strerror}", path=name) from None
     if len(raw) != n:
         raise HeaderError(
-            f"{name}: file is truncated: header length is {n} but only {len(raw)} bytes "
-            "could be read",
+            f"{name}: file is truncated: header length is {n} but only {len(raw)} bytes could be read",
             path=name,
         )
     return decode_header(raw, path=name, file_size=size)
@@ -582,16 +571,12 @@ def encode_header(
         if not isinstance(name, str):
             raise HeaderError(f"{where}tensor name {name!r} is not a string")
         if name == _METADATA_KEY:
-            raise HeaderError(
-                f"{where}{_q(name)} is reserved and cannot name a tensor", tensor=name
-            )
+            raise HeaderError(f"{where}{_q(name)} is reserved and cannot name a tensor", tensor=name)
         if name in seen:
             raise HeaderError(f"{where}duplicate tensor name {_q(name)}", tensor=name)
         seen.add(name)
         if not isinstance(dtype, str):
-            raise HeaderError(
-                f"{where}tensor {_q(name)} has dtype {dtype!r}: must be a string", tensor=name
-            )
+            raise HeaderError(f"{where}tensor {_q(name)} has dtype {dtype!r}: must be a string", tensor=name)
         _check_dtype(dtype, name, where, None)
         dims: list[int] = []
         for d in shape:
@@ -625,9 +610,7 @@ def encode_header(
     entries: list[TensorEntry] = []
     parts: list[str] = []
     if meta is not None:
-        parts.append(
-            f'"{_METADATA_KEY}":' + json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
-        )
+        parts.append(f'"{_METADATA_KEY}":' + json.dumps(meta, ensure_ascii=False, separators=(",", ":")))
     offset = 0
     for name, dtype, shape_t in specs:
         numel = 1
@@ -650,8 +633,6 @@ def encode_header(
         ) from None
     body += b" " * (-len(body) % 8)
     if len(body) > MAX_HEADER_SIZE:
-        raise HeaderError(
-            f"{where}header would be {len(body)} bytes, over the {MAX_HEADER_SIZE}-byte limit"
-        )
+        raise HeaderError(f"{where}header would be {len(body)} bytes, over the {MAX_HEADER_SIZE}-byte limit")
     prefix = struct.pack("<Q", len(body)) + body
     return prefix, Header(tuple(entries), meta, len(prefix))
