@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, TensorSource
-from .execute import file_checksum, slabs
+from .execute import CHECKSUM_PREFIX, file_checksum, slabs
 from .intervals import (
     Block,
     Box,
@@ -53,7 +53,7 @@ PROBLEM_PREFIX = "problem: "
 #: Hole regions reported per tensor and partial group; the rest are summed up in one more problem.
 MAX_REGIONS = 8
 
-_CHECKSUM_ALGO = "xxh3_128:"
+_CHECKSUM_ALGO = CHECKSUM_PREFIX
 
 
 def _problem(

@@ -18,7 +18,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ __all__ = [
     "execute_plan",
     "write_out_file",
     "file_checksum",
+    "CHECKSUM_PREFIX",
+    "PIECE",
     "slabs",
     "PageWindow",
 ]
@@ -89,7 +91,7 @@ def memory_estimate(plan: Plan, *, workers: int, buffer_size: int) -> int:
     casts = any(t.dtype != t.src.dtype for t in plan.tensors) or groups > 1
     per_worker = buffer_size * (groups + (1 if casts else 0) + 2) + _RELEASE_EVERY
     header = max((len(f.prefix) for f in plan.files), default=0)
-    n = min(workers, max(1, len(plan.files)))
+    n = max(1, workers)  # spare workers split a file's entries, so all of them run
     return BASELINE_RSS + (TORCH_RSS if casts else 0) + n * (per_worker + header)
 
 
@@ -102,20 +104,51 @@ class FileResult:
     """Source bytes this run actually moved into the file (0 for a file kept by --resume)."""
 
 
-def file_checksum(path: str | os.PathLike[str], chunk: int = 8 * 1024 * 1024) -> str:
-    """``xxh3_128:<hex>`` of a file's bytes, read in chunks into one reused buffer."""
+CHECKSUM_PREFIX = "xxh3_128-64MiB:"
+"""Output checksums: xxh3-128 over the concatenated xxh3-128 digests of the file's
+64 MiB pieces. Pieces can be hashed by different threads as they are written,
+and a single piece can be re-read, so hashing never costs a second pass."""
+
+PIECE = 64 * 1024 * 1024
+
+
+def _piece_digest(data: Any) -> bytes:
+    import xxhash
+
+    return bytes(xxhash.xxh3_128(data).digest())
+
+
+def combine_pieces(digests: Sequence[bytes]) -> str:
+    """The file checksum from its pieces' digests, in file order."""
+    import xxhash
+
+    return CHECKSUM_PREFIX + xxhash.xxh3_128(b"".join(digests)).hexdigest()
+
+
+def piece_digest_of(path: str | os.PathLike[str], index: int, chunk: int = 8 * 1024 * 1024) -> bytes:
+    """Digest of piece ``index`` of a file, read back in chunks into one reused buffer."""
     import xxhash
 
     h = xxhash.xxh3_128()
-    buf = bytearray(chunk)
+    buf = bytearray(min(chunk, PIECE))
     mv = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(mv)
+        f.seek(index * PIECE)
+        left = PIECE
+        while left:
+            n = f.readinto(mv[: min(len(mv), left)])
             if not n:
                 break
             h.update(mv[:n])
-    return "xxh3_128:" + h.hexdigest()
+            left -= n
+    return bytes(h.digest())
+
+
+def file_checksum(path: str | os.PathLike[str], chunk: int = 8 * 1024 * 1024) -> str:
+    """The :data:`CHECKSUM_PREFIX` checksum of a file's bytes."""
+    size = os.path.getsize(path)
+    pieces = max(1, -(-size // PIECE))
+    return combine_pieces([piece_digest_of(path, i, chunk) for i in range(pieces)])
 
 
 class SourceFiles:
@@ -277,19 +310,25 @@ def slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterator[tuple[tu
 
 
 class _Sink:
-    """The write stage of one output file: pwrite buffers, hashing them when they come in order.
+    """The write stage of one writer: pwrite buffers, hashing 64 MiB pieces on the way.
 
-    (A second thread writing while the first gathers was measured: with one
-    worker per core it was no faster, so writes happen in the caller's thread.)
+    A writer covers the file range ``[lo, hi)`` and writes it in order; every piece
+    wholly inside that range is hashed as its bytes go by. Pieces it cannot hash
+    (straddling another writer's range, or written out of order) are left to
+    :func:`_finish_checksum`, which reads just those back. (A second thread writing
+    while the first gathers was measured: with one writer per core it was no faster.)
     """
 
-    def __init__(self, fd: int, size: int) -> None:
-        import xxhash
-
+    def __init__(self, fd: int, size: int, lo: int = 0, hi: int | None = None) -> None:
         self.fd = fd
         self._buf = bytearray(size)
-        self.hasher: Any = xxhash.xxh3_128()
-        self.pos = 0  # bytes hashed so far: the file is hashed while it is written, in order
+        self.lo = lo
+        self.hi = hi
+        self.pos = lo  # the next byte expected in order
+        self.digests: dict[int, bytes] = {}
+        self._hashing = True
+        self._cur: Any = None  # hasher of the piece being written, if it started with us
+        self._cur_index = -1
 
     def buffer(self) -> bytearray:
         """The reused write buffer (free again once :meth:`submit` returns)."""
@@ -298,34 +337,66 @@ class _Sink:
     def release(self, buf: bytearray) -> None:
         """Give back a buffer from :meth:`buffer` without writing it."""
 
+    def _hash(self, mv: memoryview) -> None:
+        import xxhash
+
+        while len(mv):
+            index = self.pos // PIECE
+            end = (index + 1) * PIECE
+            if index != self._cur_index:
+                self._cur_index = index
+                # a piece is ours only if we write it from its first byte
+                self._cur = xxhash.xxh3_128() if self.pos == index * PIECE else None
+            take = min(len(mv), end - self.pos)
+            if self._cur is not None:
+                self._cur.update(mv[:take])
+            self.pos += take
+            mv = mv[take:]
+            if self.pos == end and self._cur is not None:
+                self.digests[index] = bytes(self._cur.digest())
+                self._cur = None
+
     def submit(self, data: Any, off: int, pooled: bytearray | None = None) -> None:
         """Write all of ``data`` (bytes-like) at ``off``."""
         mv = memoryview(data)
-        if self.hasher is not None:
+        if self._hashing:
             if off == self.pos:
-                self.hasher.update(mv)
-                self.pos += len(mv)
+                self._hash(mv)
             else:
-                self.hasher = None  # out of order: hash by reading the file back
+                self._hashing = False  # out of order: the rest is read back
         while len(mv):
             w = os.pwrite(self.fd, mv, off)
             mv = mv[w:]
             off += w
 
     def no_hash(self) -> None:
-        """Bytes reach the file another way: hash it by reading it back instead."""
-        self.hasher = None
+        """Bytes reach the file another way: the rest is read back."""
+        self._hashing = False
 
-    def close(self) -> str | None:
-        """The checksum if the file was hashed on the way, else None."""
-        return None if self.hasher is None else "xxh3_128:" + self.hasher.hexdigest()
+    def close(self, file_size: int) -> dict[int, bytes]:
+        """Digests of the pieces hashed on the way (the last, short piece included)."""
+        if self._hashing and self._cur is not None and self.pos == file_size:
+            self.digests[self._cur_index] = bytes(self._cur.digest())
+        return self.digests
+
+
+def _finish_checksum(path: Path, size: int, digests: dict[int, bytes]) -> str:
+    """The file checksum, reading back only the pieces no writer hashed."""
+    pieces = max(1, -(-size // PIECE))
+    return combine_pieces([digests[i] if i in digests else piece_digest_of(path, i) for i in range(pieces)])
 
 
 class _Writer:
     """Writes the entries of one output file."""
 
     def __init__(
-        self, plan: Plan, sources: SourceFiles, fd: int, buffer_size: int, progress: ProgressFn | None
+        self,
+        plan: Plan,
+        sources: SourceFiles,
+        fd: int,
+        buffer_size: int,
+        progress: ProgressFn | None,
+        lo: int = 0,
     ) -> None:
         self.plan = plan
         self.sources = sources
@@ -336,7 +407,7 @@ class _Writer:
         self.window = PageWindow(sources, _RELEASE_EVERY)
         self.bytes_read = 0
         self.scratch = bytearray(2 * self.budget + 64)  # source spans read whole (<= 2x used)
-        self.sink = _Sink(fd, self.budget)
+        self.sink = _Sink(fd, self.budget, lo)
 
     def buf(self, k: int) -> bytearray:
         while len(self._bufs) <= k:
@@ -501,6 +572,21 @@ class _Writer:
         return cast_reduce(views, t.src.dtype, t.dtype, t.reduce_op, n)
 
 
+def _split_entries(entries: Sequence[OutEntry], parts: int) -> list[list[OutEntry]]:
+    """Consecutive runs of entries with about equal bytes (file order kept)."""
+    total = sum(e.nbytes for e in entries)
+    if parts <= 1 or total == 0:
+        return [list(entries)]
+    out: list[list[OutEntry]] = [[]]
+    acc = 0
+    for e in entries:
+        if out[-1] and acc >= total * len(out) / parts and len(out) < parts:
+            out.append([])
+        out[-1].append(e)
+        acc += e.nbytes
+    return out
+
+
 def _write_tmp(
     plan: Plan,
     f: OutFile,
@@ -508,34 +594,48 @@ def _write_tmp(
     sources: SourceFiles,
     buffer_size: int,
     progress: ProgressFn | None,
-) -> tuple[Path, int, str | None]:
-    """Write ``NAME.tmp``; returns it, the source bytes moved, and its checksum when it
-    was hashed on the way (None: the caller reads it back)."""
+    parts: int = 1,
+) -> tuple[Path, int, dict[int, bytes]]:
+    """Write ``NAME.tmp`` with ``parts`` threads, each a consecutive run of its entries.
+
+    Returns the file, the source bytes moved, and the digests of the 64 MiB pieces
+    hashed on the way.
+    """
     tmp = dst / (f.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def run(entries: Sequence[OutEntry], lo: int, prefix: bool) -> tuple[int, dict[int, bytes]]:
+        w = _Writer(plan, sources, fd, buffer_size, progress, lo)
+        if prefix:
+            w.write_at(f.prefix, 0)
+        for e in entries:
+            w.write_entry(e)
+        return w.bytes_read, w.sink.close(f.size)
+
     try:
         os.ftruncate(fd, f.size)
-        w = _Writer(plan, sources, fd, buffer_size, progress)
-        try:
-            w.write_at(f.prefix, 0)
-            for e in f.entries:
-                w.write_entry(e)
-        finally:
-            checksum = w.sink.close()  # every queued write done (or its error raised)
-        if checksum is not None and w.sink.pos != f.size:
-            checksum = None
+        groups = _split_entries(f.entries, parts)
+        starts = [0] + [g[0].start for g in groups[1:]]
+        if len(groups) == 1:
+            results = [run(groups[0], 0, True)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+                futs = [pool.submit(run, g, lo, i == 0) for i, (g, lo) in enumerate(zip(groups, starts))]
+                results = [fu.result() for fu in futs]
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    return tmp, w.bytes_read, checksum
+    digests: dict[int, bytes] = {}
+    for _, d in results:
+        digests.update(d)
+    return tmp, sum(r[0] for r in results), digests
 
 
-def _finish(f: OutFile, tmp: Path, bytes_read: int, checksum: str | None = None) -> FileResult:
-    """Rename a written ``NAME.tmp`` into place (hashing it first if it was not hashed while written)."""
-    if checksum is None:
-        checksum = file_checksum(tmp)
+def _finish(f: OutFile, tmp: Path, bytes_read: int, digests: dict[int, bytes]) -> FileResult:
+    """Checksum a written ``NAME.tmp`` (reading back only unhashed pieces), rename it into place."""
+    checksum = _finish_checksum(tmp, f.size, digests)
     os.replace(tmp, tmp.with_name(f.name))
     return FileResult(f.name, f.size, checksum, bytes_read)
 
@@ -577,25 +677,17 @@ def execute_plan(
             with lock:
                 progress(n)
 
-    # Hashing reads each finished file back from the page cache; one thread does it
-    # while the writers go on with the next file, so it overlaps with the copying.
-    hasher = ThreadPoolExecutor(max_workers=1)
-    pending: dict[str, Future[FileResult]] = {}
-
-    def finish(f: OutFile, tmp: Path, nread: int, checksum: str | None) -> FileResult:
-        r = _finish(f, tmp, nread, checksum)
-        if on_file_done is not None:
-            with lock:
-                on_file_done(r)
-        return r
+    # fewer files than workers: the spare workers split the files' entries between them
+    parts = max(1, workers // max(1, len(todo)))
+    results_by_name: dict[str, FileResult] = {}
 
     def one(f: OutFile) -> None:
-        tmp, nread, checksum = _write_tmp(plan, f, dst, sources, buffer_size, prog)
-        if checksum is not None:
-            pending[f.name] = Future()
-            pending[f.name].set_result(finish(f, tmp, nread, checksum))
-        else:
-            pending[f.name] = hasher.submit(finish, f, tmp, nread, None)
+        tmp, nread, digests = _write_tmp(plan, f, dst, sources, buffer_size, prog, parts)
+        r = _finish(f, tmp, nread, digests)
+        with lock:
+            if on_file_done is not None:
+                on_file_done(r)
+            results_by_name[f.name] = r
 
     try:
         if workers <= 1 or len(todo) <= 1:
@@ -606,9 +698,8 @@ def execute_plan(
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 for fut in [pool.submit(one, todo[i]) for i in order]:
                     fut.result()
-        results = [pending[f.name].result() for f in todo]
+        results = [results_by_name[f.name] for f in todo]
     finally:
-        hasher.shutdown(wait=True)
         for f in todo:
             (dst / (f.name + ".tmp")).unlink(missing_ok=True)
         sources.close()

@@ -380,7 +380,7 @@ def test_check_differing_replica_in_strided_layout(ckpts: dict[str, Path], tmp_p
 def test_check_manifest_files(ckpts: dict[str, Path], tmp_path: Path) -> None:
     bad = _copy(ckpts["tp3"], tmp_path)
     man = json.loads((bad / "reshard.json").read_text())
-    man["files"]["rank-00009-of-00003.safetensors"] = {"size": 1, "checksum": "xxh3_128:00"}
+    man["files"]["rank-00009-of-00003.safetensors"] = {"size": 1, "checksum": "xxh3_128-64MiB:00"}
     man["files"]["rank-00001-of-00003.safetensors"]["size"] += 1
     del man["files"]["rank-00002-of-00003.safetensors"]
     man["tensors"]["norm"]["dtype"] = "BF16"
