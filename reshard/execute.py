@@ -49,6 +49,10 @@ COPY_MODE = os.environ.get("RESHARD_COPY", "buffer")
 """How contiguous runs move: ``buffer`` (pread/pwrite through a reused buffer, hashed on
 the way) or ``kernel`` (copy_file_range, then the file is read back to hash it)."""
 _RELEASE_EVERY = 8 * 1024 * 1024
+DENSE = 8
+"""A strided source span is read whole with one pread when it holds at most this many
+times the bytes needed: cheaper than the page faults of reading it through the map
+(measured: HF -> TP-8, 1/8-width columns, 0.88 s against 1.04 s, and less RSS)."""
 
 ProgressFn = Callable[[int], None]
 
@@ -89,7 +93,7 @@ def memory_estimate(plan: Plan, *, workers: int, buffer_size: int) -> int:
     """
     groups = max((t.groups for t in plan.tensors), default=1)
     casts = any(t.dtype != t.src.dtype for t in plan.tensors) or groups > 1
-    per_worker = buffer_size * (groups + (1 if casts else 0) + 2) + _RELEASE_EVERY
+    per_worker = buffer_size * (groups + (1 if casts else 0) + DENSE) + _RELEASE_EVERY
     header = max((len(f.prefix) for f in plan.files), default=0)
     n = max(1, workers)  # spare workers split a file's entries, so all of them run
     return BASELINE_RSS + (TORCH_RSS if casts else 0) + n * (per_worker + header)
@@ -406,7 +410,7 @@ class _Writer:
         self._bufs: list[bytearray] = []
         self.window = PageWindow(sources, _RELEASE_EVERY)
         self.bytes_read = 0
-        self.scratch = bytearray(2 * self.budget + 64)  # source spans read whole (<= 2x used)
+        self.scratch = bytearray(DENSE * self.budget + 64)  # source spans read whole (<= DENSE x used)
         self.sink = _Sink(fd, self.budget, lo)
 
     def buf(self, k: int) -> bytearray:
@@ -525,7 +529,7 @@ class _Writer:
                     first = sum(x.start * st for x, st in zip(src_sl, strides))
                     last = sum((x.stop - 1) * st for x, st in zip(src_sl, strides))
                     span = (last - first + 1) * s_isz
-                    if span <= 2 * used and span <= len(self.scratch):
+                    if span <= DENSE * used and span <= len(self.scratch):
                         # dense enough: one pread of the span, then a strided view of it
                         # (no mapped pages, no page faults)
                         mv = memoryview(self.scratch)[:span]
