@@ -35,7 +35,6 @@ __all__ = [
     "FileResult",
     "SourceFiles",
     "execute_plan",
-    "write_out_file",
     "file_checksum",
     "CHECKSUM_PREFIX",
     "PIECE",
@@ -642,19 +641,6 @@ def _finish(f: OutFile, tmp: Path, bytes_read: int, digests: dict[int, bytes]) -
     checksum = _finish_checksum(tmp, f.size, digests)
     os.replace(tmp, tmp.with_name(f.name))
     return FileResult(f.name, f.size, checksum, bytes_read)
-
-
-def write_out_file(
-    plan: Plan,
-    f: OutFile,
-    dst: Path,
-    sources: SourceFiles,
-    *,
-    buffer_size: int = DEFAULT_BUFFER,
-    progress: ProgressFn | None = None,
-) -> FileResult:
-    """Write one output file atomically (``NAME.tmp`` then rename) and return its checksum."""
-    return _finish(f, *_write_tmp(plan, f, dst, sources, buffer_size, progress))
 
 
 def execute_plan(
