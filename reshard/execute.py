@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .intervals import block_shape, clip_box, row_major_strides
+from .intervals import block_shape, box_span, clip_box, row_major_strides
 from .io.header import DTYPE_SIZES
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 
@@ -224,11 +224,8 @@ class PageWindow:
         self, fi: int, base: int, strides: Sequence[int], isz: int, key: Sequence[slice]
     ) -> None:
         """Record reading slices ``key`` of the row-major array at byte ``base`` of file ``fi``."""
-        first = last = 0
-        for s, st in zip(key, strides):
-            first += s.start * st
-            last += (s.stop - 1) * st
-        self.touch_range(fi, base + first * isz, base + (last + 1) * isz)
+        first, stop = box_span(strides, [s.start for s in key], [s.stop - s.start for s in key])
+        self.touch_range(fi, base + first * isz, base + stop * isz)
 
     def touch_range(self, fi: int, lo: int, hi: int) -> None:
         """Record that bytes ``[lo, hi)`` of file ``fi`` were read through its map."""
@@ -337,9 +334,6 @@ class _Sink:
         """The reused write buffer (free again once :meth:`submit` returns)."""
         return self._buf
 
-    def release(self, buf: bytearray) -> None:
-        """Give back a buffer from :meth:`buffer` without writing it."""
-
     def _hash(self, mv: memoryview) -> None:
         import xxhash
 
@@ -359,7 +353,7 @@ class _Sink:
                 self.digests[index] = bytes(self._cur.digest())
                 self._cur = None
 
-    def submit(self, data: Any, off: int, pooled: bytearray | None = None) -> None:
+    def submit(self, data: Any, off: int) -> None:
         """Write all of ``data`` (bytes-like) at ``off``."""
         mv = memoryview(data)
         if self._hashing:
@@ -406,16 +400,17 @@ class _Writer:
         self.fd = fd
         self.budget = max(buffer_size, 16)  # at least one item of the widest dtype (C64, F64: 8 bytes)
         self.progress = progress
-        self._bufs: list[bytearray] = []
+        self._partials: list[bytearray] = []  # slabs of Partial groups 1.. (group 0: the sink's)
         self.window = PageWindow(sources, _RELEASE_EVERY)
         self.bytes_read = 0
         self.scratch = bytearray(DENSE * self.budget + 64)  # source spans read whole (<= DENSE x used)
         self.sink = _Sink(fd, self.budget, lo)
 
-    def buf(self, k: int) -> bytearray:
-        while len(self._bufs) <= k:
-            self._bufs.append(bytearray(self.budget))
-        return self._bufs[k]
+    def _slab_buffers(self, groups: int) -> list[bytearray]:
+        """One slab buffer per Partial group; group 0 gathers straight into the write buffer."""
+        while len(self._partials) < groups - 1:
+            self._partials.append(bytearray(self.budget))
+        return [self.sink.buffer(), *self._partials[: groups - 1]]
 
     def write_entry(self, e: OutEntry) -> None:
         t = e.tensor
@@ -452,12 +447,8 @@ class _Writer:
             return
         self._gather(e, copies, dshape)
 
-    def write_at(self, data: bytes, off: int) -> None:
-        """Queue ``data`` (not reused by the caller) to be written at ``off``."""
-        self.sink.submit(data, off)
-
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
-        """Copy one contiguous run: through pooled buffers (hashed on the way) or in the kernel."""
+        """Copy one contiguous run: through the write buffer (hashed on the way) or in the kernel."""
         sfd = self.sources.fd(fi)
         if COPY_MODE == "kernel":
             self.sink.no_hash()
@@ -467,9 +458,8 @@ class _Writer:
             buf = self.sink.buffer()
             k = os.preadv(sfd, [memoryview(buf)[: min(len(buf), n)]], src_off)
             if k <= 0:
-                self.sink.release(buf)
                 raise OSError(f"unexpected end of source file at offset {src_off}")
-            self.sink.submit(memoryview(buf)[:k], dst_off, buf)
+            self.sink.submit(memoryview(buf)[:k], dst_off)
             n -= k
             src_off += k
             dst_off += k
@@ -503,19 +493,17 @@ class _Writer:
             arr = np.frombuffer(
                 self.sources.map(fi), dtype=npt, count=count, offset=src.piece_offsets[c.piece]
             ).reshape(sshape)
-            plans.append((c.group, fi, src.piece_offsets[c.piece], sshape, arr, list(copy_boxes(c))))
+            plans.append(
+                (c.group, fi, src.piece_offsets[c.piece], row_major_strides(sshape), arr, list(copy_boxes(c)))
+            )
         for slab in slabs(dshape, 1, budget_items):
             sshape_slab = tuple(b - a for a, b in slab)
             n = 1
             for x in sshape_slab:
                 n *= x
-            pooled = self.sink.buffer()
-            views = [
-                np.frombuffer(pooled if g == 0 else self.buf(g), dtype=npt, count=n).reshape(sshape_slab)
-                for g in range(t.groups)
-            ]
-            for g, fi, base, sshape, arr, boxes in plans:
-                strides = row_major_strides(sshape)
+            bufs = self._slab_buffers(t.groups)
+            views = [np.frombuffer(b, dtype=npt, count=n).reshape(sshape_slab) for b in bufs]
+            for g, fi, base, strides, arr, boxes in plans:
                 for s_st, d_st, sz in boxes:
                     clipped = clip_box(slab, s_st, d_st, sz)
                     if clipped is None:
@@ -525,9 +513,8 @@ class _Writer:
                     used = s_isz
                     for x in sizes:
                         used *= x
-                    first = sum(x.start * st for x, st in zip(src_sl, strides))
-                    last = sum((x.stop - 1) * st for x, st in zip(src_sl, strides))
-                    span = (last - first + 1) * s_isz
+                    first, stop = box_span(strides, [x.start for x in src_sl], sizes)
+                    span = (stop - first) * s_isz
                     if span <= DENSE * used and span <= len(self.scratch):
                         # dense enough: one pread of the span, then a strided view of it
                         # (no mapped pages, no page faults)
@@ -548,21 +535,10 @@ class _Writer:
                     views[g][dst_sl] = part
                     self.bytes_read += part.nbytes
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
-            del views
             if t.groups == 1 and t.dtype == src.dtype:
-                self.sink.submit(memoryview(pooled)[: n * d_isz], off, pooled)
+                self.sink.submit(memoryview(bufs[0])[: n * d_isz], off)
             else:
-                out = self._transform(
-                    t,
-                    [
-                        np.frombuffer(pooled if g == 0 else self.buf(g), dtype=npt, count=n).reshape(
-                            sshape_slab
-                        )
-                        for g in range(t.groups)
-                    ],
-                    n,
-                )
-                self.sink.release(pooled)
+                out = self._transform(t, views, n)
                 self.sink.submit(memoryview(out)[: n * d_isz], off)
             if self.progress:
                 self.progress(n * d_isz)
@@ -610,7 +586,7 @@ def _write_tmp(
     def run(entries: Sequence[OutEntry], lo: int, prefix: bool) -> tuple[int, dict[int, bytes]]:
         w = _Writer(plan, sources, fd, buffer_size, progress, lo)
         if prefix:
-            w.write_at(f.prefix, 0)
+            w.sink.submit(f.prefix, 0)
         for e in entries:
             w.write_entry(e)
         return w.bytes_read, w.sink.close(f.size)

@@ -28,6 +28,7 @@ __all__ = [
     "contiguous_runs",
     "row_major_strides",
     "clip_box",
+    "box_span",
 ]
 
 
@@ -263,3 +264,14 @@ def clip_box(
         dst.append(slice(lo - a, hi - a))
         src.append(slice(ss + lo - ds, ss + hi - ds))
     return tuple(src), tuple(dst)
+
+
+def box_span(strides: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> tuple[int, int]:
+    """Element offsets ``[first, stop)`` from a non-empty box's first element to past its last.
+
+    >>> box_span((6, 1), (1, 2), (2, 2))
+    (8, 16)
+    """
+    first = sum(a * st for a, st in zip(starts, strides))
+    last = sum((a + z - 1) * st for a, z, st in zip(starts, sizes, strides))
+    return first, last + 1

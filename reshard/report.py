@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .checkpoint import Checkpoint
-from .intervals import block_shape, row_major_strides
+from .intervals import block_shape, box_span, row_major_strides
 from .io.header import DTYPE_SIZES
 from .plan import Plan, copy_boxes
 
@@ -169,9 +169,8 @@ def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
             base = t.src.piece_offsets[c.piece]
             strides = row_major_strides(block_shape(t.src.piece_blocks[c.piece]))
             for s_st, _d, sz in copy_boxes(c):
-                first = sum(a * s for a, s in zip(s_st, strides))
-                last = sum((a + z - 1) * s for a, z, s in zip(s_st, sz, strides))
-                spans.setdefault(fi, []).append((base + first * isz, base + (last + 1) * isz))
+                first, stop = box_span(strides, s_st, sz)
+                spans.setdefault(fi, []).append((base + first * isz, base + stop * isz))
     out: dict[int, list[list[int]]] = {}
     for fi, ss in spans.items():
         ss.sort()
