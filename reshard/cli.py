@@ -8,6 +8,7 @@ writing, 130 interrupted.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -15,12 +16,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from .errors import ReshardError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["app", "main"]
 
@@ -34,7 +37,13 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+
+@functools.cache
+def console() -> Console:
+    """rich's stderr console, made on first use: `convert --quiet` never imports rich (~20 ms)."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 
 class OutFormat(str, Enum):
@@ -124,19 +133,19 @@ def _errors(as_json: bool) -> Iterator[None]:
         code = e.exit_code
         if as_json:
             _emit({"ok": False, "error": e.to_json(), "exit_code": code})
-        err.print(f"[bold red]error:[/] {e.message}", markup=True, soft_wrap=True)
+        console().print(f"[bold red]error:[/] {e.message}", markup=True, soft_wrap=True)
         if e.hint:
-            err.print(f"hint: {e.hint}", soft_wrap=True)
+            console().print(f"hint: {e.hint}", soft_wrap=True)
         raise typer.Exit(code) from None
     except KeyboardInterrupt:
-        err.print(
+        console().print(
             "interrupted; finished output files were kept: run the same convert with --resume to finish"
         )
         raise typer.Exit(130) from None
 
 
 def _show_progress(as_json: bool, quiet: bool) -> bool:
-    return not (as_json or quiet) and err.is_terminal
+    return not (as_json or quiet) and console().is_terminal
 
 
 @contextmanager
@@ -159,7 +168,7 @@ def _progress(enabled: bool, label: str) -> Iterator[Callable[[int], None] | Non
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=err,
+        console=console(),
         transient=True,
     ) as bar:
         task = bar.add_task(label, total=None)
@@ -237,12 +246,12 @@ def convert(
         if not coordinator().is_main:
             return  # under torchrun, rank 0 reports for everyone
         for w in result["warnings"]:
-            err.print(f"warning: {w}")
+            console().print(f"warning: {w}")
         if json_:
             _emit({"ok": True, "command": "convert", **result})
         elif not quiet:
             d = result["destination"]
-            err.print(
+            console().print(
                 f"wrote {len(result['files'])} {d['format']} file(s), "
                 f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
             )
@@ -290,14 +299,14 @@ def inspect(
             _emit({"ok": not problems, "command": "inspect", **doc})
         else:
             if not quiet:
-                render_inspect(doc, err, group=not all_)
+                render_inspect(doc, console(), group=not all_)
             if check:
                 if problems:
                     for p in problems:
-                        err.print(f"[red]problem:[/] {p['message']}", soft_wrap=True)
-                    err.print(f"check: {len(problems)} problem(s) found")
+                        console().print(f"[red]problem:[/] {p['message']}", soft_wrap=True)
+                    console().print(f"check: {len(problems)} problem(s) found")
                 elif not quiet:
-                    err.print("check: ok (full coverage, replicas equal, checksums match)")
+                    console().print("check: ok (full coverage, replicas equal, checksums match)")
         if problems:
             raise typer.Exit(1)
 
@@ -346,7 +355,7 @@ def plan(
         if json_:
             _emit({"ok": True, "command": "plan", **doc})
         elif not quiet:
-            render_plan(doc, err)
+            render_plan(doc, console())
 
 
 @app.command()
@@ -385,12 +394,14 @@ def verify(
             _emit({"ok": doc["equal"], "command": "verify", **doc})
         else:
             for d in doc["differences"]:
-                err.print(f"[red]differs:[/] {d['message']}", soft_wrap=True)
+                console().print(f"[red]differs:[/] {d['message']}", soft_wrap=True)
             if doc["equal"]:
                 if not quiet:
-                    err.print(f"equal: {doc['tensors']} tensors, {_human(doc['bytes_compared'])} compared")
+                    console().print(
+                        f"equal: {doc['tensors']} tensors, {_human(doc['bytes_compared'])} compared"
+                    )
             else:
-                err.print(f"{len(doc['differences'])} difference(s)")
+                console().print(f"{len(doc['differences'])} difference(s)")
         if not doc["equal"]:
             raise typer.Exit(1)
 
