@@ -3,13 +3,16 @@
 Two ways bytes move:
 
 * a box contiguous in both the source piece and the target tensor (row-sharded
-  pieces, whole tensors) is copied inside the kernel with ``copy_file_range``;
+  pieces, whole tensors) is copied through one reused buffer, hashed on the way
+  (``RESHARD_COPY=kernel``: inside the kernel with ``copy_file_range``);
 * everything else (column slices, strided shards, casts, Partial reductions)
-  is gathered slab by slab into a reused buffer from memory-mapped sources
-  (released as we go, so RSS stays bounded) and written with one ``pwrite``
-  per slab.
+  is gathered slab by slab into that buffer, from source rows read whole with
+  one ``pread`` (or, when far sparser, through a map released as we go), and
+  written with one ``pwrite`` per slab.
 
-Every output file is written to ``NAME.tmp``, hashed, then renamed.
+Each thread writes a group of sibling files in lockstep, slab by slab, so the
+ranks that cut the same source rows into columns read those rows once between
+them. Every output file is written to ``NAME.tmp``, hashed, then renamed.
 """
 
 from __future__ import annotations
@@ -309,6 +312,56 @@ def slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterator[tuple[tu
     yield from rec(0, ())
 
 
+class _Buffers:
+    """One thread's buffers, shared by the writers it runs in lockstep (one at a time).
+
+    ``scratch`` holds the last source window read whole; ``window`` says what it holds,
+    ``(file, lo, hi)`` in file bytes, so writers of sibling files that need other columns
+    of the same rows take them from it instead of reading them again.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.write = bytearray(budget)
+        self.partials: list[bytearray] = []  # slabs of Partial groups 1.. (group 0: the write buffer)
+        self.scratch = bytearray(DENSE * budget + 64)  # source spans read whole (<= DENSE x used)
+        self.window: tuple[int, int, int] | None = None
+        self.pages: PageWindow | None = None
+
+    def pages_of(self, sources: SourceFiles) -> PageWindow:
+        """The mapped-page window of this thread (one for all its writers, so bounded)."""
+        if self.pages is None:
+            self.pages = PageWindow(sources, _RELEASE_EVERY)
+        return self.pages
+
+    def slab_buffers(self, groups: int) -> list[bytearray]:
+        """One slab buffer per Partial group; group 0 gathers straight into the write buffer."""
+        while len(self.partials) < groups - 1:
+            self.partials.append(bytearray(self.budget))
+        return [self.write, *self.partials[: groups - 1]]
+
+    def read(self, fd: int, fi: int, lo: int, hi: int, wlo: int, whi: int) -> int | None:
+        """Make file bytes ``[lo, hi)`` available in ``scratch``; returns where they start.
+
+        A miss reads the wider window ``[wlo, hi)`` .. ``[wlo, whi)`` (whole rows) when it fits,
+        else just ``[lo, hi)``. None when even that does not fit.
+        """
+        w = self.window
+        if w is not None and w[0] == fi and w[1] <= lo and hi <= w[2]:
+            return lo - w[1]
+        if whi - wlo > len(self.scratch):
+            wlo, whi = lo, hi
+            if hi - lo > len(self.scratch):
+                return None
+        self.window = None
+        n = whi - wlo
+        got = os.preadv(fd, [memoryview(self.scratch)[:n]], wlo)
+        if got != n:
+            raise OSError(f"short read at offset {wlo} (file changed while reading?)")
+        self.window = (fi, wlo, whi)
+        return lo - wlo
+
+
 class _Sink:
     """The write stage of one writer: pwrite buffers, hashing 64 MiB pieces on the way.
 
@@ -319,9 +372,9 @@ class _Sink:
     while the first gathers was measured: with one writer per core it was no faster.)
     """
 
-    def __init__(self, fd: int, size: int, lo: int = 0, hi: int | None = None) -> None:
+    def __init__(self, fd: int, buf: bytearray, lo: int = 0, hi: int | None = None) -> None:
         self.fd = fd
-        self._buf = bytearray(size)
+        self._buf = buf
         self.lo = lo
         self.hi = hi
         self.pos = lo  # the next byte expected in order
@@ -384,35 +437,33 @@ def _finish_checksum(path: Path, size: int, digests: dict[int, bytes]) -> str:
 
 
 class _Writer:
-    """Writes the entries of one output file."""
+    """Writes the entries of one output file (or a consecutive run of them)."""
 
     def __init__(
         self,
         plan: Plan,
         sources: SourceFiles,
         fd: int,
-        buffer_size: int,
+        bufs: _Buffers,
         progress: ProgressFn | None,
         lo: int = 0,
     ) -> None:
         self.plan = plan
         self.sources = sources
         self.fd = fd
-        self.budget = max(buffer_size, 16)  # at least one item of the widest dtype (C64, F64: 8 bytes)
+        self.bufs = bufs
+        self.budget = bufs.budget
         self.progress = progress
-        self._partials: list[bytearray] = []  # slabs of Partial groups 1.. (group 0: the sink's)
-        self.window = PageWindow(sources, _RELEASE_EVERY)
+        self.window = bufs.pages_of(sources)
         self.bytes_read = 0
-        self.scratch = bytearray(DENSE * self.budget + 64)  # source spans read whole (<= DENSE x used)
-        self.sink = _Sink(fd, self.budget, lo)
-
-    def _slab_buffers(self, groups: int) -> list[bytearray]:
-        """One slab buffer per Partial group; group 0 gathers straight into the write buffer."""
-        while len(self._partials) < groups - 1:
-            self._partials.append(bytearray(self.budget))
-        return [self.sink.buffer(), *self._partials[: groups - 1]]
+        self.sink = _Sink(fd, bufs.write, lo)
 
     def write_entry(self, e: OutEntry) -> None:
+        for _ in self.entry_steps(e):
+            pass
+
+    def entry_steps(self, e: OutEntry) -> Iterator[None]:
+        """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""
         t = e.tensor
         copies = t.copies[e.rank]
         dshape = block_shape(t.layout.blocks()[e.rank])
@@ -444,8 +495,9 @@ class _Writer:
                 self.bytes_read += n
                 if self.progress:
                     self.progress(n)
+            yield
             return
-        self._gather(e, copies, dshape)
+        yield from self._gather(e, copies, dshape)
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
         """Copy one contiguous run: through the write buffer (hashed on the way) or in the kernel."""
@@ -454,12 +506,13 @@ class _Writer:
             self.sink.no_hash()
             _copy_range(sfd, self.fd, n, src_off, dst_off)
             return
+        buf = memoryview(self.bufs.write)
+        size = len(buf)
         while n > 0:
-            buf = self.sink.buffer()
-            k = os.preadv(sfd, [memoryview(buf)[: min(len(buf), n)]], src_off)
+            k = os.preadv(sfd, [buf[: min(size, n)]], src_off)
             if k <= 0:
                 raise OSError(f"unexpected end of source file at offset {src_off}")
-            self.sink.submit(memoryview(buf)[:k], dst_off)
+            self.sink.submit(buf[:k], dst_off)
             n -= k
             src_off += k
             dst_off += k
@@ -473,7 +526,7 @@ class _Writer:
                     return False
         return True
 
-    def _gather(self, e: OutEntry, copies: Sequence[Copy], dshape: tuple[int, ...]) -> None:
+    def _gather(self, e: OutEntry, copies: Sequence[Copy], dshape: tuple[int, ...]) -> Iterator[None]:
         import numpy as np
 
         t = e.tensor
@@ -482,6 +535,7 @@ class _Writer:
         d_isz = DTYPE_SIZES[t.dtype]
         npt = _np_dtype(s_isz)
         budget_items = max(1, self.budget // max(s_isz, d_isz))
+        scratch = self.bufs.scratch
         # per copy: its source array (a view of the mapped file) and its boxes
         plans = []
         for c in copies:
@@ -493,39 +547,50 @@ class _Writer:
             arr = np.frombuffer(
                 self.sources.map(fi), dtype=npt, count=count, offset=src.piece_offsets[c.piece]
             ).reshape(sshape)
+            strides = row_major_strides(sshape)
             plans.append(
-                (c.group, fi, src.piece_offsets[c.piece], row_major_strides(sshape), arr, list(copy_boxes(c)))
+                (c.group, fi, src.piece_offsets[c.piece], sshape, strides, count, arr, list(copy_boxes(c)))
             )
         for slab in slabs(dshape, 1, budget_items):
             sshape_slab = tuple(b - a for a, b in slab)
             n = 1
             for x in sshape_slab:
                 n *= x
-            bufs = self._slab_buffers(t.groups)
+            bufs = self.bufs.slab_buffers(t.groups)
             views = [np.frombuffer(b, dtype=npt, count=n).reshape(sshape_slab) for b in bufs]
-            for g, fi, base, strides, arr, boxes in plans:
+            for g, fi, base, sshape, strides, count, arr, boxes in plans:
                 for s_st, d_st, sz in boxes:
                     clipped = clip_box(slab, s_st, d_st, sz)
                     if clipped is None:
                         continue
                     src_sl, dst_sl = clipped
+                    starts = [x.start for x in src_sl]
                     sizes = [x.stop - x.start for x in src_sl]
                     used = s_isz
                     for x in sizes:
                         used *= x
-                    first, stop = box_span(strides, [x.start for x in src_sl], sizes)
-                    span = (stop - first) * s_isz
-                    if span <= DENSE * used and span <= len(self.scratch):
-                        # dense enough: one pread of the span, then a strided view of it
-                        # (no mapped pages, no page faults)
-                        mv = memoryview(self.scratch)[:span]
-                        got = os.preadv(self.sources.fd(fi), [mv], base + first * s_isz)
-                        if got != span:
-                            raise OSError(f"short read from {self.plan.source.files[fi]}")
+                    first, stop = box_span(strides, starts, sizes)
+                    at = None
+                    if (stop - first) * s_isz <= DENSE * used:
+                        # dense enough: the span read whole with one pread (no mapped pages, no
+                        # page faults), widened to whole rows so sibling files reuse it
+                        row = _row_elems(sshape, strides, sizes)
+                        wfirst = first - first % row
+                        wstop = min(count, -(-stop // row) * row)
+                        at = self.bufs.read(
+                            self.sources.fd(fi),
+                            fi,
+                            base + first * s_isz,
+                            base + stop * s_isz,
+                            base + wfirst * s_isz,
+                            base + wstop * s_isz,
+                        )
+                    if at is not None:
                         part = np.ndarray(
                             tuple(sizes),
                             dtype=npt,
-                            buffer=self.scratch,
+                            buffer=scratch,
+                            offset=at,
                             strides=tuple(st * s_isz for st in strides),
                         )
                     else:
@@ -542,6 +607,8 @@ class _Writer:
                 self.sink.submit(memoryview(out)[: n * d_isz], off)
             if self.progress:
                 self.progress(n * d_isz)
+            del views
+            yield
         del plans
         self.window.release()
 
@@ -549,6 +616,15 @@ class _Writer:
         from .torch_ops import cast_reduce
 
         return cast_reduce(views, t.src.dtype, t.dtype, t.reduce_op, n)
+
+
+def _row_elems(shape: Sequence[int], strides: Sequence[int], sizes: Sequence[int]) -> int:
+    """Elements per "row" of a box's source: the stride of the dim just outside its innermost
+    partial dim (1 when the box is whole or only its outermost dim is cut)."""
+    j = len(shape) - 1
+    while j >= 0 and sizes[j] == shape[j]:
+        j -= 1
+    return strides[j - 1] if j >= 1 else 1
 
 
 def _split_entries(entries: Sequence[OutEntry], parts: int) -> list[list[OutEntry]]:
@@ -566,25 +642,81 @@ def _split_entries(entries: Sequence[OutEntry], parts: int) -> list[list[OutEntr
     return out
 
 
-def _write_tmp(
+def _open_tmp(dst: Path, f: OutFile) -> tuple[Path, int]:
+    tmp = dst / (f.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, f.size)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp, fd
+
+
+_END = object()
+
+
+def _write_group(
+    plan: Plan,
+    files: Sequence[OutFile],
+    dst: Path,
+    sources: SourceFiles,
+    buffer_size: int,
+    progress: ProgressFn | None,
+) -> list[tuple[Path, int, dict[int, bytes]]]:
+    """Write ``NAME.tmp`` of each file in this thread, the files in lockstep.
+
+    Round robin, slab by slab: files that cut the same source rows differently (the
+    ranks of a column-sharded tensor) then ask for the same rows one after the other,
+    and all but the first take them from the rows just read (see :class:`_Buffers`).
+    Each file is still written in order, so it is hashed on the way.
+
+    Returns, per file: the file, the source bytes moved, the digests of its 64 MiB pieces.
+    """
+    bufs = _Buffers(max(buffer_size, 16))  # at least one item of the widest dtype (C64, F64)
+    opened: list[tuple[Path, int]] = []
+    try:
+        for f in files:
+            opened.append(_open_tmp(dst, f))
+        writers = [_Writer(plan, sources, fd, bufs, progress) for _, fd in opened]
+
+        def steps(w: _Writer, f: OutFile) -> Iterator[None]:
+            w.sink.submit(f.prefix, 0)
+            for e in f.entries:
+                yield from w.entry_steps(e)
+
+        active = [steps(w, f) for w, f in zip(writers, files)]
+        while active:
+            active = [g for g in active if next(g, _END) is not _END]
+    except BaseException:
+        for tmp, fd in opened:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+        raise
+    for _, fd in opened:
+        os.close(fd)
+    return [(tmp, w.bytes_read, w.sink.close(f.size)) for (tmp, _), w, f in zip(opened, writers, files)]
+
+
+def _write_split(
     plan: Plan,
     f: OutFile,
     dst: Path,
     sources: SourceFiles,
     buffer_size: int,
     progress: ProgressFn | None,
-    parts: int = 1,
+    parts: int,
 ) -> tuple[Path, int, dict[int, bytes]]:
-    """Write ``NAME.tmp`` with ``parts`` threads, each a consecutive run of its entries.
+    """Write ``NAME.tmp`` of one file with ``parts`` threads, each a consecutive run of its entries.
 
     Returns the file, the source bytes moved, and the digests of the 64 MiB pieces
     hashed on the way.
     """
-    tmp = dst / (f.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    tmp, fd = _open_tmp(dst, f)
 
     def run(entries: Sequence[OutEntry], lo: int, prefix: bool) -> tuple[int, dict[int, bytes]]:
-        w = _Writer(plan, sources, fd, buffer_size, progress, lo)
+        w = _Writer(plan, sources, fd, _Buffers(max(buffer_size, 16)), progress, lo)
         if prefix:
             w.sink.submit(f.prefix, 0)
         for e in entries:
@@ -592,15 +724,11 @@ def _write_tmp(
         return w.bytes_read, w.sink.close(f.size)
 
     try:
-        os.ftruncate(fd, f.size)
         groups = _split_entries(f.entries, parts)
         starts = [0] + [g[0].start for g in groups[1:]]
-        if len(groups) == 1:
-            results = [run(groups[0], 0, True)]
-        else:
-            with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-                futs = [pool.submit(run, g, lo, i == 0) for i, (g, lo) in enumerate(zip(groups, starts))]
-                results = [fu.result() for fu in futs]
+        with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+            futs = [pool.submit(run, g, lo, i == 0) for i, (g, lo) in enumerate(zip(groups, starts))]
+            results = [fu.result() for fu in futs]
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
@@ -610,6 +738,22 @@ def _write_tmp(
     for _, d in results:
         digests.update(d)
     return tmp, sum(r[0] for r in results), digests
+
+
+GROUP_FILES = 8
+"""Files one thread writes in lockstep: enough for the ranks that split one source row
+between them to share its read, few enough to keep open files and headers modest."""
+
+
+def _groups(files: Sequence[OutFile], workers: int) -> list[list[OutFile]]:
+    """Consecutive files (sibling ranks) in groups: at least one per worker, at most GROUP_FILES each."""
+    count = max(min(workers, len(files)), -(-len(files) // GROUP_FILES))
+    out: list[list[OutFile]] = []
+    for i in range(count):
+        a, b = i * len(files) // count, (i + 1) * len(files) // count
+        if b > a:
+            out.append(list(files[a:b]))
+    return out
 
 
 def _finish(f: OutFile, tmp: Path, bytes_read: int, digests: dict[int, bytes]) -> FileResult:
@@ -647,23 +791,33 @@ def execute_plan(
     parts = max(1, workers // max(1, len(todo)))
     results_by_name: dict[str, FileResult] = {}
 
-    def one(f: OutFile) -> None:
-        tmp, nread, digests = _write_tmp(plan, f, dst, sources, buffer_size, prog, parts)
-        r = _finish(f, tmp, nread, digests)
+    def done(f: OutFile, written: tuple[Path, int, dict[int, bytes]]) -> None:
+        r = _finish(f, *written)
         with lock:
             if on_file_done is not None:
                 on_file_done(r)
             results_by_name[f.name] = r
 
+    def one(f: OutFile) -> None:
+        done(f, _write_split(plan, f, dst, sources, buffer_size, prog, parts))
+
+    def group(fs: list[OutFile]) -> None:
+        for f, written in zip(fs, _write_group(plan, fs, dst, sources, buffer_size, prog)):
+            done(f, written)
+
     try:
-        if workers <= 1 or len(todo) <= 1:
+        if parts > 1:
             for f in todo:
                 one(f)
         else:
-            order = sorted(range(len(todo)), key=lambda i: -todo[i].size)
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                for fut in [pool.submit(one, todo[i]) for i in order]:
-                    fut.result()
+            groups = sorted(_groups(todo, workers), key=lambda g: -sum(f.size for f in g))
+            if workers <= 1 or len(groups) <= 1:
+                for g in groups:
+                    group(g)
+            else:
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    for fut in [pool.submit(group, g) for g in groups]:
+                        fut.result()
         results = [results_by_name[f.name] for f in todo]
     finally:
         for f in todo:

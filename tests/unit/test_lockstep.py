@@ -1,0 +1,101 @@
+"""Sibling output files written in lockstep read each source row once, and write the same bytes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import reshard.execute as ex
+from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, resolve_target
+
+
+def _column_sharded_plan(tmp_path: Path, world: int = 8):
+    gen = torch.Generator().manual_seed(1)
+    full = {
+        "o": torch.randn(64, 256, generator=gen).to(torch.bfloat16),  # columns: every rank cuts each row
+        "q": torch.randn(64, 32, generator=gen),  # rows: contiguous runs
+    }
+    save_file(full, str(tmp_path / "model.safetensors"))
+    (tmp_path / "l.yaml").write_text('mesh: {tp: %d}\nplacements:\n  "o": {tp: S(1)}\n  "q": {tp: S(0)}\n' % world)
+    ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
+    return full, build_plan(ck, resolve_target(ck, TargetSpec(layout=str(tmp_path / "l.yaml"))))
+
+
+def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: int) -> int:
+    """Bytes read from the source by pread while executing ``plan`` (contiguous runs included)."""
+    monkeypatch.setattr(ex, "GROUP_FILES", group)
+    monkeypatch.setattr(ex, "COPY_MODE", "buffer")
+    read = [0]
+    real = os.preadv
+
+    def counting(fd: int, buffers: list, offset: int) -> int:
+        n = real(fd, buffers, offset)
+        read[0] += n
+        return n
+
+    monkeypatch.setattr(ex.os, "preadv", counting)
+    out.mkdir()
+    ex.execute_plan(plan, out, workers=workers, buffer_size=4096)
+    monkeypatch.setattr(ex.os, "preadv", real)
+    return read[0]
+
+
+def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full, plan = _column_sharded_plan(tmp_path)
+    o_bytes = full["o"].numel() * 2
+    q_bytes = full["q"].numel() * 4
+    one_by_one = _run(plan, tmp_path / "single", monkeypatch, group=1, workers=1)
+    lockstep = _run(plan, tmp_path / "lockstep", monkeypatch, group=8, workers=1)
+    two_groups = _run(plan, tmp_path / "two", monkeypatch, group=8, workers=2)
+    # one file at a time, each rank reads the whole rows of "o" for its 1/8 of them
+    assert one_by_one == 8 * o_bytes + q_bytes
+    # in lockstep the first rank reads the rows, the seven others take them from there
+    assert lockstep == o_bytes + q_bytes
+    assert two_groups == 2 * o_bytes + q_bytes
+    for r in range(8):
+        name = f"rank-{r:05d}-of-00008.safetensors"
+        single = (tmp_path / "single" / name).read_bytes()
+        assert (tmp_path / "lockstep" / name).read_bytes() == single
+        assert (tmp_path / "two" / name).read_bytes() == single
+        got = load_file(str(tmp_path / "lockstep" / name))
+        assert torch.equal(got["o"], full["o"].chunk(8, 1)[r])
+        assert torch.equal(got["q"], full["q"].chunk(8, 0)[r])
+
+
+def test_groups_are_consecutive_balanced_and_bounded() -> None:
+    class F:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+    files = [F(i) for i in range(20)]
+    groups = ex._groups(files, 2)  # type: ignore[arg-type]
+    assert [f.i for g in groups for f in g] == list(range(20))  # every file once, in order
+    assert len(groups) == 3 and all(len(g) <= ex.GROUP_FILES for g in groups)
+    assert [len(g) for g in ex._groups(files[:8], 2)] == [4, 4]  # type: ignore[arg-type]
+    assert [len(g) for g in ex._groups(files[:3], 4)] == [1, 1, 1]  # type: ignore[arg-type]
+
+
+def test_read_window_hits_misses_and_limits(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 64  # 16 KiB
+    p = tmp_path / "src"
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        b = ex._Buffers(64)  # scratch: 8 * 64 + 64 = 576 bytes
+        at = b.read(fd, 0, 130, 140, 128, 256)  # miss: the whole window [128, 256) is read
+        assert b.window == (0, 128, 256) and at == 2
+        assert bytes(b.scratch[at : at + 10]) == data[130:140]
+        assert b.read(fd, 0, 200, 256, 0, 0) == 72  # hit: inside the window, nothing read
+        assert b.read(fd, 1, 200, 256, 200, 256) == 0 and b.window == (1, 200, 256)  # other file: miss
+        # a window larger than the scratch falls back to the span itself
+        at = b.read(fd, 0, 1000, 1500, 0, 4096)
+        assert b.window == (0, 1000, 1500) and bytes(b.scratch[at : at + 500]) == data[1000:1500]
+        assert b.read(fd, 0, 0, 4096, 0, 4096) is None  # even the span does not fit
+    finally:
+        os.close(fd)
