@@ -20,7 +20,8 @@ def _column_sharded_plan(tmp_path: Path, world: int = 8):
         "q": torch.randn(64, 32, generator=gen),  # rows: contiguous runs
     }
     save_file(full, str(tmp_path / "model.safetensors"))
-    (tmp_path / "l.yaml").write_text('mesh: {tp: %d}\nplacements:\n  "o": {tp: S(1)}\n  "q": {tp: S(0)}\n' % world)
+    rules = '  "o": {tp: S(1)}\n  "q": {tp: S(0)}\n'
+    (tmp_path / "l.yaml").write_text(f"mesh: {{tp: {world}}}\nplacements:\n{rules}")
     ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
     return full, build_plan(ck, resolve_target(ck, TargetSpec(layout=str(tmp_path / "l.yaml"))))
 
