@@ -22,6 +22,7 @@ Usage: python scripts/bench.py --size-gb 2 [--rounds 5] [--workers 1] [--dir /tm
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -157,6 +158,9 @@ def main() -> int:
     args = ap.parse_args()
 
     reshard = str(Path(sys.executable).parent / "reshard")
+    # byte-compile the package as a wheel install would (an editable install does not, and
+    # with PYTHONDONTWRITEBYTECODE=1 every run would compile it again: ~30 ms of start-up)
+    compileall.compile_dir(str(ROOT / "reshard"), quiet=1)
     base = args.dir
     src = base / "src-tp4"
     hf = base / "src-hf"
