@@ -17,6 +17,7 @@ them. Every output file is written to ``NAME.tmp``, hashed, then renamed.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -369,7 +370,8 @@ class _Sink:
     wholly inside that range is hashed as its bytes go by. Pieces it cannot hash
     (straddling another writer's range, or written out of order) are left to
     :func:`_finish_checksum`, which reads just those back. (A second thread writing
-    while the first gathers was measured: with one writer per core it was no faster.)
+    while the first gathers was measured twice: with one writer per core, and for a
+    single output file with a core to spare; neither was faster.)
     """
 
     def __init__(self, fd: int, buf: bytearray, lo: int = 0, hi: int | None = None) -> None:
@@ -642,11 +644,46 @@ def _split_entries(entries: Sequence[OutEntry], parts: int) -> list[list[OutEntr
     return out
 
 
+@functools.cache
+def _fallocate() -> Any:
+    """``fallocate(2)`` from the C library, or None where there is none (not Linux)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Give a new, empty file ``size`` bytes, its blocks allocated up front where the file system can.
+
+    Writes into allocated extents skip ext4's per-page delayed-allocation work (measured:
+    1 GiB of page-cache writes in 0.13 s against 0.21 s), and a full disk fails here, before
+    anything is copied. Where ``fallocate`` is unsupported the file is only extended
+    (``posix_fallocate`` is not used: glibc emulates it by writing zeros).
+    """
+    import ctypes
+    import errno
+
+    fn = _fallocate()
+    if size > 0 and fn is not None:
+        if fn(fd, 0, 0, size) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, size)
+
+
 def _open_tmp(dst: Path, f: OutFile) -> tuple[Path, int]:
     tmp = dst / (f.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.ftruncate(fd, f.size)
+        preallocate(fd, f.size)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
