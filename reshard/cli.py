@@ -9,7 +9,6 @@ writing, 130 interrupted.
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import os
 import sys
@@ -420,8 +419,6 @@ def main() -> None:
     # reshard makes no BLAS calls; numpy's OpenBLAS would start a thread per core that spins
     # while our writers need those cores (measured: ~6% of a conversion's CPU samples)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    # a run's objects (plan, headers) live until exit: no cycle collection on the way
-    gc.disable()
     code = 0
     try:
         app()
