@@ -29,7 +29,7 @@ from typing import Any
 
 from .intervals import block_shape, box_span, clip_box, row_major_strides
 from .io.header import DTYPE_SIZES
-from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
+from .plan import PER_RANK, Copy, OutEntry, OutFile, Plan, copy_boxes
 
 __all__ = [
     "DEFAULT_BUFFER",
@@ -782,9 +782,9 @@ GROUP_FILES = 8
 between them to share its read, few enough to keep open files and headers modest."""
 
 
-def _groups(files: Sequence[OutFile], workers: int) -> list[list[OutFile]]:
-    """Consecutive files (sibling ranks) in groups: at least one per worker, at most GROUP_FILES each."""
-    count = max(min(workers, len(files)), -(-len(files) // GROUP_FILES))
+def _groups(files: Sequence[OutFile], workers: int, most: int = GROUP_FILES) -> list[list[OutFile]]:
+    """Consecutive files (sibling ranks) in groups: at least one per worker, at most ``most`` each."""
+    count = max(min(workers, len(files)), -(-len(files) // most))
     out: list[list[OutFile]] = []
     for i in range(count):
         a, b = i * len(files) // count, (i + 1) * len(files) // count
@@ -847,7 +847,10 @@ def execute_plan(
             for f in todo:
                 one(f)
         else:
-            groups = sorted(_groups(todo, workers), key=lambda g: -sum(f.size for f in g))
+            # per-rank files hold the same tensors cut differently: siblings share reads. hf shards
+            # hold different tensors: one at a time, so each finishes (and is journaled) sooner
+            most = GROUP_FILES if plan.format == PER_RANK else 1
+            groups = sorted(_groups(todo, workers, most), key=lambda g: -sum(f.size for f in g))
             if workers <= 1 or len(groups) <= 1:
                 for g in groups:
                     group(g)

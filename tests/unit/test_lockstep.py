@@ -80,6 +80,7 @@ def test_groups_are_consecutive_balanced_and_bounded() -> None:
     assert len(groups) == 3 and all(len(g) <= ex.GROUP_FILES for g in groups)
     assert [len(g) for g in ex._groups(files[:8], 2)] == [4, 4]  # type: ignore[arg-type]
     assert [len(g) for g in ex._groups(files[:3], 4)] == [1, 1, 1]  # type: ignore[arg-type]
+    assert [len(g) for g in ex._groups(files[:5], 2, most=1)] == [1] * 5  # type: ignore[arg-type]
 
 
 def test_read_window_hits_misses_and_limits(tmp_path: Path) -> None:
