@@ -366,28 +366,21 @@ class _Buffers:
 class _Sink:
     """The write stage of one writer: pwrite buffers, hashing 64 MiB pieces on the way.
 
-    A writer covers the file range ``[lo, hi)`` and writes it in order; every piece
-    wholly inside that range is hashed as its bytes go by. Pieces it cannot hash
+    A writer writes a consecutive range of the file from ``lo`` on, in order; every piece
+    it writes from the first byte to the last is hashed as its bytes go by. Pieces it cannot hash
     (straddling another writer's range, or written out of order) are left to
     :func:`_finish_checksum`, which reads just those back. (A second thread writing
     while the first gathers was measured twice: with one writer per core, and for a
     single output file with a core to spare; neither was faster.)
     """
 
-    def __init__(self, fd: int, buf: bytearray, lo: int = 0, hi: int | None = None) -> None:
+    def __init__(self, fd: int, lo: int = 0) -> None:
         self.fd = fd
-        self._buf = buf
-        self.lo = lo
-        self.hi = hi
         self.pos = lo  # the next byte expected in order
         self.digests: dict[int, bytes] = {}
         self._hashing = True
         self._cur: Any = None  # hasher of the piece being written, if it started with us
         self._cur_index = -1
-
-    def buffer(self) -> bytearray:
-        """The reused write buffer (free again once :meth:`submit` returns)."""
-        return self._buf
 
     def _hash(self, mv: memoryview) -> None:
         import xxhash
@@ -458,7 +451,7 @@ class _Writer:
         self.progress = progress
         self.window = bufs.pages_of(sources)
         self.bytes_read = 0
-        self.sink = _Sink(fd, bufs.write, lo)
+        self.sink = _Sink(fd, lo)
 
     def write_entry(self, e: OutEntry) -> None:
         for _ in self.entry_steps(e):
