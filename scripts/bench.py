@@ -11,6 +11,12 @@ norms), then runs, alternating, for several rounds:
   hf-tp8   reshard convert HF OUT --target-layout llama-tp --target-mesh tp=8
   naive-*  load everything with torch, cat, chunk, save_file (one round; --naive-rounds)
 
+and with --dcp, on a DCP safetensors checkpoint of the same tensors that torch's
+HuggingFaceStorageWriter writes from 4 gloo ranks:
+
+  dcp-hf        reshard convert DCP OUT --consolidate
+  torch-dcp-hf  torch's consolidate_safetensors_files (one round; --naive-rounds)
+
 and prints one table: median wall time and spread, GB/s, peak RSS of the
 child process (os.wait4), and the ratio to `cp` measured in the same rounds.
 Everything runs in the page cache unless --cold (then sources are evicted
@@ -120,6 +126,50 @@ else:
 """
 
 
+GEN_DCP = r"""
+import os, re, sys
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch.distributed.checkpoint as dcp
+import torch.distributed.tensor
+import torch.multiprocessing as mp
+
+def dim(n):
+    if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
+    if re.search(r"(o|down)_proj", n): return 1
+    return None
+
+def worker(rank, src, out):
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    dist.init_process_group("gloo", init_method=f"file://{out}.rendezvous", rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    local = load_file(f"{src}/rank-{rank:05d}-of-00004.safetensors")
+    sd = {n: DTensor.from_local(t, mesh, [Shard(dim(n))] if dim(n) is not None else [Replicate()],
+                                run_check=False) for n, t in local.items()}
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
+    dist.destroy_process_group()
+
+mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=4, join=True, start_method="fork")
+"""
+
+TORCH_CONSOLIDATE = r"""
+import os, sys
+from safetensors import safe_open
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+names = set()
+for f in os.listdir(src):
+    if f.endswith(".safetensors"):
+        with safe_open(os.path.join(src, f), "np") as h:
+            names.update(h.keys())
+consolidate_safetensors_files(src, dst, fqn_to_index_mapping=dict.fromkeys(sorted(names), 1))
+"""
+
+
 def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one child process."""
     if cold:
@@ -153,6 +203,9 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
     ap.add_argument("--jobs", default="tp4-tp8,tp4-hf,hf-tp8")
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--dcp", action="store_true",
+                    help="also DCP safetensors (torch HuggingFaceStorageWriter, 4 ranks) -> consolidated: "
+                         "reshard (job dcp-hf) against torch's consolidate_safetensors_files (naive rounds)")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -174,6 +227,12 @@ def main() -> int:
         subprocess.run([reshard, "convert", str(src), str(hf), "--source-layout", str(base / "layout.yaml"),
                         "--consolidate", "--quiet"], check=True)
         marker.write_text("")
+    dcp_dir = base / "src-dcp"
+    if args.dcp and not (base / "generated-dcp").exists():
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+        sys.stderr.write(f"writing the DCP safetensors checkpoint with torch (4 gloo ranks) in {dcp_dir} ...\n")
+        subprocess.run([sys.executable, "-c", GEN_DCP, str(src), str(dcp_dir)], check=True)
+        (base / "generated-dcp").write_text("")
     size = sum(p.stat().st_size for p in src.iterdir())
     lay = str(base / "layout.yaml")
     w = ["--workers", str(args.workers)] if args.workers > 0 else []
@@ -183,8 +242,9 @@ def main() -> int:
         "tp4-tp8": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [src]),
         "tp4-hf": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w], [src]),
         "hf-tp8": ([reshard, "convert", str(hf), "OUT", "--target-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [hf]),
+        "dcp-hf": ([reshard, "convert", str(dcp_dir), "OUT", "--consolidate", "--quiet", *w], [dcp_dir]),
     }
-    chosen = ["cp"] + [j for j in args.jobs.split(",") if j]
+    chosen = ["cp"] + [j for j in args.jobs.split(",") if j] + (["dcp-hf"] if args.dcp else [])
     times: dict[str, list[float]] = {j: [] for j in chosen}
     rss: dict[str, list[int]] = {j: [] for j in chosen}
     out = base / "out"
@@ -197,11 +257,15 @@ def main() -> int:
             times[j].append(t)
             rss[j].append(m)
             sys.stderr.write(f"round {rnd + 1}/{args.rounds} {j}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
-    for name, world in (("naive-tp4-tp8", "8"), ("naive-tp4-hf", "1")):
+    slow = [("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
+            ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"])]
+    if args.dcp:
+        slow.append(("torch-dcp-hf", [sys.executable, "-c", TORCH_CONSOLIDATE, str(dcp_dir), "OUT"]))
+    for name, slow_cmd in slow:
         for _ in range(args.naive_rounds):
             shutil.rmtree(out, ignore_errors=True)
             time.sleep(args.pause)
-            t, m = run([sys.executable, "-c", NAIVE_TP8, str(src), str(out), world])
+            t, m = run([str(out) if c == "OUT" else c for c in slow_cmd])
             times.setdefault(name, []).append(t)
             rss.setdefault(name, []).append(m)
             sys.stderr.write(f"{name}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
