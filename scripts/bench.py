@@ -85,8 +85,8 @@ def generate(src: Path, layers: int) -> None:
     import numpy as np
 
     src.mkdir(parents=True)
-    rng = np.random.default_rng(0)
     tensors = layer_shapes(layers)
+    index = {name: (i, d) for i, (name, _, d) in enumerate(tensors)}
     for r in range(TP):
         specs = []
         for name, shape, d in tensors:
@@ -97,7 +97,10 @@ def generate(src: Path, layers: int) -> None:
         prefix, header = encode_header(specs)
         with open(src / f"rank-{r:05d}-of-{TP:05d}.safetensors", "wb") as f:
             f.write(prefix)
-            for e in header.entries:
+            for e in header.entries:  # in file order (the header sorts them)
+                # a replicated tensor holds the same bits on every rank (inspect --check proves it)
+                i, d = index[e.name]
+                rng = np.random.default_rng([i, r if d is not None else TP])
                 f.write(rng.integers(0, 1 << 16, e.nbytes // 2, dtype=np.uint16).tobytes())
     layout = ROOT / "configs" / "llama-tp.yaml"
     shutil.copy(layout, src.parent / "layout.yaml")
@@ -218,7 +221,7 @@ def main() -> int:
     src = base / "src-tp4"
     hf = base / "src-hf"
     layers = layers_for(args.size_gb)
-    marker = base / f"generated-{layers}"
+    marker = base / f"generated-v3-{layers}"
     if not marker.exists():
         shutil.rmtree(base, ignore_errors=True)
         sys.stderr.write(f"generating {args.size_gb} GB TP-4 checkpoint ({layers} layers) in {src} ...\n")
