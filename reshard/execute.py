@@ -342,10 +342,11 @@ class _Buffers:
         return [self.write, *self.partials[: groups - 1]]
 
     def read(self, fd: int, fi: int, lo: int, hi: int, wlo: int, whi: int) -> int | None:
-        """Make file bytes ``[lo, hi)`` available in ``scratch``; returns where they start.
+        """Make file bytes ``[lo, hi)`` of file ``fi`` available in ``scratch``; returns where they start.
 
-        A miss reads the wider window ``[wlo, hi)`` .. ``[wlo, whi)`` (whole rows) when it fits,
-        else just ``[lo, hi)``. None when even that does not fit.
+        A hit costs nothing. A miss reads the window ``[wlo, whi)`` (the whole rows around
+        ``[lo, hi)``) when it fits in ``scratch``, else just ``[lo, hi)``; None when even that
+        does not fit (the caller reads through the map instead).
         """
         w = self.window
         if w is not None and w[0] == fi and w[1] <= lo and hi <= w[2]:
