@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import Checkpoint, TensorSource
-from ..errors import HeaderError, LayoutError, TensorNotFoundError
+from ..errors import HeaderError, LayoutError, ReshardError, TensorNotFoundError
 from ..io.header import Header, read_header
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh
@@ -172,7 +172,15 @@ def open_per_rank(
         if placements_for is not None:
             pls = placements_for(name)
             local_shapes = [en.shape for en in entries]
-            shape = infer_global_shape(local_shapes, mesh, list(pls))
+            try:
+                shape = infer_global_shape(local_shapes, mesh, list(pls))
+            except ReshardError as e:  # a placement that cannot apply to this tensor at all
+                raise LayoutError(
+                    f'tensor "{name}" (local shape {list(local_shapes[0])} in {paths[0].name}): '
+                    f"{e.message}, from {layout_source}. Check the rule that matches it.",
+                    path=str(paths[0]),
+                    tensor=name,
+                ) from None
             if shape is None:
                 _raise_bad_local(name, local_shapes, mesh, pls, paths, layout_source)
             assert shape is not None
@@ -186,10 +194,7 @@ def open_per_rank(
                 )
             shape = tuple(int(x) for x in info["shape"])
             pls = info["placements"]
-        try:
-            layout = TensorLayout.make(shape, mesh, list(pls))
-        except LayoutError as e:
-            raise LayoutError(f'tensor "{name}": {e.message}', tensor=name, path=str(directory)) from None
+        layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
         blocks = layout.blocks()
         for r, (p, en) in enumerate(zip(paths, entries)):
             want = layout.local_shape(coords[r])

@@ -174,6 +174,19 @@ def test_rank_count_differs_from_mesh(tp4: Path, tmp_path: Path) -> None:
     assert "4 rank files but the mesh tp=8 has 8 ranks" in p.stderr
 
 
+def test_rule_that_cannot_apply_names_tensor_file_and_layout(tp4: Path, tmp_path: Path) -> None:
+    lay = tmp_path / "wrong.yaml"
+    lay.write_text('mesh: {tp: 4}\nplacements:\n  "*": {tp: S(1)}\n')  # S(1) on the 1-d norm
+    dst = tmp_path / "o"
+    p = run("convert", str(tp4), str(dst), "--source-layout", str(lay), "--consolidate", "--json")
+    assert p.returncode == 2, p.stderr
+    err = json.loads(p.stdout)["error"]
+    assert err["tensor"] is not None and f'"{err["tensor"]}"' in err["message"]
+    assert "S(1) does not fit a 1-d tensor" in err["message"] and str(lay) in err["message"]
+    assert err["path"].endswith(".safetensors")
+    assert "Traceback" not in p.stderr and not dst.exists()
+
+
 def test_tensor_matching_no_rule(tp4: Path, tmp_path: Path) -> None:
     lay = tmp_path / "strict.yaml"
     lay.write_text('mesh: {tp: 4}\nplacements:\n  "*.wq": {tp: S(0)}\n')
