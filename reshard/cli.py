@@ -25,6 +25,8 @@ from .errors import ReshardError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from .convert import SourceSpec, TargetSpec
+
 __all__ = ["app", "main"]
 
 app = typer.Typer(
@@ -100,10 +102,33 @@ WorkersOpt = Annotated[
 ]
 
 
-def _workers(n: int | None) -> int:
-    from .execute import default_workers
+def _workers_and_buffer(workers: int | None, max_memory: str) -> tuple[int, int]:
+    """Worker threads (one per core by default) and each one's buffer under ``--max-memory``."""
+    from .convert import parse_size
+    from .execute import buffer_for, default_workers
 
-    return n if n is not None else default_workers()
+    budget = parse_size(max_memory, option="--max-memory")
+    n = workers if workers is not None else default_workers()
+    return n, buffer_for(budget, n)
+
+
+def _source(path: str, from_: InFormat | None, layout: str | None, mesh: str | None) -> SourceSpec:
+    from .convert import SourceSpec
+
+    return SourceSpec(path, from_.value if from_ else None, layout, mesh)
+
+
+def _target(
+    layout: str | None,
+    mesh: str | None,
+    to: OutFormat | None,
+    consolidate: bool,
+    dtype: str | None,
+    max_shard_size: str,
+) -> TargetSpec:
+    from .convert import TargetSpec
+
+    return TargetSpec(layout, mesh, to.value if to else None, consolidate, dtype, max_shard_size)
 
 
 MaxMemoryOpt = Annotated[
@@ -213,15 +238,10 @@ def convert(
 
       reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
     """
-    from .convert import SourceSpec, TargetSpec, parse_size
     from .convert import convert as run
 
     with _errors(json_):
-        budget = parse_size(max_memory, option="--max-memory")
-        from .execute import buffer_for
-
-        workers = _workers(workers)
-        buf = buffer_for(budget, workers)
+        n, buf = _workers_and_buffer(workers, max_memory)
         with _progress(_show_progress(json_, quiet), "converting") as prog:
 
             def on_plan(plan: Any) -> None:
@@ -229,12 +249,10 @@ def convert(
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
 
             result = run(
-                SourceSpec(src, from_.value if from_ else None, source_layout, source_mesh),
+                _source(src, from_, source_layout, source_mesh),
                 dst,
-                TargetSpec(
-                    target_layout, target_mesh, to.value if to else None, consolidate, dtype, max_shard_size
-                ),
-                workers=workers,
+                _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size),
+                workers=n,
                 buffer_size=buf,
                 overwrite=overwrite,
                 resume=resume,
@@ -283,11 +301,11 @@ def inspect(
 
       reshard inspect ckpt-tp4 --check --json
     """
-    from .convert import SourceSpec, open_source
+    from .convert import open_source
     from .report import inspect_report, render_inspect
 
     with _errors(json_):
-        ck = open_source(SourceSpec(ckpt, from_.value if from_ else None, layout, mesh))
+        ck = open_source(_source(ckpt, from_, layout, mesh))
         doc = inspect_report(ck)
         problems: list[dict[str, Any]] = []
         if check:
@@ -336,22 +354,17 @@ def plan(
 
       reshard plan ckpt-tp4 --consolidate --json
     """
-    from .convert import SourceSpec, TargetSpec, build_plan, open_source, parse_size, resolve_target
-    from .execute import buffer_for
+    from .convert import build_plan, open_source, resolve_target
     from .report import plan_report, render_plan
 
     with _errors(json_):
-        budget = parse_size(max_memory, option="--max-memory")
-        ck = open_source(SourceSpec(src, from_.value if from_ else None, source_layout, source_mesh))
-        tgt = resolve_target(
+        n, buf = _workers_and_buffer(workers, max_memory)
+        ck = open_source(_source(src, from_, source_layout, source_mesh))
+        p = build_plan(
             ck,
-            TargetSpec(
-                target_layout, target_mesh, to.value if to else None, consolidate, dtype, max_shard_size
-            ),
+            resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
         )
-        p = build_plan(ck, tgt)
-        workers = _workers(workers)
-        doc = plan_report(p, workers=workers, buffer_size=buffer_for(budget, workers))
+        doc = plan_report(p, workers=n, buffer_size=buf)
         if json_:
             _emit({"ok": True, "command": "plan", **doc})
         elif not quiet:
