@@ -41,6 +41,7 @@ __all__ = [
     "torch_placement",
     "torch_placements",
     "torch_local",
+    "same_bits",
     "examples",
 ]
 
@@ -241,3 +242,19 @@ def examples(n: int) -> int:
     from hypothesis import settings
 
     return max(1, n * settings.default.max_examples // 100)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Two torch tensors with the same dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    import torch
+
+    return (
+        a.dtype == b.dtype
+        and tuple(a.shape) == tuple(b.shape)
+        and bool(
+            torch.equal(
+                a.contiguous().reshape(-1).view(torch.uint8),
+                b.contiguous().reshape(-1).view(torch.uint8),
+            )
+        )
+    )

@@ -18,13 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from reshard.layout import TensorLayout
 from reshard.mesh import Mesh
 from tests.dist import gloo_worker as W
-from tests.strategies import torch_local, torch_placements
+from tests.strategies import same_bits, torch_local, torch_placements
 
 pytestmark = pytest.mark.dist
 
@@ -88,15 +87,6 @@ def rank_file(rank: int, world: int) -> str:
     return W.rank_file(rank, world)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(
-            a.contiguous().reshape(-1).view(torch.uint8),
-            b.contiguous().reshape(-1).view(torch.uint8),
-        )
-    )
 
 
 def assert_same_files(got_dir: Path, want_dir: Path, world: int, names) -> None:

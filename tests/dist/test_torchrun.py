@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -35,7 +34,7 @@ from reshard.layout import TensorLayout  # noqa: E402
 from reshard.mesh import Mesh  # noqa: E402
 from tests.dist.torchrun_scripts import load_world as L  # noqa: E402
 from tests.dist.torchrun_scripts import save_world as S  # noqa: E402
-from tests.strategies import torch_local, torch_placements  # noqa: E402
+from tests.strategies import same_bits, torch_local, torch_placements  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -90,13 +89,6 @@ def reshard(*args: str | Path, code: int = 0) -> subprocess.CompletedProcess[str
     return res
 
 
-def same_bits(a: Any, b: Any) -> bool:
-    return (
-        a.dtype == b.dtype
-        and tuple(a.shape) == tuple(b.shape)
-        and bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                             b.contiguous().reshape(-1).view(torch.uint8)))
-    )
 
 
 def assert_same_dirs(got: Path, want: Path) -> None:

@@ -32,6 +32,7 @@ from tests.strategies import (
     mesh_shapes,
     meshes,
     placements,
+    same_bits,
     tensor_shapes,
     torch_local,
     torch_placements,
@@ -180,15 +181,6 @@ def test_make_plan_lays_out_each_rank_file(case):
 
 # --- real files ----------------------------------------------------------------------
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(
-            a.contiguous().reshape(-1).view(torch.uint8),
-            b.contiguous().reshape(-1).view(torch.uint8),
-        )
-    )
 
 
 def placement_text(p: Placement, mesh: Mesh, named_sf: bool) -> str:
