@@ -322,6 +322,7 @@ class _Buffers:
     """
 
     def __init__(self, budget: int) -> None:
+        budget = max(budget, 16)  # at least one item of the widest dtype (C64, F64: 8 bytes)
         self.budget = budget
         self.write = bytearray(budget)
         self.partials: list[bytearray] = []  # slabs of Partial groups 1.. (group 0: the write buffer)
@@ -705,7 +706,7 @@ def _write_group(
 
     Returns, per file: the file, the source bytes moved, the digests of its 64 MiB pieces.
     """
-    bufs = _Buffers(max(buffer_size, 16))  # at least one item of the widest dtype (C64, F64)
+    bufs = _Buffers(buffer_size)
     opened: list[tuple[Path, int]] = []
     try:
         for f in files:
@@ -747,7 +748,7 @@ def _write_split(
     tmp, fd = _open_tmp(dst, f)
 
     def run(entries: Sequence[OutEntry], lo: int, prefix: bool) -> tuple[int, dict[int, bytes]]:
-        w = _Writer(plan, sources, fd, _Buffers(max(buffer_size, 16)), progress, lo)
+        w = _Writer(plan, sources, fd, _Buffers(buffer_size), progress, lo)
         if prefix:
             w.sink.submit(f.prefix, 0)
         for e in entries:
