@@ -124,13 +124,6 @@ LLAMA_TP = {
 }
 
 
-@pytest.mark.parametrize(("tensor", "expected"), LLAMA_TP.items())
-def test_llama_tp(tensor: str, expected: list[str]) -> None:
-    cfg = load_layout(resolve_preset("llama-tp"))
-    assert cfg.mesh == Mesh(("tp",), (4,))
-    assert strs(cfg.placements_for(tensor)) == expected
-
-
 def test_llama_tp_uses_every_rule_on_llama() -> None:
     cfg = load_layout(resolve_preset("llama-tp"))
     assert cfg.unused_rules(LLAMA_NAMES) == []
@@ -146,13 +139,6 @@ LLAMA_TP_FUSED = {
     "model.layers.0.input_layernorm.weight": ["R"],
     "model.norm.weight": ["R"],
 }
-
-
-@pytest.mark.parametrize(("tensor", "expected"), LLAMA_TP_FUSED.items())
-def test_llama_tp_fused(tensor: str, expected: list[str]) -> None:
-    cfg = load_layout(resolve_preset("llama-tp-fused"))
-    assert cfg.mesh == Mesh(("tp",), (4,))
-    assert strs(cfg.placements_for(tensor)) == expected
 
 
 def test_llama_tp_fused_strided_is_not_shard() -> None:
@@ -176,13 +162,6 @@ LLAMA_FSDP_TP = {
     "lm_head.weight": ["_S(0, 4)", "S(0)"],
     "model.layers.0.self_attn.rotary_emb.inv_freq": ["R", "R"],
 }
-
-
-@pytest.mark.parametrize(("tensor", "expected"), LLAMA_FSDP_TP.items())
-def test_llama_fsdp_tp(tensor: str, expected: list[str]) -> None:
-    cfg = load_layout(resolve_preset("llama-fsdp-tp"))
-    assert cfg.mesh == Mesh(("fsdp", "tp"), (2, 4))
-    assert strs(cfg.placements_for(tensor)) == expected
 
 
 def test_fsdp_tp_split_factor_is_a_dim_name_bound_to_the_mesh() -> None:
@@ -219,17 +198,29 @@ MIXTRAL = {
 }
 
 
-@pytest.mark.parametrize(("tensor", "expected"), MIXTRAL.items())
-def test_mixtral_moe(tensor: str, expected: list[str]) -> None:
-    cfg = load_layout(resolve_preset("mixtral-moe"))
-    assert cfg.mesh == Mesh(("ep",), (4,))
-    assert strs(cfg.placements_for(tensor)) == expected
-
-
 def test_mixtral_expert_rule_is_first() -> None:
     cfg = load_layout(resolve_preset("mixtral-moe"))
     assert cfg.match("model.layers.0.mlp.experts.gate_up_proj") is cfg.rules[0]
     assert cfg.match("model.layers.0.mlp.experts.gate_up_proj_extra") is cfg.rules[-1]
+
+
+PRESET_CASES = [
+    (preset, mesh, tensor, expected)
+    for preset, mesh, table in (
+        ("llama-tp", Mesh(("tp",), (4,)), LLAMA_TP),
+        ("llama-tp-fused", Mesh(("tp",), (4,)), LLAMA_TP_FUSED),
+        ("llama-fsdp-tp", Mesh(("fsdp", "tp"), (2, 4)), LLAMA_FSDP_TP),
+        ("mixtral-moe", Mesh(("ep",), (4,)), MIXTRAL),
+    )
+    for tensor, expected in table.items()
+]
+
+
+@pytest.mark.parametrize(("preset", "mesh", "tensor", "expected"), PRESET_CASES)
+def test_preset_placements(preset: str, mesh: Mesh, tensor: str, expected: list[str]) -> None:
+    cfg = load_layout(resolve_preset(preset))
+    assert cfg.mesh == mesh
+    assert strs(cfg.placements_for(tensor)) == expected
 
 
 def test_replicated() -> None:
