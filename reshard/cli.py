@@ -40,6 +40,24 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        sys.stdout.write(f"reshard {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Convert model checkpoints between parallel layouts, streaming, in bounded memory."""
+
+
 @functools.cache
 def console() -> Console:
     """rich's stderr console, made on first use: `convert --quiet` never imports rich (~20 ms)."""

@@ -666,8 +666,9 @@ def load_layout(path: str | os.PathLike[str]) -> LayoutConfig:
 
 
 def _preset_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return [d for d in (here.parent / "configs", here / "configs") if d.is_dir()]
+    """Where presets live: ``reshard/configs`` (package data; the checkout's ``configs/`` links there)."""
+    here = Path(__file__).resolve().parent / "configs"
+    return [here] if here.is_dir() else []
 
 
 def list_presets() -> list[str]:
