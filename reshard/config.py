@@ -299,7 +299,7 @@ class LayoutConfig:
             raise ConfigError(f"{self._where(rule)}{e.message}", path=self.source, tensor=tensor) from None
 
     def _first(self, name: str) -> int | None:
-        """Index of the first rule matching ``name``: the exact hit, unless a pattern rule before it matches."""
+        """Index of the first rule matching ``name``: the exact hit unless an earlier pattern matches."""
         hit = self._exact.get(name)
         for i in self._patterns:
             if hit is not None and i > hit:
