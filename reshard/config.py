@@ -253,6 +253,11 @@ class LayoutConfig:
     mesh: Mesh
     rules: tuple[Rule, ...]
     source: str = "<layout>"
+    # Matching index, derived from rules: a self-describing checkpoint brings one
+    # exact-name rule per tensor, and trying every rule on every name is quadratic.
+    # Literal patterns map name -> first rule index; the rest are tried in order.
+    _exact: dict[str, int] = field(init=False, repr=False, compare=False)
+    _patterns: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -272,6 +277,16 @@ class LayoutConfig:
                 )
             seen[rule.pattern] = rule
             self._placements(rule, self.mesh, None)
+        exact: dict[str, int] = {}
+        patterns: list[int] = []
+        for i, rule in enumerate(self.rules):
+            literal = _literal(rule.pattern)
+            if literal is None:
+                patterns.append(i)
+            else:
+                exact.setdefault(literal, i)
+        object.__setattr__(self, "_exact", exact)
+        object.__setattr__(self, "_patterns", tuple(patterns))
 
     def _where(self, rule: Rule) -> str:
         line = f":{rule.line}" if rule.line else ""
@@ -284,10 +299,14 @@ class LayoutConfig:
             raise ConfigError(f"{self._where(rule)}{e.message}", path=self.source, tensor=tensor) from None
 
     def _first(self, name: str) -> int | None:
-        for i, rule in enumerate(self.rules):
-            if rule.matches(name):
+        """Index of the first rule matching ``name``: the exact hit unless an earlier pattern matches."""
+        hit = self._exact.get(name)
+        for i in self._patterns:
+            if hit is not None and i > hit:
+                break
+            if self.rules[i].matches(name):
                 return i
-        return None
+        return hit
 
     def match(self, name: str) -> Rule:
         """The first rule whose pattern matches ``name``.
@@ -295,9 +314,9 @@ class LayoutConfig:
         Raises:
             LayoutError: no rule matches.
         """
-        for rule in self.rules:
-            if rule.matches(name):
-                return rule
+        i = self._first(name)
+        if i is not None:
+            return self.rules[i]
         raise LayoutError(
             f'tensor "{name}" matches no rule in {self.source}; add a rule for it, '
             f'or "*": R to replicate everything else',
@@ -419,6 +438,23 @@ def _compile(pattern: str) -> re.Pattern[str]:
             ) from None
     # fnmatch.translate gives fnmatchcase semantics: `*` crosses dots, [..] classes.
     return re.compile(fnmatch.translate(pattern))
+
+
+def _literal(pattern: str) -> str | None:
+    r"""The one name ``pattern`` matches, if it is a literal; else None.
+
+    A glob without ``*?[`` is literal (:func:`fnmatch.translate` escapes the
+    rest). A ``re:`` pattern is literal when it is exactly ``re.escape`` of its
+    unescaped text, as the exact-name rules of self-describing checkpoints are.
+
+    >>> _literal("model.norm.weight"), _literal("*.weight"), _literal("re:a\\.b"), _literal("re:a.b")
+    ('model.norm.weight', None, 'a.b', None)
+    """
+    if not pattern.startswith(REGEX_PREFIX):
+        return None if any(c in pattern for c in "*?[") else pattern
+    body = pattern[len(REGEX_PREFIX) :]
+    text = re.sub(r"\\(.)", r"\1", body, flags=re.DOTALL)
+    return text if re.escape(text) == body else None
 
 
 def _parse_value(value: object) -> Placement:

@@ -108,33 +108,6 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     return ckpt
 
 
-def merge_mesh(base: Mesh, sizes: dict[str, int]) -> Mesh:
-    """``base`` with the named dims resized; new dims go before the first base dim named after them.
-
-    >>> str(merge_mesh(Mesh(("tp",), (4,)), {"fsdp": 2, "tp": 4}))
-    'fsdp=2,tp=4'
-    >>> str(merge_mesh(Mesh(("fsdp", "tp"), (2, 4)), {"tp": 8}))
-    'fsdp=2,tp=8'
-    """
-    names = list(base.names)
-    shape = list(base.shape)
-    pending: list[tuple[str, int]] = []
-    for name, size in sizes.items():
-        if name in names:
-            i = names.index(name)
-            shape[i] = size
-            for n, s in reversed(pending):
-                names.insert(i, n)
-                shape.insert(i, s)
-            pending = []
-        else:
-            pending.append((name, size))
-    for n, s in pending:
-        names.append(n)
-        shape.append(s)
-    return Mesh(tuple(names), tuple(shape))
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
     fmt: str
@@ -176,7 +149,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
         return Target(HF, Mesh.single(), None, dtype, max_shard)
     if spec.layout:
         cfg = _load_layout(spec.layout)
-        mesh = merge_mesh(cfg.mesh, sizes) if sizes else cfg.mesh
+        mesh = cfg.mesh.with_sizes(sizes) if sizes else cfg.mesh
         rules = cfg.with_mesh(mesh)
     elif sizes:
         base = source.layout
@@ -186,7 +159,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
                 "give --target-layout FILE (or --consolidate)",
                 path=source.path,
             )
-        mesh = merge_mesh(base.mesh, sizes)
+        mesh = base.mesh.with_sizes(sizes)
         rules = base.with_mesh(mesh)
     else:
         raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
