@@ -123,7 +123,7 @@ def dedup_owners(items: Sequence[WriteItem]) -> list[int]:
     fewest bytes so far (lowest rank on ties); a zero-byte item counts 1.
 
     >>> dedup_owners([WriteItem("a", (0, 1), 8), WriteItem("b", (0, 1), 8), WriteItem("c", (0, 1), 4)])
-    [0, 1, 1]
+    [0, 1, 0]
     """
     planned: dict[int, int] = {}
     owners: list[int] = []

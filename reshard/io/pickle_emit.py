@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import TypeAlias
 
-__all__ = ["Global", "Reduce", "NewObj", "PersistentId", "Value", "PickleEmitter"]
+__all__ = ["Global", "Reduce", "NewObj", "PersistentId", "Dict", "Value", "PickleEmitter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +55,16 @@ class PersistentId:
     pid: tuple[Value, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Dict:
+    """A dict whose keys are objects (``Metadata.storage_data`` is keyed by ``MetadataIndex``)."""
+
+    items: tuple[tuple[Value, Value], ...]
+
+
 Value: TypeAlias = (
     "None | bool | int | str | tuple[Value, ...] | list[Value] | dict[str, Value]"
-    " | Global | Reduce | NewObj | PersistentId"
+    " | Global | Reduce | NewObj | PersistentId | Dict"
 )
 
 _BATCH = 1000  # CPython's pickler batches APPENDS/SETITEMS in groups of this size
@@ -120,11 +127,16 @@ class PickleEmitter:
         elif isinstance(obj, dict):
             self._out += b"}"
             self._put()
-            self._setitems(obj)
+            self._setitems(list(obj.items()))
+        elif isinstance(obj, Dict):
+            self._out += b"}"
+            self._put()
+            self._setitems(list(obj.items))
         else:
             self._save_object(obj)
 
     def _save_object(self, obj: Global | Reduce | NewObj | PersistentId) -> None:
+        """Globals (memoized by name), ``func(*args)``, ``cls.__new__`` + ``BUILD``, persistent ids."""
         if isinstance(obj, Global):
             key = (obj.module, obj.name)
             if not self._get(key):
@@ -181,8 +193,7 @@ class PickleEmitter:
                 self._save(item)
             self._out += b"e" if len(group) > 1 else b"a"
 
-    def _setitems(self, d: dict[str, Value]) -> None:
-        items = list(d.items())
+    def _setitems(self, items: list[tuple[str, Value]] | list[tuple[Value, Value]]) -> None:
         for start in range(0, len(items), _BATCH):
             group = items[start : start + _BATCH]
             if len(group) > 1:
