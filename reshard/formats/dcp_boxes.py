@@ -61,7 +61,8 @@ class WriteItem:
     Attributes:
         key: what identifies the chunk across ranks, ``(fqn, offsets)`` as ``MetadataIndex`` compares.
         ranks: every rank whose local plan has this chunk.
-        nbytes: ``numel * itemsize`` of the chunk (``WriteItem.tensor_storage_size``).
+        nbytes: ``WriteItem.tensor_storage_size()``: numel * itemsize of the whole
+            (global) tensor, not of the chunk, which is what torch weighs.
     """
 
     key: Hashable
@@ -100,7 +101,7 @@ def save_items(tensors: Sequence[tuple[str, TensorLayout, int]]) -> list[tuple[s
     out: list[tuple[str, Box, WriteItem]] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for r in range(world):
-        for (fqn, _, itemsize), per_rank in zip(tensors, boxes):
+        for (fqn, layout, itemsize), per_rank in zip(tensors, boxes):
             if r >= len(per_rank):
                 continue
             offsets = tuple(iv.start for iv in per_rank[r])
@@ -109,8 +110,8 @@ def save_items(tensors: Sequence[tuple[str, TensorLayout, int]]) -> list[tuple[s
             seen.add((fqn, offsets))
             holders = tuple(q for q, b in enumerate(per_rank) if tuple(iv.start for iv in b) == offsets)
             nbytes = itemsize
-            for iv in per_rank[r]:
-                nbytes *= iv.size
+            for n in layout.shape:
+                nbytes *= n
             out.append((fqn, per_rank[r], WriteItem((fqn, offsets), holders, nbytes)))
     return out
 

@@ -17,6 +17,7 @@ object is ``NEWOBJ`` + ``BUILD`` with the ``__dict__`` torch's own pickle carrie
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,15 +95,25 @@ def _tensor_md(t: TensorEntry) -> Value:
     return NewObj(Global(_MD, "TensorStorageMetadata"), state)
 
 
-def _storage_items(t: TensorEntry) -> list[tuple[Value, Value]]:
-    """``MetadataIndex(fqn, offset, index)`` -> ``_StorageInfo(path, offset, length)`` per chunk."""
+def _natural(path: str) -> tuple[tuple[int, str], ...]:
+    """Sort key putting ``__2_0.distcp`` before ``__10_0.distcp``."""
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", path))
+
+
+def _storage_data(tensors: Sequence[TensorEntry]) -> Value:
+    """``MetadataIndex(fqn, offset, index)`` -> ``_StorageInfo(path, offset, length)`` per chunk.
+
+    In file order then offset, as torch gathers its ranks' write results.
+    """
+    chunks = [(t.fqn, i, c) for t in tensors for i, c in enumerate(t.chunks)]
+    chunks.sort(key=lambda x: (_natural(x[2].relative_path), x[2].offset))
     out: list[tuple[Value, Value]] = []
-    for i, c in enumerate(t.chunks):
+    for fqn, i, c in chunks:
         # MetadataIndex.__init__ sets fqn, index, offset in this order: its __dict__ order.
-        key = NewObj(Global(_MD, "MetadataIndex"), {"fqn": t.fqn, "index": i, "offset": _size(c.offsets)})
+        key = NewObj(Global(_MD, "MetadataIndex"), {"fqn": fqn, "index": i, "offset": _size(c.offsets)})
         info: dict[str, Value] = {"relative_path": c.relative_path, "offset": c.offset, "length": c.length}
         out.append((key, NewObj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), info)))
-    return out
+    return Dict(tuple(out))
 
 
 def _storage_meta(checkpoint_id: str | None, save_id: str) -> Value:
@@ -119,7 +130,8 @@ def encode_metadata(
     """The bytes of ``.metadata`` for these tensors (keys must be unique).
 
     Args:
-        tensors: every tensor with all of its chunks, in the order to record them.
+        tensors: every tensor with all of its chunks, in the order to record them
+            (torch: order of first appearance over ranks; chunks by rank).
         checkpoint_id: recorded as ``StorageMeta.checkpoint_id`` (a ``PosixPath``), as
             ``FileSystemWriter`` records its directory; None leaves it unset.
         save_id: ``StorageMeta.save_id``; a fresh UUID4 string by default, like torch.
@@ -131,13 +143,10 @@ def encode_metadata(
     if len(set(fqns)) != len(fqns):
         dup = sorted({f for f in fqns if fqns.count(f) > 1})
         raise ValueError(f"duplicate tensor keys {dup}")
-    storage: list[tuple[Value, Value]] = []
-    for t in tensors:
-        storage += _storage_items(t)
     state: dict[str, Value] = {
         "state_dict_metadata": {t.fqn: _tensor_md(t) for t in tensors},
         "planner_data": {f: (f,) for f in fqns},
-        "storage_data": Dict(tuple(storage)),
+        "storage_data": _storage_data(tensors),
         "storage_meta": _storage_meta(checkpoint_id, save_id or str(uuid.uuid4())),
         "version": DCP_VERSION,
     }
