@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from ..intervals import Box, Interval
+from ..intervals import Box, Interval, index_list_size
 from ..layout import TensorLayout
 
 __all__ = ["rank_box", "WriteItem", "save_items", "dedup_owners"]
@@ -28,7 +28,8 @@ def rank_box(layout: TensorLayout, rank: int) -> Box | None:
     """The box torch's ``dcp.save`` records for ``rank``, or None when the local data is not one box.
 
     Per dim: the rank's one interval; an empty shard is ``Interval(n, n)`` at the dim's
-    size ``n``, as torch's offset rule gives.
+    size ``n``, as torch's offset rule gives. A rank holding no data at all always has
+    a box (torch records first index and local size; no bytes are stored).
 
     >>> from reshard.mesh import Mesh
     >>> lay = TensorLayout.make((3, 2), Mesh(("tp",), (4,)), ["S(0)"])
@@ -46,11 +47,16 @@ def rank_box(layout: TensorLayout, rank: int) -> Box | None:
             hint="reduce the Partial placement (use R or S(d)) in the target layout",
         )
     block = layout.blocks()[rank]
+    empty = any(not ilist for ilist in block) and bool(block)
     box: list[Interval] = []
     for n, ilist in zip(layout.shape, block):
-        if len(ilist) > 1:
+        if not ilist:
+            box.append(Interval(n, n))
+        elif len(ilist) == 1 or empty:
+            # no data: torch records (first index, local size) and nothing is stored
+            box.append(Interval(ilist[0].start, ilist[0].start + index_list_size(ilist)))
+        else:
             return None
-        box.append(ilist[0] if ilist else Interval(n, n))
     return tuple(box)
 
 
