@@ -35,6 +35,7 @@ __all__ = [
     "chunk_archive",
     "tensor_pickle",
     "contiguous_strides",
+    "crc32_combine",
 ]
 
 #: Record-name prefix of archives written to a stream, as DCP does (``torch.save(t, BytesIO)``).
@@ -178,6 +179,51 @@ class ChunkArchive:
         out += sid_rec.header + sid + _descriptor(crcs[-1], sid_rec)
         out += _directory(self._records, crcs, sid_rec.end, self._limit)
         return bytes(out)
+
+
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: Sequence[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)`` (zlib's ``crc32_combine``).
+
+    Lets a writer that fills a chunk's bytes out of order, or in parallel pieces,
+    still produce the record's CRC without reading the data back.
+
+    >>> crc32_combine(zlib.crc32(b"hello "), zlib.crc32(b"world"), 5) == zlib.crc32(b"hello world")
+    True
+    """
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)  # first pass: one zero byte
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
 
 
 def _fold(crcs: Sequence[int]) -> int:

@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reshard.io.torchzip_write import ZIP64_LIMIT, chunk_archive, contiguous_strides
+from reshard.io.torchzip_write import ZIP64_LIMIT, chunk_archive, contiguous_strides, crc32_combine
 from reshard.torch_ops import torch_dtype
 
 DTYPES = ["BF16", "F16", "F32", "F64", "I8", "U8", "I16", "I32", "I64", "BOOL", "C64"]
@@ -165,3 +165,13 @@ def test_no_torch_import() -> None:
 def test_unknown_dtype() -> None:
     with pytest.raises(ValueError, match="F4"):
         chunk_archive("F4", (2,))
+
+
+@given(st.binary(max_size=300), st.binary(max_size=300))
+def test_crc32_combine_matches_zlib(a: bytes, b: bytes) -> None:
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc32_combine_long_run() -> None:
+    head, tail = b"PK\x07\x08 head", bytes(range(256)) * 40_000  # 10 MB second piece
+    assert crc32_combine(zlib.crc32(head), zlib.crc32(tail), len(tail)) == zlib.crc32(head + tail)
