@@ -23,6 +23,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..torch_ops import _TORCH_NAMES
 from .header import DTYPE_SIZES
@@ -52,6 +53,8 @@ _DESCRIBED = 0x0008  # bit 3: CRC and sizes follow the data (miniz sets it only 
 # archive (checked against torch 2.13 in tests/io/test_torchzip_write.py).
 _NAME_HASH = 15728199511854643026
 _MASK64 = (1 << 64) - 1
+_VERSION = b"3\n"  # the "version" record, written last by writeEndOfFile
+_VERSION_CRC = zlib.crc32(_VERSION)
 
 # Storage classes of _rebuild_tensor_v2; every other dtype is one of
 # torch.storage._new_dtypes() and goes through _rebuild_tensor_v3 + UntypedStorage.
@@ -148,8 +151,13 @@ class ChunkArchive:
     data_offset: int
     data_size: int
     size: int
-    _records: tuple[_Record, ...]
-    _crcs: tuple[int, ...]  # CRC32 of the records before data/0
+    _data: _Record
+    _sid: _Record
+    _seen: tuple[int, ...]  # CRC32s torch folds into the serialization id before data/0's
+    _middle: bytes  # the version record and the serialization id's local header
+    _cd_head: bytes  # central directory entries of the records before data/0
+    _cd_version: bytes
+    _end: bytes  # zip64 end record, locator, end record
     _limit: int
 
     def trailer(self, crc32: int, data_head: bytes) -> bytes:
@@ -162,23 +170,27 @@ class ChunkArchive:
                 serialization id, the tensor data included; the id then matches
                 torch's exactly.
         """
-        crcs = list(self._crcs) + [crc32]
-        seen = list(self._crcs)
+        seen = list(self._seen)
         if len(data_head) >= 8 and data_head[:4] == b"PK\x07\x08":
             seen.append(struct.unpack_from("<I", data_head, 4)[0])
         if self.data_size:
             seen.append(crc32)
-        data_rec, version_rec, sid_rec = self._records[4:]
-        out = bytearray(_descriptor(crc32, data_rec))
-        version = b"3\n"
-        crcs.append(zlib.crc32(version))
-        seen.append(crcs[-1])
-        out += version_rec.header + version + _descriptor(crcs[-1], version_rec)
+        seen.append(_VERSION_CRC)
         sid = f"{_NAME_HASH:020d}{_fold(seen):020d}".encode()
-        crcs.append(zlib.crc32(sid))
-        out += sid_rec.header + sid + _descriptor(crcs[-1], sid_rec)
-        out += _directory(self._records, crcs, sid_rec.end, self._limit)
-        return bytes(out)
+        sid_crc = zlib.crc32(sid)
+        return b"".join(
+            (
+                _descriptor(crc32, self._data),
+                self._middle,
+                sid,
+                _descriptor(sid_crc, self._sid),
+                self._cd_head,
+                _cd_entry(self._data, crc32, self._limit),
+                self._cd_version,
+                _cd_entry(self._sid, sid_crc, self._limit),
+                self._end,
+            )
+        )
 
 
 def _gf2_times(mat: Sequence[int], vec: int) -> int:
@@ -267,36 +279,39 @@ def _descriptor_size(rec: _Record) -> int:
     return 0 if not rec.size else 24 if rec.zip64 else 16
 
 
-def _directory(records: Sequence[_Record], crcs: Sequence[int], cd_offset: int, limit: int) -> bytes:
-    """Central directory, zip64 end record and locator, end record (miniz ``finalize_archive``)."""
-    cd = bytearray()
-    for rec, crc in zip(records, crcs):
-        extra = b""
-        if rec.zip64:
-            fields = (struct.pack("<QQ", rec.size, rec.size) if rec.size >= limit else b"") + (
-                struct.pack("<Q", rec.offset) if rec.offset >= limit else b""
-            )
-            extra = struct.pack("<HH", 1, len(fields)) + fields
-        size32 = _u32(rec.size, limit)
-        cd += struct.pack(
-            "<IHHHHHHIIIHHHHHII",
-            *(0x02014B50, 0, 0, rec.flags, 0, 0, 0, crc, size32, size32, len(rec.name), len(extra)),
-            *(0, 0, 0, 0, _u32(rec.offset, limit)),
+def _cd_entry(rec: _Record, crc: int, limit: int) -> bytes:
+    """One central directory entry (miniz ``add_to_central_dir``; zip64 fields past ``limit``)."""
+    extra = b""
+    if rec.zip64:
+        fields = (struct.pack("<QQ", rec.size, rec.size) if rec.size >= limit else b"") + (
+            struct.pack("<Q", rec.offset) if rec.offset >= limit else b""
         )
-        cd += rec.name + extra
-    n = len(records)
-    end64_offset = cd_offset + len(cd)
-    cd += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x002D, 0, 0, n, n, len(cd), cd_offset)
-    cd += struct.pack("<IIQI", 0x07064B50, 0, end64_offset, 1)
-    cd_size = end64_offset - cd_offset
-    cd += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, _u32(cd_size, limit), _u32(cd_offset, limit), 0)
-    return bytes(cd)
+        extra = struct.pack("<HH", 1, len(fields)) + fields
+    size32 = _u32(rec.size, limit)
+    head = struct.pack(
+        "<IHHHHHHIIIHHHHHII",
+        *(0x02014B50, 0, 0, rec.flags, 0, 0, 0, crc, size32, size32, len(rec.name), len(extra)),
+        *(0, 0, 0, 0, _u32(rec.offset, limit)),
+    )
+    return head + rec.name + extra
+
+
+def _end_records(n: int, cd_offset: int, cd_size: int, limit: int) -> bytes:
+    """zip64 end record and locator, then the end record (miniz ``finalize_archive``, zip64 always on)."""
+    end64_offset = cd_offset + cd_size
+    return (
+        struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x002D, 0, 0, n, n, cd_size, cd_offset)
+        + struct.pack("<IIQI", 0x07064B50, 0, end64_offset, 1)
+        + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, _u32(cd_size, limit), _u32(cd_offset, limit), 0)
+    )
 
 
 def chunk_archive(
     dtype: str, shape: Sequence[int], *, prefix: str = ARCHIVE_PREFIX, zip64_limit: int = ZIP64_LIMIT
 ) -> ChunkArchive:
     """Lay out the ``torch.save`` archive of one contiguous tensor chunk.
+
+    Cached: the chunks of one checkpoint share a few (dtype, shape) pairs.
 
     Args:
         dtype: safetensors dtype name of the chunk.
@@ -308,31 +323,38 @@ def chunk_archive(
     Raises:
         ValueError: unknown dtype.
     """
-    pkl = tensor_pickle(dtype, shape)
+    return _chunk_archive(dtype, tuple(int(n) for n in shape), prefix, zip64_limit)
+
+
+@lru_cache(maxsize=4096)
+def _chunk_archive(dtype: str, shape: tuple[int, ...], prefix: str, limit: int) -> ChunkArchive:
     numel = 1
     for n in shape:
         numel *= n
-    data_size = numel * DTYPE_SIZES[dtype]
     small = [
-        (b"data.pkl", pkl),
+        (b"data.pkl", tensor_pickle(dtype, shape)),
         (b".format_version", b"1"),
         (b".storage_alignment", b"64"),
         (b"byteorder", b"little"),
     ]
-    sizes = [len(c) for _, c in small] + [data_size, 2, 40]
+    sizes = [len(c) for _, c in small] + [numel * DTYPE_SIZES[dtype], len(_VERSION), 40]
     names = [n for n, _ in small] + [b"data/0", b"version", b".data/serialization_id"]
     records: list[_Record] = []
     cursor = 0
     for name, size in zip(names, sizes):
-        full = prefix.encode() + b"/" + name
-        records.append(_local_header(full, size, cursor, zip64_limit))
+        records.append(_local_header(prefix.encode() + b"/" + name, size, cursor, limit))
         cursor = records[-1].end
+    data, version, sid = records[4:]
     out = bytearray()
-    crcs = []
-    for rec, (_, content) in zip(records, small):
-        crcs.append(zlib.crc32(content))
-        out += rec.header + content + _descriptor(crcs[-1], rec)
-    out += records[4].header
-    cd_offset = records[-1].end
-    total = cd_offset + len(_directory(records, [0] * len(records), cd_offset, zip64_limit))
-    return ChunkArchive(bytes(out), len(out), data_size, total, tuple(records), tuple(crcs), zip64_limit)
+    crcs = [zlib.crc32(content) for _, content in small]
+    for rec, (_, content), crc in zip(records, small, crcs):
+        out += rec.header + content + _descriptor(crc, rec)
+    out += data.header
+    cd_head = b"".join(_cd_entry(rec, crc, limit) for rec, crc in zip(records, crcs))
+    cd_version = _cd_entry(version, _VERSION_CRC, limit)
+    cd_size = len(cd_head) + len(cd_version) + len(_cd_entry(data, 0, limit)) + len(_cd_entry(sid, 0, limit))
+    end = _end_records(len(records), sid.end, cd_size, limit)
+    middle = version.header + _VERSION + _descriptor(_VERSION_CRC, version) + sid.header
+    total = sid.end + cd_size + len(end)
+    fixed = (middle, cd_head, cd_version, end, limit)
+    return ChunkArchive(bytes(out), len(out), data.size, total, data, sid, tuple(crcs), *fixed)
