@@ -22,14 +22,14 @@ element. Data is compared through memory maps in chunks of at most
 from __future__ import annotations
 
 import os
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
-from .execute import CHECKSUM_PREFIX, file_checksum, slabs
+from .dtypes import DTYPE_SIZES
 from .intervals import (
     Block,
     Box,
@@ -37,15 +37,18 @@ from .intervals import (
     Interval,
     Segment,
     block_volume,
+    coverage_holes,
+    global_index,
     normalize,
     overlap_segments,
     select,
+    slabs,
 )
-from .io.header import DTYPE_SIZES
+from .io.checksum import CHECKSUM_PREFIX, file_checksum
+from .io.reader import MappedFiles, read_box
 from .plan import natural_key
-from .verify import DEFAULT_MAX_BYTES, MappedFiles, global_index
 
-__all__ = ["check_checkpoint", "coverage_holes", "PROBLEM_PREFIX", "MAX_REGIONS"]
+__all__ = ["check_checkpoint", "PROBLEM_PREFIX", "MAX_REGIONS"]
 
 #: A reader warning starting with this text reports a data problem, not just information.
 PROBLEM_PREFIX = "problem: "
@@ -87,70 +90,6 @@ def _volume(box: Box) -> int:
 
 
 # --------------------------------------------------------------------------- coverage
-
-
-def _contains(ilist: IndexList, x: int) -> bool:
-    i = bisect_right([iv.start for iv in ilist], x) - 1
-    return i >= 0 and x < ilist[i].stop
-
-
-def coverage_holes(shape: Sequence[int], blocks: Sequence[Block]) -> list[Box]:
-    """Disjoint boxes of a tensor of ``shape`` that none of ``blocks`` covers.
-
-    A sweep along each dim in turn: the elementary intervals between the
-    blocks' boundaries, merged where the same blocks cover them, recursing into
-    the blocks covering each; the recursion is memoized on the set of remaining
-    per-dim index lists, so regular layouts cost about one pass over their blocks.
-
-    >>> I = Interval
-    >>> coverage_holes((6, 4), [((I(0, 2),), (I(0, 4),)), ((I(4, 6),), (I(0, 4),))])
-    [(Interval(start=2, stop=4), Interval(start=0, stop=4))]
-    >>> coverage_holes((6, 4), [((I(0, 6),), (I(0, 4),))])
-    []
-    """
-    ndim = len(shape)
-    if any(n == 0 for n in shape):
-        return []
-    memo: dict[tuple[int, frozenset[Block]], list[Box]] = {}
-
-    def rec(d: int, tails: frozenset[Block]) -> list[Box]:
-        if d == ndim:
-            return [] if tails else [()]
-        key = (d, tails)
-        hit = memo.get(key)
-        if hit is not None:
-            return hit
-        n = shape[d]
-        events: dict[int, list[tuple[Block, int]]] = {0: [], n: []}
-        for t in tails:
-            for iv in t[0]:
-                lo, hi = min(iv.start, n), min(iv.stop, n)
-                if lo < hi:
-                    events.setdefault(lo, []).append((t[1:], 1))
-                    events.setdefault(hi, []).append((t[1:], -1))
-        active: dict[Block, int] = {}
-        runs: list[tuple[int, int, frozenset[Block]]] = []
-        cuts = sorted(events)
-        for lo, hi in zip(cuts, cuts[1:], strict=False):
-            for tail, step in events[lo]:
-                c = active.get(tail, 0) + step
-                if c:
-                    active[tail] = c
-                else:
-                    del active[tail]
-            cover = frozenset(active)
-            if runs and runs[-1][2] == cover:
-                runs[-1] = (runs[-1][0], hi, cover)
-            else:
-                runs.append((lo, hi, cover))
-        out: list[Box] = []
-        for lo, hi, cover in runs:
-            for h in rec(d + 1, cover):
-                out.append((Interval(lo, hi),) + h)
-        memo[key] = out
-        return out
-
-    return rec(0, frozenset(blocks))
 
 
 # --------------------------------------------------------------------------- geometry
@@ -298,8 +237,8 @@ class _Data:
         import numpy as np
 
         isz = DTYPE_SIZES[t.dtype]
-        ai = self.files.array(t, i)
-        aj = self.files.array(t, j)
+        pi = self.files.piece(t, i)
+        pj = self.files.piece(t, j)
         items = max(1, self.chunk // isz)
         try:
             for combo in product(*segs):
@@ -309,10 +248,8 @@ class _Data:
                 for slab in slabs(sizes, 1, items):
                     ki = tuple(slice(s + a, s + b) for s, (a, b) in zip(s_st, slab, strict=True))
                     kj = tuple(slice(s + a, s + b) for s, (a, b) in zip(d_st, slab, strict=True))
-                    va = ai[ki] if ki else ai[...]
-                    vb = aj[kj] if kj else aj[...]
-                    self.files.touch(t, i, ki)
-                    self.files.touch(t, j, kj)
+                    va = read_box(self.files, pi, ki)
+                    vb = read_box(self.files, pj, kj)
                     neq = np.not_equal(va, vb)
                     if neq.any():
                         shape = tuple(b - a for a, b in slab)
@@ -322,7 +259,7 @@ class _Data:
                         return global_index(t.piece_blocks[j], in_j)
                     del va, vb, neq
         finally:
-            del ai, aj
+            del pi, pj
             self.files.release()
         return None
 

@@ -20,18 +20,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import __version__
 from .checkpoint import TensorSource
+from .dtypes import DTYPE_SIZES
 from .errors import ConfigError, LayoutError, ReshardError, UsageError, WriteError
-from .execute import SourceFiles, file_checksum
-from .formats import MANIFEST
-from .formats.per_rank import RANK_FILE
+from .formats import open_checkpoint
+from .formats.manifest import MANIFEST, TensorInfo, manifest, write_manifest
+from .formats.per_rank import RANK_FILE, rank_file_name, rank_metadata, tensors_text
 from .intervals import Block, block_shape, block_volume, row_major_strides
-from .io.header import DTYPE_SIZES, encode_header
+from .io.checksum import file_checksum
+from .io.header import encode_header
+from .io.pages import PageWindow, SourceFiles
+from .io.reader import Piece, read_box, uint_dtype
 from .layout import TensorLayout
 from .mesh import Mesh
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
-from .plan import PER_RANK, copy_boxes, match_blocks, natural_key, rank_file_name
+from .plan import copy_boxes, match_blocks, natural_key
 
 __all__ = ["Coordinator", "coordinator", "share_by_bytes", "load_dtensors", "save_dtensors"]
 
@@ -297,8 +300,6 @@ def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: Any = None) -
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from .formats import open_checkpoint
-
     if dist.is_available() and not dist.is_initialized():
         _init_gloo()
     ckpt = open_checkpoint(Path(path))
@@ -336,8 +337,7 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
     from .torch_ops import cast_reduce, torch_dtype
 
     shape = block_shape(block)
-    isz = DTYPE_SIZES[src.dtype]
-    npt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]
+    npt = uint_dtype(DTYPE_SIZES[src.dtype])
     local = torch.empty(shape, dtype=torch_dtype(src.dtype))
     n = block_volume(block)
     if n == 0:
@@ -346,30 +346,23 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
     # raw items of the local tensor; bool and fp8 go through uint8 like every 1-byte dtype
     dst = local.reshape(-1).view(torch.uint8).numpy().view(npt).reshape(shape)
     bufs = [dst] if groups == 1 else [np.empty(shape, dtype=npt) for _ in range(groups)]
-    arrays: dict[int, Any] = {}
+    pages = PageWindow(sources, _RELEASE_EVERY)
     for c in copies:
-        arr = arrays.get(c.piece)
-        if arr is None:
-            arr = np.frombuffer(
-                sources.map(src.piece_files[c.piece]),
-                dtype=npt,
-                count=src.piece_numel(c.piece),
-                offset=src.piece_offsets[c.piece],
-            ).reshape(src.piece_shape(c.piece))
-            arrays[c.piece] = arr
+        piece = Piece.of(sources, src, c.piece)
         view = bufs[c.group]
         for s_st, d_st, sz in copy_boxes(c):
-            view[tuple(slice(d, d + z) for d, z in zip(d_st, sz))] = arr[
-                tuple(slice(s, s + z) for s, z in zip(s_st, sz))
-            ]
-    arrays.clear()
-    arr = None  # no view of a mapped file may outlive this function (SourceFiles.close)
-    for fi in {src.piece_files[c.piece] for c in copies}:
-        sources.release(fi)
+            key = tuple(slice(s, s + z) for s, z in zip(s_st, sz))
+            view[tuple(slice(d, d + z) for d, z in zip(d_st, sz)) or ...] = read_box(pages, piece, key)
+        del piece  # no view of a mapped file may outlive this function (SourceFiles.close)
+    pages.release()
     if groups > 1:
         reduced = cast_reduce(bufs, src.dtype, src.dtype, src.reduce_op, n)
         dst.reshape(-1).view(np.uint8)[:] = reduced
     return local
+
+
+_RELEASE_EVERY = 8 << 20
+"""Mapped source pages a rank holds while filling its local tensors before releasing them."""
 
 
 def _safetensors_dtype(dtype: Any, tensor: str) -> str:
@@ -452,7 +445,7 @@ def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -
     """
     coord = _live_coordinator()
     out = Path(path)
-    prepared: tuple[str, bytes, list[Any], dict[str, Any], Mesh] | None = None
+    prepared: tuple[str, bytes, list[Any], dict[str, TensorInfo], Mesh] | None = None
     error: ReshardError | None = None
     try:
         prepared = _prepare_save(state_dict, coord)
@@ -504,24 +497,12 @@ def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -
 
 
 def _write_manifest(
-    out: Path, mesh: Mesh, info: dict[str, Any], results: Sequence[tuple[str, int, str] | None]
+    out: Path, mesh: Mesh, info: dict[str, TensorInfo], results: Sequence[tuple[str, int, str] | None]
 ) -> None:
-    """``reshard.json`` (as ``convert.manifest_for`` writes it), atomically."""
-    files = {
-        name: {"size": size, "checksum": cs}
-        for name, size, cs in sorted((r for r in results if r is not None), key=lambda r: r[0])
-    }
-    manifest = {
-        "reshard": {"format_version": 1, "version": __version__},
-        "format": PER_RANK,
-        "mesh": mesh.to_json(),
-        "rules": [["re:" + re.escape(n), t["placements"]] for n, t in info.items()],
-        "tensors": info,
-        "files": files,
-    }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    """``reshard.json``, as a converted per-rank checkpoint has it, atomically."""
+    rules: list[list[object]] = [["re:" + re.escape(n), t["placements"]] for n, t in info.items()]
+    files = sorted((r for r in results if r is not None), key=lambda r: r[0])
+    write_manifest(out, manifest("per-rank", mesh, rules, info, files))
 
 
 def _clear_stale(out: Path, world: int) -> None:
@@ -536,7 +517,7 @@ def _clear_stale(out: Path, world: int) -> None:
 
 def _prepare_save(
     state_dict: Mapping[str, Any], coord: Coordinator
-) -> tuple[str, bytes, list[Any], dict[str, Any], Mesh]:
+) -> tuple[str, bytes, list[Any], dict[str, TensorInfo], Mesh]:
     """This rank's file name, header prefix, tensor bytes (in file order), tensor table, mesh."""
     import torch
     from torch.distributed.tensor import DTensor
@@ -571,7 +552,7 @@ def _prepare_save(
             "stage is not supported)"
         )
     rank = mesh.rank(coordinate)
-    info: dict[str, Any] = {}
+    info: dict[str, TensorInfo] = {}
     locals_: dict[str, Any] = {}
     specs: list[tuple[str, str, tuple[int, ...]]] = []
     for name in sorted(state_dict, key=natural_key):
@@ -613,17 +594,9 @@ def _prepare_save(
         info[name] = {"dtype": dtype, "shape": list(shape), "placements": lay.placement_strs()}
         locals_[name] = local
         specs.append((name, dtype, want))
-    tensors_json = json.dumps(
-        {n: {"shape": t["shape"], "placements": t["placements"]} for n, t in info.items()},
-        separators=(",", ":"),
-    )
-    # the same text make_plan writes, so a saved file equals a converted one byte for byte
-    meta = (
-        f'{{"format_version":1,"mesh":{json.dumps(mesh.to_json(), separators=(",", ":"))},'
-        f'"rank":{rank},"coordinate":{json.dumps(list(coordinate), separators=(",", ":"))},'
-        f'"tensors":{tensors_json}}}'
-    )
-    prefix, header = encode_header(specs, {"reshard": meta})
+    # the same metadata the per-rank writer writes, so a saved file equals a converted one
+    text = tensors_text((n, t["shape"], t["placements"]) for n, t in info.items())
+    prefix, header = encode_header(specs, rank_metadata(mesh, rank, text))
     datas = [locals_[e.name] for e in header.entries]
     return rank_file_name(rank, mesh.size), prefix, datas, info, mesh
 

@@ -7,9 +7,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
+from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, box_span, row_major_strides
-from .io.header import DTYPE_SIZES
 from .plan import Plan, copy_boxes
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
@@ -184,10 +185,8 @@ def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
     return out
 
 
-def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]:
+def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
     """What convert would do: per output file, what it reads and writes, and the peak memory."""
-    from .execute import memory_estimate
-
     files = []
     total_read = 0
     total_copies = 0
@@ -232,9 +231,9 @@ def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]
             "copies": total_copies,
             "read_amplification": round(total_read / written, 4) if written else 0.0,
         },
-        "workers": workers,
-        "buffer_size": buffer_size,
-        "peak_memory_estimate": memory_estimate(plan, workers=workers, buffer_size=buffer_size),
+        "workers": budget.workers,
+        "buffer_size": budget.buffer,
+        "peak_memory_estimate": memory_estimate(plan, budget),
     }
 
 

@@ -47,6 +47,7 @@ from ..checkpoint import Checkpoint, TensorSource
 from ..errors import HeaderError, LayoutError
 from ..intervals import Block, Box, Interval, normalize
 from ..io.header import Header, read_header
+from .base import NO, YES, Probe, Reader, ReadOptions
 
 __all__ = [
     "DCP_FILE",
@@ -58,6 +59,7 @@ __all__ = [
     "overlapping_pairs",
     "format_box",
     "open_dcp_safetensors",
+    "READER",
 ]
 
 #: File names torch's writer gives with ``save_distributed=True``.
@@ -451,3 +453,20 @@ def open_dcp_safetensors(path: Path) -> Checkpoint:
         tensors=tensors,
         warnings=warnings,
     )
+
+
+def _detect(probe: Probe) -> int:
+    return YES if not probe.is_file and any(DCP_FILE.match(n) for n in probe.names) else NO
+
+
+def _open(path: Path, options: ReadOptions) -> Checkpoint:
+    return open_dcp_safetensors(path)
+
+
+READER = Reader(
+    name="dcp-safetensors",
+    help="torch HuggingFaceStorageWriter(save_distributed=True) output: "
+    "shard-*-model-*-of-*.safetensors with DCP_SHARDING_INFO",
+    detect=_detect,
+    open=_open,
+)

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..checkpoint import Checkpoint, TensorSource
 from ..errors import HeaderError, TensorNotFoundError
 from ..intervals import full_block
 from ..io.header import Header, read_header
+from ..io.writer import FileResult, write_json
+from ..mesh import Mesh
+from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
+from .base import MAYBE, NO, YES, Probe, Reader, Writer
+from .manifest import manifest_for, write_manifest
+from .safetensors import SafetensorsFile, header_order
 
-__all__ = ["INDEX", "SINGLE", "open_hf"]
+__all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -102,3 +109,62 @@ def open_hf(path: Path) -> Checkpoint:
         tensors=dict(sorted(tensors.items())),
         warnings=warnings,
     )
+
+
+def _detect(probe: Probe) -> int:
+    if probe.is_file:
+        return YES if probe.path.name.endswith(".safetensors") else NO
+    if INDEX in probe.names or SINGLE in probe.names:
+        return YES
+    return MAYBE if len(probe.with_suffix(".safetensors")) == 1 else NO
+
+
+READER = Reader(
+    name="hf",
+    help=f"{SINGLE}, or model-*-of-*.safetensors with {INDEX}, or one .safetensors file",
+    detect=_detect,
+    open=lambda path, options: open_hf(path),
+)
+
+
+def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
+    """Consolidated tensors in natural order, split into files of at most ``max_shard_size``."""
+    groups: list[list[TargetTensor]] = [[]]
+    acc = 0
+    for t in tensors:
+        n = local_nbytes(t, 0)
+        if groups[-1] and acc + n > options.max_shard_size:
+            groups.append([])
+            acc = 0
+        groups[-1].append(t)
+        acc += n
+    total = len(groups)
+    return [
+        SafetensorsFile(
+            SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors",
+            None,
+            header_order(group),
+            '{"format":"pt"}',
+        )
+        for i, group in enumerate(groups)
+    ]
+
+
+def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
+    """The index (for more than one file), then ``reshard.json``."""
+    if len(plan.files) > 1:
+        where = {t.name: f.name for f in plan.files for t in f.tensors}
+        total = sum(local_nbytes(t, 0) for t in plan.tensors)
+        weight_map = {t.name: where[t.name] for t in plan.tensors}
+        write_json(dst / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_manifest(dst, manifest_for(plan, results))
+
+
+WRITER = Writer(
+    name="hf",
+    help="consolidated Hugging Face safetensors, split at --max-shard-size, with the index",
+    files=_files,
+    complete=_complete,
+    consolidated=True,
+    owns=(".safetensors", INDEX),
+)

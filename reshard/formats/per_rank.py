@@ -4,18 +4,34 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import Checkpoint, TensorSource
-from ..errors import HeaderError, LayoutError, ReshardError, TensorNotFoundError
+from ..config import LayoutConfig
+from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..io.header import Header, read_header
+from ..io.writer import FileResult
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh
 from ..placements import Placement
+from ..plan import OutFile, Plan, TargetTensor, WriteOptions
+from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
+from .manifest import MANIFEST, manifest_for, read_manifest, write_manifest
+from .safetensors import SafetensorsFile, header_order, metadata_text
 
-__all__ = ["RANK_FILE", "rank_files", "open_per_rank", "self_description"]
+__all__ = [
+    "RANK_FILE",
+    "READER",
+    "WRITER",
+    "rank_files",
+    "rank_file_name",
+    "rank_metadata",
+    "tensors_text",
+    "open_per_rank",
+    "self_description",
+]
 
 RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
 _DIGITS = re.compile(r"\d+")
@@ -246,3 +262,128 @@ def _raise_bad_local(
         tensor=name,
         path=str(paths[0].parent),
     )
+
+
+# --------------------------------------------------------------------------- reader
+
+
+def _detect(probe: Probe) -> int:
+    if probe.is_file:
+        return NO
+    st = probe.with_suffix(".safetensors")
+    if any(RANK_FILE.match(n) for n in st):
+        return YES
+    return MAYBE if len(st) > 1 else NO
+
+
+def _source_layout(options: ReadOptions) -> LayoutConfig | None:
+    """``--source-layout`` on the mesh ``--source-mesh`` resizes."""
+    cfg = options.layout
+    if cfg is None:
+        if options.mesh_sizes:
+            raise ConfigError(
+                "--source-mesh needs --source-layout (or a self-describing checkpoint has its mesh)"
+            )
+        return None
+    mesh = cfg.mesh.with_sizes(options.mesh_sizes) if options.mesh_sizes else cfg.mesh
+    return cfg.with_mesh(mesh)
+
+
+def _open(path: Path, options: ReadOptions) -> Checkpoint:
+    """Open a per-rank directory; its layout rules: the given layout, ``reshard.json``'s, or exact names."""
+    if not path.is_dir():
+        raise UsageError(f"{path}: a per-rank checkpoint is a directory", path=str(path))
+    cfg = _source_layout(options)
+    ckpt = open_per_rank(
+        path,
+        mesh=cfg.mesh if cfg is not None else None,
+        placements_for=cfg.placements_for if cfg is not None else None,
+        layout_source=cfg.source if cfg is not None else "the layout",
+    )
+    manifest = read_manifest(path)
+    ckpt.manifest = manifest
+    if cfg is None and manifest is not None and "rules" in manifest:
+        try:
+            cfg = LayoutConfig.from_json(
+                {"mesh": manifest["mesh"], "rules": manifest["rules"]}, source=str(path / MANIFEST)
+            )
+        except (ConfigError, KeyError, TypeError) as e:
+            raise LayoutError(
+                f"{path / MANIFEST}: invalid layout rules ({e})", path=str(path / MANIFEST)
+            ) from None
+    ckpt.layout = cfg if cfg is not None else _exact_rules(ckpt)
+    return ckpt
+
+
+def _exact_rules(ckpt: Checkpoint) -> LayoutConfig:
+    """One exact-name rule per tensor, from a self-described checkpoint's placements."""
+    assert ckpt.mesh is not None
+    rules = [
+        ["re:" + re.escape(t.name), [str(p) for p in (t.placements or ())]] for t in ckpt.tensors.values()
+    ]
+    return LayoutConfig.from_json(
+        {"mesh": ckpt.mesh.to_json(), "rules": rules}, source=f"{ckpt.path} (file metadata)"
+    )
+
+
+READER = Reader(
+    name="per-rank",
+    help="rank-{r:05d}-of-{W:05d}.safetensors, one per rank (self-described, or with --source-layout)",
+    detect=_detect,
+    open=_open,
+)
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def rank_file_name(rank: int, world: int) -> str:
+    """``rank-00003-of-00008.safetensors``."""
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def tensors_text(tensors: Iterable[tuple[str, Sequence[int], Sequence[str]]]) -> str:
+    """The ``tensors`` member of the per-rank metadata: name -> global shape and placements."""
+    return json.dumps(
+        {name: {"shape": list(shape), "placements": list(pls)} for name, shape, pls in tensors},
+        separators=(",", ":"),
+    )
+
+
+def rank_metadata(mesh: Mesh, rank: int, tensors: str) -> dict[str, str]:
+    """The ``__metadata__`` of rank ``rank``'s file (``tensors`` from :func:`tensors_text`).
+
+    The one place it is made: converted files and :func:`reshard.dist.save_dtensors`'
+    files are byte-identical.
+    """
+    compact = (",", ":")
+    meta = (
+        f'{{"format_version":1,"mesh":{json.dumps(mesh.to_json(), separators=compact)},"rank":{rank},'
+        f'"coordinate":{json.dumps(list(mesh.coordinate(rank)), separators=compact)},"tensors":{tensors}}}'
+    )
+    return {"reshard": meta}
+
+
+def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
+    text = tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in tensors)
+    ordered = header_order(tensors)
+    return [
+        SafetensorsFile(
+            rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))
+        )
+        for rank in range(mesh.size)
+    ]
+
+
+def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
+    write_manifest(dst, manifest_for(plan, results))
+
+
+WRITER = Writer(
+    name="per-rank",
+    help="one self-described safetensors file per target rank",
+    files=_files,
+    complete=_complete,
+    lockstep=True,
+    owns=(".safetensors",),
+)

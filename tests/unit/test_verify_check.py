@@ -14,15 +14,15 @@ import torch
 from safetensors.torch import save_file
 
 from reshard import check as check_mod
-from reshard.check import check_checkpoint, coverage_holes
+from reshard.check import check_checkpoint
 from reshard.checkpoint import Checkpoint, TensorSource
 from reshard.config import load_layout
 from reshard.convert import SourceSpec, TargetSpec, convert, open_source
 from reshard.errors import PlanError, ReshardError
 from reshard.formats import open_checkpoint
-from reshard.intervals import Interval
+from reshard.intervals import Interval, coverage_holes, global_index
 from reshard.io.header import read_header
-from reshard.verify import global_index, verify_checkpoints
+from reshard.verify import verify_checkpoints
 
 I = Interval  # noqa: E741
 
