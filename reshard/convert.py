@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointWarning
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
 from .errors import ConfigError, ReshardError, UsageError, WriteError
@@ -114,6 +114,15 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
     if layout is not None:
         ckpt.warnings.extend(rule_warnings(layout, ckpt.tensors))
+    if ckpt.non_tensors:
+        names = ", ".join(n.name for n in ckpt.non_tensors[:3]) + (
+            " ..." if len(ckpt.non_tensors) > 3 else ""
+        )
+        ckpt.warnings.append(
+            CheckpointWarning(
+                f"{ckpt.path}: {len(ckpt.non_tensors)} non-tensor item(s) ({names}) are not converted"
+            )
+        )
     return ckpt
 
 
@@ -220,10 +229,13 @@ def _target_rules(
     raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
 
 
-def rule_warnings(cfg: LayoutConfig, names: Any) -> list[str]:
+def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWarning]:
     """SPEC §2: a rule that matches nothing is a warning."""
     return [
-        f"{cfg.source}{':' + str(r.line) if r.line else ''}: rule {r.pattern!r} matches no tensor"
+        CheckpointWarning(
+            f"{cfg.source}{':' + str(r.line) if r.line else ''}: rule {r.pattern!r} matches no tensor",
+            path=cfg.source,
+        )
         for r in cfg.unused_rules(names)
     ]
 

@@ -32,6 +32,8 @@ __all__ = [
     "slabs",
     "global_index",
     "coverage_holes",
+    "overlapping_pairs",
+    "format_box",
 ]
 
 
@@ -387,3 +389,48 @@ def coverage_holes(shape: Sequence[int], blocks: Sequence[Block]) -> list[Box]:
         return out
 
     return rec(0, frozenset(blocks))
+
+
+def overlapping_pairs(blocks: Sequence[Block]) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)``, ``i < j``, of blocks that share an element without being equal.
+
+    Equal blocks are replicas and empty blocks hold nothing: neither is reported.
+    A sweep along the dim whose block starts differ most, comparing only blocks
+    whose hulls meet, so blocks that tile a tensor cost about ``n log n``.
+
+    >>> iv = Interval
+    >>> overlapping_pairs([((iv(0, 4),),), ((iv(2, 6),),), ((iv(4, 8),),), ((iv(0, 4),),)])
+    [(0, 1), (1, 2), (1, 3)]
+    >>> overlapping_pairs([((iv(0, 2),), (iv(0, 3),)), ((iv(2, 4),), (iv(0, 3),)), ((), (iv(0, 3),))])
+    []
+    """
+    live = [i for i, b in enumerate(blocks) if b and all(b)]
+    if len(live) < 2:
+        return []
+    ndim = len(blocks[live[0]])
+    hull = {i: [(blocks[i][d][0].start, blocks[i][d][-1].stop) for d in range(ndim)] for i in live}
+    d0 = max(range(ndim), key=lambda d: len({h[d][0] for h in hull.values()}))
+    order = sorted(live, key=lambda i: hull[i][d0])
+    pairs: list[tuple[int, int]] = []
+    for x, i in enumerate(order):
+        hi, bi = hull[i], blocks[i]
+        for j in order[x + 1 :]:
+            hj, bj = hull[j], blocks[j]
+            if hj[d0][0] >= hi[d0][1]:
+                break
+            if bi == bj or not all(hi[d][0] < hj[d][1] and hj[d][0] < hi[d][1] for d in range(ndim)):
+                continue
+            if all(overlap_segments(bi[d], bj[d]) for d in range(ndim)):
+                pairs.append((min(i, j), max(i, j)))
+    return sorted(pairs)
+
+
+def format_box(box: Box) -> str:
+    """The one human form of a box: half-open intervals per dim, joined by ``x``.
+
+    >>> format_box((Interval(0, 4), Interval(2, 3)))
+    '[0:4)x[2:3)'
+    >>> format_box(())
+    '(scalar)'
+    """
+    return "x".join(str(iv) for iv in box) if box else "(scalar)"

@@ -56,7 +56,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
                 "bytes": nbytes,
             }
         )
-    return {
+    doc: dict[str, Any] = {
         "path": ck.path,
         "format": ck.format,
         "mesh": ck.mesh.to_json() if ck.mesh is not None else None,
@@ -64,8 +64,19 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "file_bytes": ck.total_bytes,
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
-        "warnings": list(ck.warnings),
+        "warnings": [str(w) for w in ck.warnings],
     }
+    if ck.non_tensors:  # only formats that have them (DCP, torch.save) add the key
+        doc["non_tensors"] = [
+            {
+                "name": n.name,
+                "size": n.size,
+                "kind": n.kind,
+                "file": os.path.basename(ck.files[n.file]) if n.file is not None else None,
+            }
+            for n in ck.non_tensors
+        ]
+    return doc
 
 
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
@@ -155,6 +166,11 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     console.print(table)
     tot = doc["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
+    for n in doc.get("non_tensors", ()):
+        where = f" in {n['file']}" if n["file"] else ""
+        console.print(
+            f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
+        )
     for w in doc["warnings"]:
         console.print(f"warning: {w}")
 

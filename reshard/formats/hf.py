@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..checkpoint import Checkpoint, TensorSource
+from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, TensorNotFoundError
 from ..intervals import full_block
 from ..io.header import Header, read_header
@@ -43,7 +43,7 @@ def open_hf(path: Path) -> Checkpoint:
         HeaderError: unreadable index or headers, a shard named by the index missing.
         TensorNotFoundError: the index names a tensor its shard does not hold.
     """
-    warnings: list[str] = []
+    warnings: list[CheckpointWarning] = []
     if path.is_file():
         files = [path]
         weight_map = None
@@ -100,7 +100,11 @@ def open_hf(path: Path) -> Checkpoint:
         for f, h in zip(files, headers):
             extra = [n for n in h.names if n not in weight_map]
             if extra:
-                warnings.append(f'{f.name}: tensor "{extra[0]}" is not in {INDEX}; ignored')
+                warnings.append(
+                    CheckpointWarning(
+                        f'{f.name}: tensor "{extra[0]}" is not in {INDEX}; ignored', path=str(f)
+                    )
+                )
     return Checkpoint(
         path=str(root if path.is_dir() else path),
         format="hf",

@@ -12,11 +12,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypedDict
 
-from .. import __version__
 from ..errors import HeaderError
 from ..io.writer import FileResult, write_json
 from ..mesh import Mesh
 from ..plan import Plan
+from ..version import __version__
 
 __all__ = [
     "MANIFEST",

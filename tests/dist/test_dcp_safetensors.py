@@ -290,8 +290,8 @@ def test_strided_shard_chunks_are_flagged(world: Path, tmp_path: Path) -> None:
     ck = open_checkpoint(world / "fused")
     assert ck.tensors["fused"].shape == (6, 3)  # derived, and wrong: the full tensor has 8 rows
     (warning,) = ck.warnings
-    assert warning.startswith('problem: tensor "fused": stored boxes [0:4)x[0:3)')
-    assert "[2:6)x[0:3)" in warning and "_StridedShard" in warning
+    assert warning.problem and warning.message.startswith('tensor "fused": stored boxes [0:4)x[0:3)')
+    assert "[2:6)x[0:3)" in warning.message and "_StridedShard" in warning.message
 
     with pytest.raises(PlanError, match=r'tensor "fused"'):
         convert(SourceSpec(str(world / "fused")), tmp_path / "out", TargetSpec(consolidate=True))
