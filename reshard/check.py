@@ -117,6 +117,22 @@ class _Geometry:
 
 
 def _geometry(t: TensorSource) -> _Geometry:
+    outside = _outside(t)
+    if outside:
+        return _Geometry(tuple(outside), (), ())
+    numels = tuple(block_volume(b) for b in t.piece_blocks)
+    partials = t.piece_partials
+    by_group: dict[int, list[int]] = {}
+    for k in range(len(t.piece_blocks)):
+        by_group.setdefault(partials[k] if partials is not None else 0, []).append(k)
+    if not by_group:
+        by_group[0] = []
+    groups = tuple(_group(t, gid, by_group[gid], numels) for gid in sorted(by_group))
+    return _Geometry((), groups, numels)
+
+
+def _outside(t: TensorSource) -> list[tuple[int, int]]:
+    """``(piece, dim)`` of pieces with indices past the global shape (dim -1: wrong rank)."""
     outside = []
     for k, blk in enumerate(t.piece_blocks):
         if len(blk) != len(t.shape):
@@ -125,40 +141,33 @@ def _geometry(t: TensorSource) -> _Geometry:
         for d, (ilist, n) in enumerate(zip(blk, t.shape, strict=True)):
             if ilist and ilist[-1].stop > n:
                 outside.append((k, d))
-    numels = tuple(block_volume(b) for b in t.piece_blocks) if not outside else ()
-    if outside:
-        return _Geometry(tuple(outside), (), numels)
-    partials = t.piece_partials
-    by_group: dict[int, list[int]] = {}
-    for k in range(len(t.piece_blocks)):
-        by_group.setdefault(partials[k] if partials is not None else 0, []).append(k)
-    if not by_group:
-        by_group[0] = []
-    groups = []
+    return outside
+
+
+def _group(t: TensorSource, gid: int, pieces: Sequence[int], numels: Sequence[int]) -> _Group:
+    """Holes, replica pairs and overlapping pairs of one partial group's pieces."""
+    reps: dict[Block, int] = {}
+    replicas: list[tuple[int, int]] = []
+    for k in pieces:
+        blk = t.piece_blocks[k]
+        if numels[k] == 0:
+            continue
+        r = reps.get(blk)
+        if r is None:
+            reps[blk] = k
+        else:
+            replicas.append((r, k))
+    distinct = list(reps)
     numel = t.numel
-    for gid in sorted(by_group):
-        reps: dict[Block, int] = {}
-        replicas: list[tuple[int, int]] = []
-        for k in by_group[gid]:
-            blk = t.piece_blocks[k]
-            if numels[k] == 0:
-                continue
-            r = reps.get(blk)
-            if r is None:
-                reps[blk] = k
-            else:
-                replicas.append((r, k))
-        distinct = list(reps)
-        holes = coverage_holes(t.shape, distinct) if numel else []
-        covered = numel - sum(_volume(h) for h in holes)
-        overlaps: list[tuple[int, int, tuple[tuple[Segment, ...], ...]]] = []
-        if sum(block_volume(b) for b in distinct) > covered:
-            # some distinct blocks overlap: find which (a well-formed layout never gets here)
-            for i, j in overlapping_pairs(distinct):
-                segs = tuple(overlap_segments(a, b) for a, b in zip(distinct[i], distinct[j], strict=True))
-                overlaps.append((reps[distinct[i]], reps[distinct[j]], segs))
-        groups.append(_Group(gid, tuple(holes), tuple(replicas), tuple(overlaps)))
-    return _Geometry((), tuple(groups), numels)
+    holes = coverage_holes(t.shape, distinct) if numel else []
+    covered = numel - sum(_volume(h) for h in holes)
+    overlaps: list[tuple[int, int, tuple[tuple[Segment, ...], ...]]] = []
+    if sum(block_volume(b) for b in distinct) > covered:
+        # some distinct blocks overlap: find which (a well-formed layout never gets here)
+        for i, j in overlapping_pairs(distinct):
+            segs = tuple(overlap_segments(a, b) for a, b in zip(distinct[i], distinct[j], strict=True))
+            overlaps.append((reps[distinct[i]], reps[distinct[j]], segs))
+    return _Group(gid, tuple(holes), tuple(replicas), tuple(overlaps))
 
 
 # --------------------------------------------------------------------------- data

@@ -280,20 +280,24 @@ def convert(
                 progress=prog,
                 on_plan=on_plan,
             )
-        from .dist import coordinator
+        _report_convert(result, json_, quiet)
 
-        if not coordinator().is_main:
-            return  # under torchrun, rank 0 reports for everyone
-        for w in result["warnings"]:
-            console().print(f"warning: {w}")
-        if json_:
-            _emit({"ok": True, "command": "convert", **result})
-        elif not quiet:
-            d = result["destination"]
-            console().print(
-                f"wrote {len(result['files'])} {d['format']} file(s), "
-                f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
-            )
+
+def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
+    from .dist import coordinator
+
+    if not coordinator().is_main:
+        return  # under torchrun, rank 0 reports for everyone
+    for w in result["warnings"]:
+        console().print(f"warning: {w}")
+    if json_:
+        _emit({"ok": True, "command": "convert", **result})
+    elif not quiet:
+        d = result["destination"]
+        console().print(
+            f"wrote {len(result['files'])} {d['format']} file(s), "
+            f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
+        )
 
 
 @app.command()

@@ -16,7 +16,7 @@ and the reduced values are compared.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,9 @@ def _prod(xs: Sequence[int]) -> int:
 
 
 _Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+Difference = dict[str, Any]
+"""One difference found, as JSON: ``tensor``, ``kind``, ``message`` and the kind's extras."""
 
 
 class _Region:
@@ -272,49 +275,23 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
         PlanError: a checkpoint's pieces leave holes or overlap without being replicas.
     """
     names = sorted(set(a.tensors) | set(b.tensors), key=natural_key)
-    diffs: list[dict[str, Any]] = []
+    diffs: list[Difference] = []
     compared_tensors = 0
     total = 0
     fa = MappedFiles(a.files, max_bytes // 4)
     fb = MappedFiles(b.files, max_bytes // 4)
     bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
-    matches: dict[tuple[Any, ...], _Match] = {}
+    matches: dict[tuple[Hashable, ...], _Match] = {}
     try:
         for name in names:
-            ta = a.tensors.get(name)
-            tb = b.tensors.get(name)
-            q = f'tensor "{name}"'
-            if tb is None:
-                msg = f"{q} is in A but missing in B"
-                diffs.append({"tensor": name, "kind": "missing", "message": msg})
+            ta, tb = a.tensors.get(name), b.tensors.get(name)
+            diff = _metadata_difference(name, ta, tb)
+            if ta is not None and tb is not None:
+                compared_tensors += 1
+            if diff is not None:
+                diffs.append(diff)
                 continue
-            if ta is None:
-                msg = f"{q} is in B but not in A"
-                diffs.append({"tensor": name, "kind": "extra", "message": msg})
-                continue
-            compared_tensors += 1
-            if ta.dtype != tb.dtype:
-                diffs.append(
-                    {
-                        "tensor": name,
-                        "kind": "dtype",
-                        "a": ta.dtype,
-                        "b": tb.dtype,
-                        "message": f"{q}: dtype {ta.dtype} in A, {tb.dtype} in B",
-                    }
-                )
-                continue
-            if ta.shape != tb.shape:
-                diffs.append(
-                    {
-                        "tensor": name,
-                        "kind": "shape",
-                        "a": list(ta.shape),
-                        "b": list(tb.shape),
-                        "message": f"{q}: shape {list(ta.shape)} in A, {list(tb.shape)} in B",
-                    }
-                )
-                continue
+            assert ta is not None and tb is not None
             if ta.numel == 0:
                 continue
             key = (ta.signature, tb.signature, ta.shape)
@@ -325,20 +302,7 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
             n, first = _first_difference(fa, fb, ta, tb, m, max_bytes, bufs)
             total += n
             if first is not None:
-                idx, bits_a, bits_b = first
-                w = 2 * DTYPE_SIZES[ta.dtype]
-                ha, hb = f"0x{bits_a:0{w}x}", f"0x{bits_b:0{w}x}"
-                diffs.append(
-                    {
-                        "tensor": name,
-                        "kind": "values",
-                        "index": idx,
-                        "a_bits": ha,
-                        "b_bits": hb,
-                        "message": f"{q}: values differ, first at index {idx} "
-                        f"({ta.dtype} bits {ha} in A, {hb} in B)",
-                    }
-                )
+                diffs.append(_values_difference(name, ta.dtype, *first))
     finally:
         del bufs
         fa.close()
@@ -350,4 +314,34 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
         "differences": diffs,
         "a": _describe(a),
         "b": _describe(b),
+    }
+
+
+def _metadata_difference(name: str, ta: TensorSource | None, tb: TensorSource | None) -> Difference | None:
+    """A tensor missing on one side, or of another dtype or shape; None when they match."""
+    q = f'tensor "{name}"'
+    if tb is None:
+        return {"tensor": name, "kind": "missing", "message": f"{q} is in A but missing in B"}
+    if ta is None:
+        return {"tensor": name, "kind": "extra", "message": f"{q} is in B but not in A"}
+    if ta.dtype != tb.dtype:
+        msg = f"{q}: dtype {ta.dtype} in A, {tb.dtype} in B"
+        return {"tensor": name, "kind": "dtype", "a": ta.dtype, "b": tb.dtype, "message": msg}
+    if ta.shape != tb.shape:
+        msg = f"{q}: shape {list(ta.shape)} in A, {list(tb.shape)} in B"
+        return {"tensor": name, "kind": "shape", "a": list(ta.shape), "b": list(tb.shape), "message": msg}
+    return None
+
+
+def _values_difference(name: str, dtype: str, idx: list[int], bits_a: int, bits_b: int) -> Difference:
+    w = 2 * DTYPE_SIZES[dtype]
+    ha, hb = f"0x{bits_a:0{w}x}", f"0x{bits_b:0{w}x}"
+    q = f'tensor "{name}"'
+    return {
+        "tensor": name,
+        "kind": "values",
+        "index": idx,
+        "a_bits": ha,
+        "b_bits": hb,
+        "message": f"{q}: values differ, first at index {idx} ({dtype} bits {ha} in A, {hb} in B)",
     }

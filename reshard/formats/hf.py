@@ -43,44 +43,9 @@ def open_hf(path: Path) -> Checkpoint:
         HeaderError: unreadable index or headers, a shard named by the index missing.
         TensorNotFoundError: the index names a tensor its shard does not hold.
     """
-    warnings: list[CheckpointWarning] = []
-    if path.is_file():
-        files = [path]
-        weight_map = None
-        root = path.parent
-    else:
-        root = path
-        index = path / INDEX
-        if index.exists():
-            try:
-                data = json.loads(index.read_text())
-                weight_map = data["weight_map"]
-                if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-                ):
-                    raise TypeError("weight_map must map tensor names to file names")
-            except (ValueError, KeyError, TypeError) as e:
-                raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
-            names = sorted(set(weight_map.values()))
-            for n in names:
-                if "/" in n or n.startswith("."):
-                    raise HeaderError(
-                        f"{index}: shard name {n!r} points outside the checkpoint", path=str(index)
-                    )
-            files = [path / n for n in names]
-            for f in files:
-                if not f.exists():
-                    raise HeaderError(f"{f}: listed in {INDEX} but missing", path=str(f))
-        elif (path / SINGLE).exists():
-            files = [path / SINGLE]
-            weight_map = None
-        else:
-            cands = sorted(p for p in path.glob("*.safetensors"))
-            if len(cands) != 1:
-                raise HeaderError(f"{path}: no {SINGLE} or {INDEX} found", path=str(path))
-            files = cands
-            weight_map = None
+    files, weight_map = _hf_files(path)
     headers = [read_header(f) for f in files]
+    warnings: list[CheckpointWarning] = []
     tensors: dict[str, TensorSource] = {}
     if weight_map is None:
         for name in headers[0].names:
@@ -100,19 +65,54 @@ def open_hf(path: Path) -> Checkpoint:
         for f, h in zip(files, headers):
             extra = [n for n in h.names if n not in weight_map]
             if extra:
-                warnings.append(
-                    CheckpointWarning(
-                        f'{f.name}: tensor "{extra[0]}" is not in {INDEX}; ignored', path=str(f)
-                    )
-                )
+                msg = f'{f.name}: tensor "{extra[0]}" is not in {INDEX}; ignored'
+                warnings.append(CheckpointWarning(msg, path=str(f)))
     return Checkpoint(
-        path=str(root if path.is_dir() else path),
+        path=str(path),
         format="hf",
         files=tuple(str(f) for f in files),
         file_sizes=tuple(f.stat().st_size for f in files),
         tensors=dict(sorted(tensors.items())),
         warnings=warnings,
     )
+
+
+def _hf_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The shard files and, for a sharded checkpoint, the index's tensor -> file map."""
+    if path.is_file():
+        return [path], None
+    if (path / INDEX).exists():
+        weight_map = _read_index(path / INDEX)
+        names = sorted(set(weight_map.values()))
+        for n in names:
+            if "/" in n or n.startswith("."):
+                raise HeaderError(
+                    f"{path / INDEX}: shard name {n!r} points outside the checkpoint", path=str(path / INDEX)
+                )
+        files = [path / n for n in names]
+        for f in files:
+            if not f.exists():
+                raise HeaderError(f"{f}: listed in {INDEX} but missing", path=str(f))
+        return files, weight_map
+    if (path / SINGLE).exists():
+        return [path / SINGLE], None
+    cands = sorted(p for p in path.glob("*.safetensors"))
+    if len(cands) != 1:
+        raise HeaderError(f"{path}: no {SINGLE} or {INDEX} found", path=str(path))
+    return cands, None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
+    return weight_map
 
 
 def _detect(probe: Probe) -> int:

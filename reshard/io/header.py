@@ -365,37 +365,12 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
             path, the tensor when relevant, and what is wrong.
     """
     raw = bytes(raw)
-    if not raw:
-        raise HeaderError(f"{path}: header is empty", path=path)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise HeaderError(f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path) from None
-    try:
-        obj: object = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise HeaderError(
-            f"{path}: header is not valid JSON: {exc.msg} (char {exc.pos})", path=path
-        ) from None
-    except _DuplicateKeyError as exc:
-        raise HeaderError(f"{path}: duplicate key {_q(exc.key)} in header", path=path) from None
-    except _BadConstantError as exc:
-        raise HeaderError(
-            f"{path}: header is not valid JSON: non-standard constant {exc.constant}", path=path
-        ) from None
-    except RecursionError:
-        raise HeaderError(f"{path}: header is not valid JSON: nested too deeply", path=path) from None
-    if not isinstance(obj, dict):
-        raise HeaderError(f"{path}: header must be a JSON object, got {_json_type(obj)}", path=path)
-    if not text.startswith("{"):
-        raise HeaderError(f"{path}: header must start with '{{'", path=path)
-
+    obj = _header_object(raw, path)
     metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
     entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
     entries.sort(key=_layout_key)
     _check_layout(entries, path)
     header = Header(tuple(entries), metadata, 8 + len(raw))
-
     if file_size is not None:
         have = file_size - header.data_start
         if have < header.data_size:
@@ -411,6 +386,34 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
                 path=path,
             )
     return header
+
+
+def _header_object(raw: bytes, path: str) -> dict[str, object]:
+    """The header's JSON object: strict UTF-8 and JSON, no duplicate keys, starting with ``{``."""
+    if not raw:
+        raise HeaderError(f"{path}: header is empty", path=path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path) from None
+    try:
+        obj: object = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise HeaderError(
+            f"{path}: header is not valid JSON: {exc.msg} (char {exc.pos})", path=path
+        ) from None
+    except _DuplicateKeyError as exc:
+        raise HeaderError(f"{path}: duplicate key {_q(exc.key)} in header", path=path) from None
+    except _BadConstantError as exc:
+        msg = f"{path}: header is not valid JSON: non-standard constant {exc.constant}"
+        raise HeaderError(msg, path=path) from None
+    except RecursionError:
+        raise HeaderError(f"{path}: header is not valid JSON: nested too deeply", path=path) from None
+    if not isinstance(obj, dict):
+        raise HeaderError(f"{path}: header must be a JSON object, got {_json_type(obj)}", path=path)
+    if not text.startswith("{"):
+        raise HeaderError(f"{path}: header must start with '{{'", path=path)
+    return obj
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
@@ -495,48 +498,8 @@ def encode_header(
             non-string metadata, or a header over :data:`MAX_HEADER_SIZE`.
     """
     where = "cannot encode header: "
-    specs: list[tuple[str, str, tuple[int, ...]]] = []
-    seen: set[str] = set()
-    for item in tensors:
-        name, dtype, shape = item
-        if not isinstance(name, str):
-            raise HeaderError(f"{where}tensor name {name!r} is not a string")
-        if name == _METADATA_KEY:
-            raise HeaderError(f"{where}{_q(name)} is reserved and cannot name a tensor", tensor=name)
-        if name in seen:
-            raise HeaderError(f"{where}duplicate tensor name {_q(name)}", tensor=name)
-        seen.add(name)
-        if not isinstance(dtype, str):
-            raise HeaderError(f"{where}tensor {_q(name)} has dtype {dtype!r}: must be a string", tensor=name)
-        _check_dtype(dtype, name, where, None)
-        dims: list[int] = []
-        for d in shape:
-            try:
-                dim = -1 if isinstance(d, bool) else operator.index(d)
-            except TypeError:
-                dim = -1
-            if dim < 0:
-                raise HeaderError(
-                    f"{where}tensor {_q(name)} has invalid shape {list(shape)!r}: "
-                    "must be non-negative integers",
-                    tensor=name,
-                )
-            dims.append(dim)
-        specs.append((name, dtype, tuple(dims)))
-
-    meta: dict[str, str] | None = None
-    if metadata is not None:
-        meta = {}
-        for key, value in metadata.items():
-            if not isinstance(key, str):
-                raise HeaderError(f"{where}metadata key {key!r} is not a string")
-            if not isinstance(value, str):
-                raise HeaderError(
-                    f"{where}metadata value for {_q(key)} must be a string, "
-                    f"got {type(value).__name__} {value!r}"
-                )
-            meta[key] = value
-
+    specs = _checked_specs(tensors, where)
+    meta = _checked_metadata(metadata, where)
     specs.sort(key=lambda s: (-_RANK[s[1]], s[0]))
     items = []
     for name, dtype, shape_t in specs:
@@ -561,6 +524,58 @@ def encode_header(
         for (name, dtype, shape_t), it, a in zip(specs, items, starts)
     ]
     return prefix, Header(tuple(entries), meta, len(prefix))
+
+
+def _checked_specs(
+    tensors: Sequence[tuple[str, str, Sequence[int]]], where: str
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for item in tensors:
+        name, dtype, shape = item
+        if not isinstance(name, str):
+            raise HeaderError(f"{where}tensor name {name!r} is not a string")
+        if name == _METADATA_KEY:
+            raise HeaderError(f"{where}{_q(name)} is reserved and cannot name a tensor", tensor=name)
+        if name in seen:
+            raise HeaderError(f"{where}duplicate tensor name {_q(name)}", tensor=name)
+        seen.add(name)
+        if not isinstance(dtype, str):
+            raise HeaderError(f"{where}tensor {_q(name)} has dtype {dtype!r}: must be a string", tensor=name)
+        _check_dtype(dtype, name, where, None)
+        specs.append((name, dtype, _checked_shape(shape, name, where)))
+    return specs
+
+
+def _checked_shape(shape: Sequence[int], name: str, where: str) -> tuple[int, ...]:
+    dims: list[int] = []
+    for d in shape:
+        try:
+            dim = -1 if isinstance(d, bool) else operator.index(d)
+        except TypeError:
+            dim = -1
+        if dim < 0:
+            raise HeaderError(
+                f"{where}tensor {_q(name)} has invalid shape {list(shape)!r}: must be non-negative integers",
+                tensor=name,
+            )
+        dims.append(dim)
+    return tuple(dims)
+
+
+def _checked_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    meta: dict[str, str] = {}
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise HeaderError(f"{where}metadata key {key!r} is not a string")
+        if not isinstance(value, str):
+            raise HeaderError(
+                f"{where}metadata value for {_q(key)} must be a string, got {type(value).__name__} {value!r}"
+            )
+        meta[key] = value
+    return meta
 
 
 def header_prefix(
