@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
@@ -53,16 +53,32 @@ from .io.checksum import CHECKSUM_PREFIX, file_checksum
 from .io.reader import MappedFiles, read_box
 from .plan import natural_key
 
-__all__ = ["check_checkpoint", "MAX_REGIONS"]
+__all__ = ["check_checkpoint", "Problem", "MAX_REGIONS"]
 
 #: Hole regions reported per tensor and partial group; the rest are summed up in one more problem.
 MAX_REGIONS = 8
 
-_CHECKSUM_ALGO = CHECKSUM_PREFIX
+
+class _ProblemCore(TypedDict):
+    kind: str
+    message: str
+    path: str | None
+    tensor: str | None
+    region: list[list[int]] | None
 
 
-Problem = dict[str, Any]
-"""One problem found, as JSON: ``kind``, ``message``, ``path``, ``tensor``, ``region`` and extras."""
+class Problem(_ProblemCore, total=False):
+    """One problem found, as JSON (``inspect --check --json``).
+
+    ``region`` is a global box ``[[start, stop], ...]``; ``size``/``checksum``/``crc32``
+    problems add ``expected`` and ``actual``, ``replica``/``overlap`` add ``index`` (the
+    first differing global index) and ``other`` (the file compared with).
+    """
+
+    expected: int | str
+    actual: int | str
+    index: list[int]
+    other: str
 
 
 def _problem(
@@ -72,16 +88,23 @@ def _problem(
     path: str | None = None,
     tensor: str | None = None,
     region: Box | None = None,
-    **extra: Any,
+    expected: int | str | None = None,
+    actual: int | str | None = None,
+    index: list[int] | None = None,
+    other: str | None = None,
 ) -> Problem:
-    return {
+    p: Problem = {
         "kind": kind,
         "message": message,
         "path": path,
         "tensor": tensor,
         "region": [[iv.start, iv.stop] for iv in region] if region is not None else None,
-        **extra,
     }
+    if expected is not None and actual is not None:
+        p["expected"], p["actual"] = expected, actual
+    if index is not None and other is not None:
+        p["index"], p["other"] = index, other
+    return p
 
 
 def _volume(box: Box) -> int:
@@ -518,7 +541,7 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
             out.append(_problem("warning", w.message, path=w.path, tensor=w.tensor))
     sizes = _check_files(ckpt, out)
     _check_manifest(ckpt, out, max_bytes)
-    cache: dict[tuple[Any, ...], _Geometry] = {}
+    cache: dict[tuple[Hashable, ...], _Geometry] = {}
     data = _Data(ckpt, max_bytes)
     try:
         for name in sorted(ckpt.tensors, key=natural_key):

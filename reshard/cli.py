@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from .budget import Budget
+    from .check import Problem
     from .convert import SourceSpec, TargetSpec
 
 __all__ = ["app", "main"]
@@ -332,7 +333,7 @@ def inspect(
     with _errors(json_):
         ck = open_source(_source(ckpt, from_, layout, mesh))
         doc = inspect_report(ck)
-        problems: list[dict[str, Any]] = []
+        problems: list[Problem] = []
         if check:
             from .check import check_checkpoint
 

@@ -38,7 +38,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TypeAlias, TypedDict
 
 import yaml
 
@@ -49,6 +49,7 @@ from .placements import Placement, Replicate, StridedShard, parse_placement
 __all__ = [
     "Rule",
     "RuleSpec",
+    "LayoutJson",
     "LayoutConfig",
     "load_layout",
     "parse_layout_text",
@@ -58,6 +59,14 @@ __all__ = [
 ]
 
 REGEX_PREFIX = "re:"
+
+
+class LayoutJson(TypedDict):
+    """A layout as JSON (``reshard.json``'s ``mesh`` and ``rules``)."""
+
+    mesh: dict[str, list[object]]
+    rules: list[list[object]]
+
 
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
@@ -313,7 +322,7 @@ class LayoutConfig:
                     break
         return [r for i, r in enumerate(self.rules) if i not in used]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LayoutJson:
         """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``."""
         return {
             "mesh": self.mesh.to_json(),

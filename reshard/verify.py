@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
@@ -37,7 +37,7 @@ from .intervals import (
 from .io.reader import MappedFiles, Piece, read_box, uint_dtype
 from .plan import Copy, copy_boxes, match_blocks, natural_key
 
-__all__ = ["verify_checkpoints"]
+__all__ = ["verify_checkpoints", "Verdict", "Difference"]
 
 
 def _prod(xs: Sequence[int]) -> int:
@@ -49,8 +49,38 @@ def _prod(xs: Sequence[int]) -> int:
 
 _Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
-Difference = dict[str, Any]
-"""One difference found, as JSON: ``tensor``, ``kind``, ``message`` and the kind's extras."""
+
+class _DifferenceCore(TypedDict):
+    tensor: str
+    kind: str
+    message: str
+
+
+class Difference(_DifferenceCore, total=False):
+    """One difference found, as JSON: ``dtype``/``shape`` add ``a`` and ``b``; ``values`` adds
+    ``index`` (the smallest differing global index) and ``a_bits``/``b_bits`` (hex)."""
+
+    a: str | list[int]
+    b: str | list[int]
+    index: list[int]
+    a_bits: str
+    b_bits: str
+
+
+class Side(TypedDict):
+    path: str
+    format: str
+
+
+class Verdict(TypedDict):
+    """What :func:`verify_checkpoints` returns (the ``verify --json`` document body)."""
+
+    equal: bool
+    tensors: int
+    bytes_compared: int
+    differences: list[Difference]
+    a: Side
+    b: Side
 
 
 class _Region:
@@ -251,11 +281,11 @@ def _first_difference(
     return compared, best
 
 
-def _describe(c: Checkpoint) -> dict[str, Any]:
+def _describe(c: Checkpoint) -> Side:
     return {"path": c.path, "format": c.format}
 
 
-def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
+def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Verdict:
     """Compare two checkpoints: tensor names, dtypes, global shapes and values bit for bit.
 
     Args:

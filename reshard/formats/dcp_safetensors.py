@@ -41,7 +41,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, LayoutError
@@ -166,7 +165,7 @@ def _int_list(value: object) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, Any]]:
+def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, object]]:
     """The parsed ``DCP_SHARDING_INFO`` of one file: tensor name -> its info object.
 
     Raises:
@@ -202,7 +201,7 @@ def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, Any]]:
     return info
 
 
-def _chunk(name: str, info: dict[str, Any], header: Header, path: Path, file_index: int) -> StoredChunk:
+def _chunk(name: str, info: dict[str, object], header: Header, path: Path, file_index: int) -> StoredChunk:
     entry = header.entry(name)
     where = f'{path}: tensor "{name}"'
     if SAVED_OFFSETS_KEY not in info:

@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from ..checkpoint import Checkpoint, TensorSource
 from ..config import LayoutConfig
@@ -31,6 +31,7 @@ __all__ = [
     "tensors_text",
     "open_per_rank",
     "self_description",
+    "RankMetadata",
 ]
 
 RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
@@ -79,7 +80,22 @@ def rank_files(directory: Path, *, strict: bool) -> dict[int, Path]:
     return out
 
 
-def self_description(header: Header, path: Path) -> dict[str, Any] | None:
+class TensorDescription(TypedDict):
+    shape: list[int]
+    placements: list[str]
+
+
+class RankMetadata(TypedDict):
+    """``__metadata__["reshard"]`` of a per-rank file written by reshard (:func:`rank_metadata`)."""
+
+    format_version: int
+    mesh: dict[str, list[Any]]
+    rank: int
+    coordinate: list[int]
+    tensors: dict[str, TensorDescription]
+
+
+def self_description(header: Header, path: Path) -> RankMetadata | None:
     """The ``reshard`` metadata a per-rank file written by reshard carries, or None."""
     meta = header.metadata or {}
     raw = meta.get("reshard")
@@ -95,7 +111,7 @@ def self_description(header: Header, path: Path) -> dict[str, Any] | None:
             raise ValueError("tensors is not an object")
     except (ValueError, KeyError, TypeError) as e:
         raise HeaderError(f"{path}: invalid reshard metadata ({e})", path=str(path)) from None
-    return data
+    return cast(RankMetadata, data)  # the fields used are checked above
 
 
 def open_per_rank(
@@ -168,7 +184,7 @@ def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
 
 def _rank_mesh(
     directory: Path, paths: Sequence[Path], headers: Sequence[Header], mesh: Mesh | None, *, described: bool
-) -> tuple[Mesh, dict[str, Any] | None]:
+) -> tuple[Mesh, RankMetadata | None]:
     """The mesh (given, or from the self-description every file must agree on) and rank 0's description."""
     desc0 = self_description(headers[0], paths[0])
     if described:
@@ -261,7 +277,7 @@ def _derived_shape(
     return shape
 
 
-def _described(name: str, desc0: dict[str, Any], path: Path) -> tuple[tuple[int, ...], list[str]]:
+def _described(name: str, desc0: RankMetadata, path: Path) -> tuple[tuple[int, ...], list[str]]:
     """Global shape and placements from rank 0's reshard metadata."""
     info = desc0["tensors"].get(name)
     if info is None:
