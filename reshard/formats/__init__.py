@@ -9,13 +9,16 @@ format list and :func:`detect_format` all come from here.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
-from ..config import LayoutConfig
 from ..errors import UsageError
 from . import dcp_safetensors, hf, per_rank
 from .base import NO, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, read_manifest
+
+if TYPE_CHECKING:
+    from ..config import LayoutConfig
 
 __all__ = [
     "MANIFEST",

@@ -6,10 +6,9 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from ..checkpoint import Checkpoint, TensorSource
-from ..config import LayoutConfig
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..io.header import Header, TensorEntry, read_header
 from ..io.writer import FileResult
@@ -20,6 +19,9 @@ from ..plan import OutFile, Plan, TargetTensor, WriteOptions
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, manifest_for, read_manifest, write_manifest
 from .safetensors import SafetensorsFile, header_order, metadata_text
+
+if TYPE_CHECKING:
+    from ..config import LayoutConfig
 
 __all__ = [
     "RANK_FILE",
@@ -363,6 +365,8 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
     )
     manifest = read_manifest(path)
     ckpt.manifest = manifest
+    from ..config import LayoutConfig  # YAML is not needed to list formats (reshard --help)
+
     if cfg is None and manifest is not None and "rules" in manifest:
         try:
             cfg = LayoutConfig.from_json(
@@ -378,6 +382,8 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
 
 def _exact_rules(ckpt: Checkpoint) -> LayoutConfig:
     """One exact-name rule per tensor, from a self-described checkpoint's placements."""
+    from ..config import LayoutConfig
+
     assert ckpt.mesh is not None
     rules = [
         ["re:" + re.escape(t.name), [str(p) for p in (t.placements or ())]] for t in ckpt.tensors.values()

@@ -8,7 +8,6 @@ pass. :class:`TmpFile` owns one ``NAME.tmp`` from creation to the rename.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import json
@@ -39,6 +38,8 @@ class FileResult:
 @functools.cache
 def _fallocate() -> Callable[[int, int, int, int], int] | None:
     """``fallocate(2)`` from the C library, or None where there is none (not Linux)."""
+    import ctypes
+
     try:
         fn = ctypes.CDLL(None, use_errno=True).fallocate
     except (AttributeError, OSError):
@@ -56,6 +57,8 @@ def preallocate(fd: int, size: int) -> None:
     anything is copied. Where ``fallocate`` is unsupported the file is only extended
     (``posix_fallocate`` is not used: glibc emulates it by writing zeros).
     """
+    import ctypes
+
     fn = _fallocate()
     if size > 0 and fn is not None:
         if fn(fd, 0, 0, size) == 0:
