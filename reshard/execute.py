@@ -271,12 +271,13 @@ def _write_group(
         active = [w.file_steps(f, _in_file_order(f)) for w, f in zip(writers, files)]
         while active:
             active = [g for g in active if next(g, _END) is not _END]
+        done = [(w.sink.close(f.size), w.crc32s, w.bytes_read) for w, f in zip(writers, files)]
+        del writers, bufs  # free the buffers before reading back unhashed pieces
         results = []
-        for f, tmp, w in zip(files, opened, writers):
-            digests = w.sink.close(f.size)
+        for f, tmp, (digests, crc32s, bytes_read) in zip(files, opened, done):
             if f.needs_crc32:
-                tmp.patch(f.finish([w.crc32s[i] for i in range(len(f.entries))]), digests)
-            results.append(tmp.finish(digests, w.bytes_read))
+                tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
+            results.append(tmp.finish(digests, bytes_read))
         return results
     except BaseException:
         for tmp in opened:
@@ -299,24 +300,27 @@ def _write_split(
     """Write one file with ``parts`` threads, each a consecutive run of its entries."""
     tmp = TmpFile(dst, f.name, f.size)
 
-    def run(lo: int, items: Sequence[tuple[int, bytes] | tuple[int, OutEntry]]) -> _Writer:
+    def run(
+        lo: int, items: Sequence[tuple[int, bytes] | tuple[int, OutEntry]]
+    ) -> tuple[dict[int, bytes], dict[int, int], int]:
+        """Write a run of items; returns its digests, CRC32s and bytes read (its buffers are freed)."""
         w = _Writer(sources, tmp.fd, _Buffers(buffer_size, sources, window), progress, lo)
         for _ in w.file_steps(f, items):
             pass
-        return w
+        return w.sink.close(f.size), w.crc32s, w.bytes_read
 
     try:
         runs = _split_items(_in_file_order(f), parts)
         with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-            writers = [fu.result() for fu in [pool.submit(run, lo, items) for lo, items in runs]]
+            parts_done = [fu.result() for fu in [pool.submit(run, lo, items) for lo, items in runs]]
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}
-        for w in writers:
-            digests.update(w.sink.close(f.size))
-            crc32s.update(w.crc32s)
+        for d, c, _ in parts_done:
+            digests.update(d)
+            crc32s.update(c)
         if f.needs_crc32:
             tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
-        return tmp.finish(digests, sum(w.bytes_read for w in writers))
+        return tmp.finish(digests, sum(n for _, _, n in parts_done))
     except BaseException:
         tmp.discard()
         raise
