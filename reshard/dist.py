@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
+from .budget import RELEASE_EVERY
 from .checkpoint import Checkpoint, TensorSource
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dtypes import DTYPE_SIZES
@@ -361,7 +362,7 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
     # raw items of the local tensor; bool and fp8 go through uint8 like every 1-byte dtype
     dst = local.reshape(-1).view(torch.uint8).numpy().view(npt).reshape(shape)
     bufs = [dst] if groups == 1 else [np.empty(shape, dtype=npt) for _ in range(groups)]
-    pages = PageWindow(sources, _RELEASE_EVERY)
+    pages = PageWindow(sources, RELEASE_EVERY)
     for c in copies:
         piece = Piece.of(sources, src, c.piece)
         view = bufs[c.group]
@@ -374,10 +375,6 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
         reduced = cast_reduce(bufs, src.dtype, src.dtype, src.reduce_op, n)
         dst.reshape(-1).view(np.uint8)[:] = reduced
     return local
-
-
-_RELEASE_EVERY = 8 << 20
-"""Mapped source pages a rank holds while filling its local tensors before releasing them."""
 
 
 def _safetensors_dtype(dtype: Any, tensor: str) -> str:

@@ -8,7 +8,9 @@ verifying and ``inspect --check`` then work on it unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from reshard import formats
 from reshard.check import check_checkpoint
-from reshard.checkpoint import Checkpoint, TensorSource
+from reshard.checkpoint import Checkpoint, NonTensor, TensorSource
 from reshard.convert import SourceSpec, TargetSpec, build_plan, convert, open_source, resolve_target
 from reshard.errors import HeaderError
 from reshard.formats.base import NO, YES, Probe, Reader, ReadOptions
 from reshard.intervals import full_block
+from reshard.report import inspect_report
 from reshard.verify import verify_checkpoints
 
 # --------------------------------------------------------------------------- the toy format module
@@ -185,3 +188,46 @@ def test_cli_choices_and_readme_come_from_the_registry() -> None:
     text = CliRunner().invoke(app, ["convert", "--help"], terminal_width=400).output
     for f in [*formats.readers(), *formats.writers()]:
         assert f.name in text
+
+
+def _with_crc32_and_extras(path: Path, options: ReadOptions) -> Checkpoint:
+    """The toy format, with the CRC32s recorded in ``crc.json`` and ``extra.bin`` as a non-tensor item."""
+    ck = _npy_open(path, options)
+    ck.format = "npy-crc"
+    crcs = json.loads((path / "crc.json").read_text())
+    for name, t in ck.tensors.items():
+        ck.tensors[name] = dataclasses.replace(t, piece_crc32=(crcs[name],))
+    extra = path / "extra.bin"
+    ck.files += (str(extra),)
+    ck.file_sizes += (extra.stat().st_size,)
+    ck.non_tensors = (NonTensor("optimizer.step", extra.stat().st_size, len(ck.files) - 1, "bytes"),)
+    return ck
+
+
+def test_piece_crc32s_are_checked_and_non_tensors_listed(tmp_path: Path) -> None:
+    full = _tensors()
+    _write_npy_dir(tmp_path / "npy", full)
+    (tmp_path / "npy" / "extra.bin").write_bytes(b"step=7")
+    crcs = {name: zlib.crc32(t.numpy().tobytes()) for name, t in full.items()}
+    (tmp_path / "npy" / "crc.json").write_text(json.dumps(crcs))
+    formats.register(Reader("npy-crc", "npy with CRC32s", _npy_detect, _with_crc32_and_extras), first=True)
+    try:
+        ck = open_source(SourceSpec(str(tmp_path / "npy")))
+        assert ck.format == "npy-crc" and check_checkpoint(ck) == []
+        doc = inspect_report(ck)
+        assert doc["non_tensors"] == [
+            {"name": "optimizer.step", "size": 6, "kind": "bytes", "file": "extra.bin"}
+        ]
+        out = convert(SourceSpec(str(tmp_path / "npy")), tmp_path / "hf", TargetSpec(consolidate=True))
+        assert any("optimizer.step" in w and "not converted" in w for w in out["warnings"])
+        assert set(load_file(str(tmp_path / "hf" / "model.safetensors"))) == set(full)
+
+        p = tmp_path / "npy" / "t1.npy"  # model.layers.0.w
+        data = bytearray(p.read_bytes())
+        data[-3] ^= 1
+        p.write_bytes(bytes(data))
+        problems = check_checkpoint(open_source(SourceSpec(str(tmp_path / "npy"))))
+        assert [(q["kind"], q["tensor"]) for q in problems] == [("crc32", "model.layers.0.w")]
+        assert "does not match the recorded" in problems[0]["message"]
+    finally:
+        formats.unregister("npy-crc")
