@@ -38,7 +38,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TypeAlias, TypedDict
 
 import yaml
 
@@ -49,6 +49,7 @@ from .placements import Placement, Replicate, StridedShard, parse_placement
 __all__ = [
     "Rule",
     "RuleSpec",
+    "LayoutJson",
     "LayoutConfig",
     "load_layout",
     "parse_layout_text",
@@ -58,6 +59,14 @@ __all__ = [
 ]
 
 REGEX_PREFIX = "re:"
+
+
+class LayoutJson(TypedDict):
+    """A layout as JSON (``reshard.json``'s ``mesh`` and ``rules``)."""
+
+    mesh: dict[str, list[object]]
+    rules: list[list[object]]
+
 
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
@@ -110,30 +119,7 @@ class Rule:
         for entry in spec:
             if not isinstance(entry[1], Placement):
                 raise ConfigError(f"rule spec entries must be (dim name or None, placement), got {entry!r}")
-        names = [name for name, _ in spec]
-        if self.kind == "named":
-            if not spec:
-                raise ConfigError(
-                    "the {dim: placement} mapping is empty; "
-                    "name at least one mesh dim, e.g. {tp: S(0)}, "
-                    "or write R to replicate"
-                )
-            for name in names:
-                if not isinstance(name, str) or not _NAME.match(name):
-                    raise ConfigError(
-                        f"mesh dim name {name!r} is not an identifier; use a dim name from mesh:, "
-                        "or a list [R, S(0)] to give placements by position"
-                    )
-            dups = sorted({n for n in names if names.count(n) > 1 and n is not None})
-            if dups:
-                raise ConfigError(f"mesh dim {dups[0]!r} is given twice; give each dim one placement")
-        else:
-            if any(name is not None for name in names):
-                raise ConfigError(f"a {self.kind} rule has no dim names, got {names!r}")
-            if self.kind == "all" and len(spec) != 1:
-                raise ConfigError(f"an 'all' rule holds exactly one placement, got {len(spec)}")
-            if self.kind == "positional" and not spec:
-                raise ConfigError("the placement list is empty; give one placement per mesh dim")
+        _check_spec_names(self.kind, spec)
         object.__setattr__(self, "_regex", _compile(self.pattern))
 
     @classmethod
@@ -355,7 +341,7 @@ class LayoutConfig:
                     break
         return [r for i, r in enumerate(self.rules) if i not in used]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LayoutJson:
         """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``."""
         return {
             "mesh": self.mesh.to_json(),
@@ -378,23 +364,8 @@ class LayoutConfig:
                 f"{pre}layout must be an object with mesh and rules, got {type(data).__name__}",
                 path=source,
             )
-        mesh_data = data.get("mesh")
         try:
-            if isinstance(mesh_data, Mapping) and set(mesh_data) == {"names", "shape"}:
-                names, shape = mesh_data["names"], mesh_data["shape"]
-                if (
-                    not isinstance(names, list)
-                    or not isinstance(shape, list)
-                    or not all(isinstance(n, str) for n in names)
-                ):
-                    raise ConfigError(
-                        f"mesh names must be a list of strings and shape a list, got {mesh_data!r}"
-                    )
-                mesh = Mesh(tuple(names), tuple(shape))
-            elif isinstance(mesh_data, Mapping) and mesh_data and all(isinstance(n, str) for n in mesh_data):
-                mesh = Mesh(tuple(mesh_data), tuple(mesh_data.values()))
-            else:
-                raise ConfigError(f'mesh must be {{"names": [...], "shape": [...]}}, got {mesh_data!r}')
+            mesh = _mesh_from_json(data.get("mesh"))
         except ConfigError as e:
             raise ConfigError(f"{pre}{e.message}", path=source) from None
         rules_data = data.get("rules")
@@ -407,17 +378,7 @@ class LayoutConfig:
                 f"{pre}rules must be a list of [pattern, placements] pairs, got {rules_data!r}",
                 path=source,
             )
-        rules: list[Rule] = []
-        for pair in pairs:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[0], str):
-                raise ConfigError(
-                    f"{pre}each rule must be a [pattern, placements] pair, got {pair!r}",
-                    path=source,
-                )
-            try:
-                rules.append(Rule.from_json(pair[0], pair[1]))
-            except ConfigError as e:
-                raise ConfigError(f"{pre}rule {pair[0]!r}: {e.message}", path=source) from None
+        rules = [_rule_from_json(pair, pre, source) for pair in pairs]
         return cls(mesh, tuple(rules), source)
 
 
@@ -750,3 +711,60 @@ def resolve_preset(name_or_path: str) -> Path:
         f"or one of the presets: {presets}",
         path=name_or_path,
     )
+
+
+# -- JSON forms of rules and meshes ----------------------------------------------
+
+
+def _check_spec_names(kind: str, spec: RuleSpec) -> None:
+    """A rule's dim names fit its kind: identifiers given once (named), none otherwise."""
+    names = [name for name, _ in spec]
+    if kind == "named":
+        if not spec:
+            raise ConfigError(
+                "the {dim: placement} mapping is empty; "
+                "name at least one mesh dim, e.g. {tp: S(0)}, "
+                "or write R to replicate"
+            )
+        for name in names:
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise ConfigError(
+                    f"mesh dim name {name!r} is not an identifier; use a dim name from mesh:, "
+                    "or a list [R, S(0)] to give placements by position"
+                )
+        dups = sorted({n for n in names if names.count(n) > 1 and n is not None})
+        if dups:
+            raise ConfigError(f"mesh dim {dups[0]!r} is given twice; give each dim one placement")
+        return
+    if any(name is not None for name in names):
+        raise ConfigError(f"a {kind} rule has no dim names, got {names!r}")
+    if kind == "all" and len(spec) != 1:
+        raise ConfigError(f"an 'all' rule holds exactly one placement, got {len(spec)}")
+    if kind == "positional" and not spec:
+        raise ConfigError("the placement list is empty; give one placement per mesh dim")
+
+
+def _mesh_from_json(mesh_data: object) -> Mesh:
+    """``{"names": [...], "shape": [...]}`` or an ordered ``{name: size}`` mapping."""
+    if isinstance(mesh_data, Mapping) and set(mesh_data) == {"names", "shape"}:
+        names, shape = mesh_data["names"], mesh_data["shape"]
+        if (
+            not isinstance(names, list)
+            or not isinstance(shape, list)
+            or not all(isinstance(n, str) for n in names)
+        ):
+            raise ConfigError(f"mesh names must be a list of strings and shape a list, got {mesh_data!r}")
+        return Mesh(tuple(names), tuple(shape))
+    if isinstance(mesh_data, Mapping) and mesh_data and all(isinstance(n, str) for n in mesh_data):
+        return Mesh(tuple(mesh_data), tuple(mesh_data.values()))
+    raise ConfigError(f'mesh must be {{"names": [...], "shape": [...]}}, got {mesh_data!r}')
+
+
+def _rule_from_json(pair: object, pre: str, source: str) -> Rule:
+    """One ``[pattern, placements]`` pair of a layout's JSON form."""
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[0], str):
+        raise ConfigError(f"{pre}each rule must be a [pattern, placements] pair, got {pair!r}", path=source)
+    try:
+        return Rule.from_json(pair[0], pair[1])
+    except ConfigError as e:
+        raise ConfigError(f"{pre}rule {pair[0]!r}: {e.message}", path=source) from None

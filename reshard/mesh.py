@@ -55,12 +55,6 @@ class Mesh:
             n *= s
         return n
 
-    def dim_size(self, name: str) -> int:
-        try:
-            return self.shape[self.names.index(name)]
-        except ValueError:
-            raise ConfigError(f"mesh has no dim named {name!r} (dims: {', '.join(self.names)})") from None
-
     def coordinate(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} out of range for mesh of {self.size}")

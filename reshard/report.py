@@ -7,9 +7,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
+from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, box_span, row_major_strides
-from .io.header import DTYPE_SIZES
 from .plan import Plan, copy_boxes
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
@@ -55,7 +56,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
                 "bytes": nbytes,
             }
         )
-    return {
+    doc: dict[str, Any] = {
         "path": ck.path,
         "format": ck.format,
         "mesh": ck.mesh.to_json() if ck.mesh is not None else None,
@@ -63,8 +64,19 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "file_bytes": ck.total_bytes,
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
-        "warnings": list(ck.warnings),
+        "warnings": [str(w) for w in ck.warnings],
     }
+    if ck.non_tensors:  # only formats that have them (DCP, torch.save) add the key
+        doc["non_tensors"] = [
+            {
+                "name": n.name,
+                "size": n.size,
+                "kind": n.kind,
+                "file": os.path.basename(ck.files[n.file]) if n.file is not None else None,
+            }
+            for n in ck.non_tensors
+        ]
+    return doc
 
 
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
@@ -154,6 +166,11 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     console.print(table)
     tot = doc["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
+    for n in doc.get("non_tensors", ()):
+        where = f" in {n['file']}" if n["file"] else ""
+        console.print(
+            f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
+        )
     for w in doc["warnings"]:
         console.print(f"warning: {w}")
 
@@ -184,10 +201,8 @@ def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
     return out
 
 
-def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]:
+def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
     """What convert would do: per output file, what it reads and writes, and the peak memory."""
-    from .execute import memory_estimate
-
     files = []
     total_read = 0
     total_copies = 0
@@ -232,9 +247,9 @@ def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]
             "copies": total_copies,
             "read_amplification": round(total_read / written, 4) if written else 0.0,
         },
-        "workers": workers,
-        "buffer_size": buffer_size,
-        "peak_memory_estimate": memory_estimate(plan, workers=workers, buffer_size=buffer_size),
+        "workers": budget.workers,
+        "buffer_size": budget.buffer,
+        "peak_memory_estimate": memory_estimate(plan, budget),
     }
 
 
