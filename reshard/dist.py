@@ -378,9 +378,10 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
 
 
 def _safetensors_dtype(dtype: Any, tensor: str) -> str:
-    from .torch_ops import _TORCH_NAMES, torch_dtype
+    from .dtypes import TORCH_NAMES
+    from .torch_ops import torch_dtype
 
-    for st_name in _TORCH_NAMES:
+    for st_name in TORCH_NAMES:
         try:
             if torch_dtype(st_name) == dtype:
                 return st_name

@@ -6,7 +6,7 @@ size items from it.
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "DTYPE_RANK", "SUBBYTE_DTYPES"]
+__all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "DTYPE_RANK", "SUBBYTE_DTYPES", "TORCH_NAMES"]
 
 #: Every whole-byte safetensors dtype (safetensors 0.8) and its item size in bytes.
 DTYPE_SIZES: dict[str, int] = {
@@ -79,3 +79,26 @@ _RUST_DTYPE_ORDER = (
 DTYPE_RANK = {name: rank for rank, name in enumerate(_RUST_DTYPE_ORDER)}
 """Position of each dtype in the Rust ``Dtype`` enum: the reference writer lays out
 tensors by this rank, descending, then by name."""
+
+# safetensors dtype name -> torch dtype attribute (torch.<name>)
+TORCH_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}

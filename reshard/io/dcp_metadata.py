@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from ..torch_ops import _TORCH_NAMES
+from ..dtypes import TORCH_NAMES
 from .pickle_emit import Dict, Global, NewObj, PickleEmitter, Reduce, Value
 
 __all__ = ["DCP_VERSION", "ChunkEntry", "TensorEntry", "encode_metadata"]
@@ -67,7 +67,7 @@ class TensorEntry:
     chunks: tuple[ChunkEntry, ...]
 
     def __post_init__(self) -> None:
-        if self.dtype not in _TORCH_NAMES:
+        if self.dtype not in TORCH_NAMES:
             raise ValueError(f'tensor "{self.fqn}": dtype {self.dtype} has no torch equivalent')
         for c in self.chunks:
             if len(c.offsets) != len(self.shape):
@@ -82,7 +82,7 @@ def _properties(dtype: str) -> Value:
     """``TensorProperties.__getstate__``: (dtype, layout, requires_grad, memory format code, pin_memory)."""
     layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
     contiguous = Reduce(Global(_MD, "_MEM_FORMAT_ENCODING"), (0,))
-    state = (Global("torch", _TORCH_NAMES[dtype]), layout, False, contiguous, False)
+    state = (Global("torch", TORCH_NAMES[dtype]), layout, False, contiguous, False)
     return NewObj(Global(_MD, "TensorProperties"), state)
 
 

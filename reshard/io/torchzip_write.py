@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..torch_ops import _TORCH_NAMES
+from ..dtypes import TORCH_NAMES
 from .header import DTYPE_SIZES
 from .pickle_emit import Global, PersistentId, PickleEmitter, Reduce
 
@@ -97,7 +97,7 @@ def tensor_pickle(dtype: str, shape: Sequence[int]) -> bytes:
     Raises:
         ValueError: the dtype has no torch equivalent.
     """
-    if dtype not in _TORCH_NAMES:
+    if dtype not in TORCH_NAMES:
         raise ValueError(f"dtype {dtype} has no torch equivalent")
     numel = 1
     for n in shape:
@@ -111,7 +111,7 @@ def tensor_pickle(dtype: str, shape: Sequence[int]) -> bytes:
     else:
         nbytes = numel * DTYPE_SIZES[dtype]
         pid = PersistentId(("storage", Global("torch.storage", "UntypedStorage"), "0", "cpu", nbytes))
-        args = (pid, 0, size, stride, False, hooks, Global("torch", _TORCH_NAMES[dtype]))
+        args = (pid, 0, size, stride, False, hooks, Global("torch", TORCH_NAMES[dtype]))
         rebuild = Reduce(Global("torch._utils", "_rebuild_tensor_v3"), args)
     return PickleEmitter().dumps(rebuild)
 

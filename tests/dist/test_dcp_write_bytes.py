@@ -39,7 +39,7 @@ from reshard.io.header import DTYPE_SIZES
 from reshard.io.torchzip_write import chunk_archive
 from reshard.layout import TensorLayout
 from reshard.mesh import Mesh
-from reshard.torch_ops import _TORCH_NAMES
+from reshard.dtypes import TORCH_NAMES
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -50,7 +50,7 @@ import dcp_write_world as W  # noqa: E402
 pytestmark = pytest.mark.dist
 
 HELPER = Path(W.__file__)
-ST_NAME = {v: k for k, v in _TORCH_NAMES.items()}  # torch dtype name -> safetensors name
+ST_NAME = {v: k for k, v in TORCH_NAMES.items()}  # torch dtype name -> safetensors name
 
 
 # --------------------------------------------------------------------------- harness
@@ -254,7 +254,7 @@ def tp2_layouts(sources: dict[str, Source]) -> dict[str, TensorLayout]:
 
 
 def as_tensor(src: Source) -> Any:
-    t = torch.empty(src.shape, dtype=getattr(torch, _TORCH_NAMES[src.dtype]))
+    t = torch.empty(src.shape, dtype=getattr(torch, TORCH_NAMES[src.dtype]))
     if src.raw:
         t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(src.raw), dtype=torch.uint8))
     return t
@@ -269,7 +269,7 @@ def ours_tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def assert_same(got: Any, src: Source, what: str) -> None:
-    assert str(got.dtype) == f"torch.{_TORCH_NAMES[src.dtype]}", what
+    assert str(got.dtype) == f"torch.{TORCH_NAMES[src.dtype]}", what
     assert tuple(got.shape) == src.shape, what
     assert raw_of(got) == src.raw, what
 
@@ -286,7 +286,7 @@ def test_layout_of_our_files(ours_tp2: Path) -> None:
 
 def test_dcp_load_no_dist(ours_tp2: Path) -> None:
     sources = tp2_sources()
-    sd = {n: torch.zeros(s.shape, dtype=getattr(torch, _TORCH_NAMES[s.dtype])) for n, s in sources.items()}
+    sd = {n: torch.zeros(s.shape, dtype=getattr(torch, TORCH_NAMES[s.dtype])) for n, s in sources.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
         dcp.load(sd, checkpoint_id=str(ours_tp2), no_dist=True)
