@@ -41,6 +41,7 @@ import difflib
 import fnmatch
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -485,7 +486,9 @@ def _compile(pattern: str) -> _Matcher:
     if pattern.startswith(REGEX_PREFIX):
         body = pattern[len(REGEX_PREFIX) :]
         try:
-            re.compile(body)  # Python's syntax and Python's messages first: rules are written for it
+            with warnings.catch_warnings():  # "possible nested set" FutureWarnings are not errors
+                warnings.simplefilter("ignore")
+                re.compile(body)  # Python's syntax and messages first: rules are written for it
         except re.error as e:
             raise ConfigError(
                 f"invalid regex after 're:': {e.msg} at position {e.pos}; "
@@ -494,7 +497,9 @@ def _compile(pattern: str) -> _Matcher:
         return _re2(body)
     # fnmatch.translate gives fnmatchcase semantics (`*` crosses dots, [..] classes), and
     # its `*` groups are atomic, so a glob cannot backtrack catastrophically either.
-    return re.compile(fnmatch.translate(pattern))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return re.compile(fnmatch.translate(pattern))
 
 
 def _literal(pattern: str) -> str | None:
@@ -695,11 +700,11 @@ class _Parser:
 
 def _short(node: yaml.Node, value: object) -> str:
     """A bounded rendering of a bad YAML value for a message."""
-    if isinstance(node, yaml.ScalarNode) and len(node.value) > 16:  # not constructed: maybe huge int
-        text = repr(str(node.value))
-    else:
-        text = repr(value)
-    return text if len(text) <= 40 else f"{text[:37]}... ({len(text)} characters)"
+    raw = str(node.value) if isinstance(node, yaml.ScalarNode) and len(node.value) > 16 else None
+    text = repr(value if raw is None else raw)  # raw: not constructed, it may be a huge int
+    if len(text) <= 40:
+        return text
+    return f"{text[:37]}... ({len(raw if raw is not None else text)} characters)"
 
 
 # One left-to-right pass: a quoted string (an unterminated one runs to the end, so

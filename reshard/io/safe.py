@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from typing import Any
 
 from reshard.errors import ConfigError, ReshardError
@@ -176,8 +177,9 @@ def parse_json_text(text: str, *, path: str, what: str, error: type[ReshardError
         raise error(f"{bad}: non-standard constant {exc.constant}", path=path) from None
     except RecursionError:
         raise error(f"{bad}: nested too deeply", path=path) from None
-    except ValueError as exc:  # int() refusing a many-thousand-digit integer literal
-        raise error(f"{bad}: a number is too long ({exc})", path=path) from None
+    except ValueError:  # int() refusing a many-thousand-digit integer literal
+        digits = sys.get_int_max_str_digits()
+        raise error(f"{bad}: a number is too long (over {digits} digits)", path=path) from None
 
 
 def _depth(value: object, limit: int) -> bool:
