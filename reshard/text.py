@@ -67,4 +67,12 @@ def markup_safe(text: str) -> str:
     For a whole value, ``rich.text.Text(shown(text))`` does the same without markup.
     Emoji codes (``:smile:``) are not markup: print with ``Console(emoji=False)``.
     """
-    return escape(shown(text))
+    body = shown(text)
+    stripped = body.rstrip("\\")
+    tail = len(body) - len(stripped)
+    if not tail:
+        return escape(body)
+    # rich halves backslashes only right before a tag, so a trailing run would show
+    # doubled before plain text, or escape the caller's next tag: put it before a
+    # no-op tag of its own, doubled, and it shows as written whatever follows.
+    return escape(stripped) + "[none]" + "\\" * (2 * tail) + "[/none]"
