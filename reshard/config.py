@@ -787,7 +787,14 @@ def parse_layout_text(text: str, source: str = "<layout>") -> LayoutConfig:
             "a layout needs 3",
             path=source,
         )
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)  # the reader refuses control characters here already
+    except yaml.reader.ReaderError as e:
+        raise ConfigError(
+            f"{source}: invalid YAML: character #x{e.character:04x} at position {e.position} is not "
+            f"allowed ({e.reason}); a layout file is plain text",
+            path=source,
+        ) from None
     try:
         try:
             root = loader.get_single_node()

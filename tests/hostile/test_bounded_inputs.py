@@ -403,3 +403,9 @@ def test_cli_catastrophic_rule_against_a_long_name_finishes(model: Path, tmp_pat
     p = run("plan", str(model), "--target-layout", str(lay), "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["schema"] == 1
+
+
+def test_control_character_in_a_layout_is_a_config_error() -> None:
+    # found by test_fuzz: PyYAML's reader raised before the parser's error handling
+    with pytest.raises(ConfigError, match=r"^l.yaml: invalid YAML: character #x001f at position 0 is not"):
+        parse_layout_text("\x1fmesh: {tp: 2}\n", "l.yaml")
