@@ -37,6 +37,9 @@ __all__ = [
     "read_document",
     "parse_json_text",
     "load_json",
+    "expect_object",
+    "expect_shape",
+    "expect_strings",
 ]
 
 #: Largest layout YAML file read (real layouts are a few kB).
@@ -237,4 +240,81 @@ def load_json(
     value = parse_json_text(text, path=name, what=what, error=error)
     if not _depth(value, depth):
         raise error(f"{name}: {what} nests deeper than {depth} levels; is this the right file?", path=name)
+    return value
+
+
+# -- typed access to decoded documents ------------------------------------------------
+#
+# A decoded document is untrusted: ``data["tensors"][name]["shape"]`` may be a string,
+# ``"abc"``, or a list of 5000-digit ints. These turn each wrong type into ``error``
+# naming the file and the field, instead of a TypeError deep in a caller.
+
+_MAX_INT64 = (1 << 63) - 1
+
+
+def _shown(value: object) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def expect_object(
+    value: object, *, path: str, field: str, error: type[ReshardError] = ConfigError
+) -> dict[str, Any]:
+    """``value`` if it is a JSON object, else ``error`` naming ``path`` and ``field``.
+
+    >>> expect_object("x", path="rank-0.safetensors", field='reshard.tensors["w"]')
+    Traceback (most recent call last):
+    ...
+    reshard.errors.ConfigError: rank-0.safetensors: reshard.tensors["w"] must be an object, got "x"
+    """
+    if not isinstance(value, dict):
+        raise error(f"{path}: {field} must be an object, got {_shown(value)}", path=path)
+    return value
+
+
+def expect_shape(
+    value: object, *, path: str, field: str, error: type[ReshardError] = ConfigError
+) -> tuple[int, ...]:
+    """``value`` as a shape: a list of integers from 0 to 2**63 - 1 whose running product stays there.
+
+    >>> expect_shape([2, 3], path="f", field="shape")
+    (2, 3)
+    >>> expect_shape("abc", path="r0.safetensors", field="shape")
+    Traceback (most recent call last):
+    ...
+    reshard.errors.ConfigError: r0.safetensors: shape must be a list of non-negative integers, got "abc"
+    """
+    ok = isinstance(value, list)
+    n = 1
+    for d in value if isinstance(value, list) else ():
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= _MAX_INT64:
+            ok = False
+            break
+        n *= d
+        if n > _MAX_INT64:
+            ok = False
+            break
+    if not ok:
+        raise error(
+            f"{path}: {field} must be a list of non-negative integers, got {_shown(value)}"
+            + (" (over int64)" if isinstance(value, list) and n > _MAX_INT64 else ""),
+            path=path,
+        )
+    assert isinstance(value, list)
+    return tuple(value)
+
+
+def expect_strings(
+    value: object, *, path: str, field: str, error: type[ReshardError] = ConfigError
+) -> list[str]:
+    """``value`` if it is a list of strings (placements, mesh dim names), else ``error``.
+
+    >>> expect_strings(["R", "S(0)"], path="f", field="placements")
+    ['R', 'S(0)']
+    """
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise error(f"{path}: {field} must be a list of strings, got {_shown(value)}", path=path)
     return value

@@ -33,7 +33,14 @@ from reshard.config import (
 )
 from reshard.errors import ConfigError, HeaderError
 from reshard.io.header import MAX_INT64, decode_header, read_header
-from reshard.io.safe import MAX_LAYOUT_BYTES, load_json, read_document
+from reshard.io.safe import (
+    MAX_LAYOUT_BYTES,
+    expect_object,
+    expect_shape,
+    expect_strings,
+    load_json,
+    read_document,
+)
 from reshard.mesh import MAX_WORLD_SIZE, Mesh, check_world_size, parse_mesh_spec
 from reshard.placements import MAX_SPLIT_FACTOR, StridedShard, parse_placement
 
@@ -409,3 +416,21 @@ def test_control_character_in_a_layout_is_a_config_error() -> None:
     # found by test_fuzz: PyYAML's reader raised before the parser's error handling
     with pytest.raises(ConfigError, match=r"^l.yaml: invalid YAML: character #x001f at position 0 is not"):
         parse_layout_text("\x1fmesh: {tp: 2}\n", "l.yaml")
+
+
+# ----------------------------------------------------------------- typed document access
+
+
+@pytest.mark.parametrize("shape", ["abc", ["a"], [1, -1], [True], [2**63], [2**40, 2**40], None, [1.0]])
+def test_expect_shape_names_file_and_field(shape: object) -> None:
+    with pytest.raises(HeaderError, match=r'^r0.safetensors: reshard.tensors\["w"\].shape must be a list'):
+        expect_shape(shape, path="r0.safetensors", field='reshard.tensors["w"].shape', error=HeaderError)
+
+
+def test_expect_helpers_accept_good_values() -> None:
+    assert expect_shape([0, 2**62, 2**62], path="f", field="s") == (0, 2**62, 2**62)
+    assert expect_object({"a": 1}, path="f", field="o") == {"a": 1}
+    with pytest.raises(ConfigError, match='^f: tensors\\["w"\\] must be an object, got "x"'):
+        expect_object("x", path="f", field='tensors["w"]')
+    with pytest.raises(ConfigError, match="^f: placements must be a list of strings"):
+        expect_strings(["R", 0], path="f", field="placements")
