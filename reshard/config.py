@@ -458,23 +458,41 @@ class _Exact:
         return True if string == self.text else None
 
 
-def _re2(body: str) -> _Matcher:
-    """``body`` compiled by RE2: matching time is linear in the name, whatever the pattern."""
-    import re2  # lazy: only layouts with re: rules load it
+class _Re2:
+    """Whole-name matching by RE2: time linear in the name, whatever the pattern.
 
-    options = re2.Options()
-    options.log_errors = False  # RE2 would also print the error to stderr
-    try:
-        matcher: _Matcher = re2.compile(body, options)
-    except re2.error as e:
-        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
-        raise ConfigError(
-            f"regex after 're:' is not supported: {why}; re: rules run on RE2, which guarantees "
-            "linear-time matching and so has no lookarounds ((?=, (?!, (?<=, (?<!), backreferences "
-            "(\\1, (?P=name)), atomic groups or possessive repeats; rewrite the rule without them, "
-            "e.g. as several rules (the first match wins)"
-        ) from None
-    return matcher
+    A one-pattern ``re2.Set`` answers match/no-match without building a match
+    object: ~1.4 us a name against ~7 us for ``re2.compile(...).fullmatch``.
+    """
+
+    __slots__ = ("_body", "_set")
+
+    def __init__(self, body: str) -> None:
+        import re2  # lazy: only layouts with re: rules load it
+
+        self._body = body
+        options = re2.Options()
+        options.log_errors = False  # RE2 would also print errors to stderr
+        options.never_capture = True
+        try:
+            re2.compile(body, options)  # for its message: Set.Add only says "failed"
+            self._set = re2.Set.FullMatchSet(options)
+            self._set.Add(body)
+            self._set.Compile()
+        except re2.error as e:
+            why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else e
+            raise ConfigError(
+                f"regex after 're:' is not supported: {why}; re: rules run on RE2, which guarantees "
+                "linear-time matching and so has no lookarounds ((?=, (?!, (?<=, (?<!), backreferences "
+                "(\\1, (?P=name)), atomic groups or possessive repeats; rewrite the rule without them, "
+                "e.g. as several rules (the first match wins)"
+            ) from None
+
+    def fullmatch(self, string: str) -> object | None:
+        return True if self._set.Match(string) else None
+
+    def __reduce__(self) -> tuple[type[_Re2], tuple[str]]:
+        return (_Re2, (self._body,))  # an RE2 set cannot be pickled: compile again
 
 
 def _compile(pattern: str) -> _Matcher:
@@ -494,7 +512,7 @@ def _compile(pattern: str) -> _Matcher:
                 f"invalid regex after 're:': {e.msg} at position {e.pos}; "
                 "fix the regex (it is matched against the whole tensor name)"
             ) from None
-        return _re2(body)
+        return _Re2(body)
     # fnmatch.translate gives fnmatchcase semantics (`*` crosses dots, [..] classes), and
     # its `*` groups are atomic, so a glob cannot backtrack catastrophically either.
     with warnings.catch_warnings():

@@ -434,3 +434,12 @@ def test_expect_helpers_accept_good_values() -> None:
         expect_object("x", path="f", field='tensors["w"]')
     with pytest.raises(ConfigError, match="^f: placements must be a list of strings"):
         expect_strings(["R", 0], path="f", field="placements")
+
+
+def test_regex_rules_pickle_and_match_like_python_re() -> None:
+    import pickle
+
+    cases = [("re:a.+b", "axxb", True), ("re:a.+b", "ab", False), ("re:(?i)W\\d+", "w12", True)]
+    for pattern, name, expect in cases:
+        rule = pickle.loads(pickle.dumps(Rule.from_json(pattern, "R")))
+        assert rule.matches(name) is expect is (re.fullmatch(pattern[3:], name) is not None)
