@@ -1,0 +1,354 @@
+"""A picture of a layout: which rank holds which part of a tensor (``inspect/plan --show``).
+
+Like torch's ``visualize_sharding`` (``torch/distributed/tensor/debug``), but for any
+placement composition: a ``_StridedShard`` rank holds several disjoint intervals per
+dim, replicas share a cell, and 0-d to n-d tensors are drawn.
+
+The grid along each tensor dim is cut at every boundary of every rank's intervals,
+then neighbouring slices held by the same ranks are merged again: the coarsest grid
+that still separates every rank's block. Ranks that hold no element (an uneven
+``Shard`` leaves trailing ranks empty) are listed under the picture instead.
+
+Which dims go where:
+
+* 0-d: one cell;
+* 1-d: one row per slice of dim 0 (a column, like torch's picture);
+* n-d (n >= 2): columns are slices of the last dim; the leading dims are flattened
+  into the rows, each row a box of them (``0:4, 8:16``), in row-major order.
+
+Big meshes stay readable: past ``max_rows`` rows (16) or ``max_cols`` columns (8,
+terminals are wider than tall but cells are wide) consecutive slices are grouped,
+and a grouped cell lists every rank holding part of it (``0-3``).
+
+The picture is a rich renderable (one colour per rank: the lowest rank of a cell
+picks it from a palette) and, for ``NO_COLOR`` or output that is not a terminal,
+plain text without escape codes (:func:`plain`).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
+
+from .intervals import Box, Interval
+from .layout import TensorLayout, placements_str
+from .placements import Partial
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+__all__ = [
+    "ShardGrid",
+    "shard_grid",
+    "rank_label",
+    "render_layout",
+    "render_plan",
+    "plain",
+    "layout_text",
+    "plan_text",
+    "should_color",
+    "MAX_ROWS",
+    "MAX_COLS",
+]
+
+MAX_ROWS = 16
+"""Rows drawn before consecutive row slices are grouped."""
+
+MAX_COLS = 8
+"""Columns drawn before consecutive column slices are grouped."""
+
+MAX_LABEL = 14
+"""Longest rank label in a cell; longer sets are shortened to ``first,…,last (n)``."""
+
+PALETTE = (
+    "#4E79A7",
+    "#F28E2B",
+    "#E15759",
+    "#76B7B2",
+    "#59A14F",
+    "#EDC948",
+    "#B07AA1",
+    "#FF9DA7",
+    "#9C755F",
+    "#BAB0AC",
+    "#86BCB6",
+    "#D37295",
+)
+"""Cell backgrounds (Tableau 10 and two more), cycled by rank."""
+
+_Slices = tuple[tuple[Interval, int], ...]
+"""Merged slices of one dim: (interval, bitmask of the ranks holding it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGrid:
+    """The cells of a layout's picture and the ranks holding each.
+
+    ``rows[i]`` is the tuple of boxes (over ``row_dims``) that row ``i`` covers: one box,
+    or several consecutive ones when rows were grouped; ``cols[j]`` likewise over
+    ``col_dims``. ``cells[i][j]`` is the ascending ranks holding any element of
+    the cell (exactly the ranks holding each of its elements when not grouped).
+    ``idle`` are the ranks holding no element at all.
+    """
+
+    layout: TensorLayout
+    row_dims: tuple[int, ...]
+    col_dims: tuple[int, ...]
+    rows: tuple[tuple[Box, ...], ...]
+    cols: tuple[tuple[Box, ...], ...]
+    cells: tuple[tuple[tuple[int, ...], ...], ...]
+    idle: tuple[int, ...]
+
+    @property
+    def grouped(self) -> bool:
+        return any(len(r) > 1 for r in self.rows) or any(len(c) > 1 for c in self.cols)
+
+    def cell_of(self, index: Sequence[int]) -> tuple[int, int]:
+        """(row, column) of the cell holding the element at global ``index``."""
+        row = _find(self.rows, [index[d] for d in self.row_dims])
+        col = _find(self.cols, [index[d] for d in self.col_dims])
+        return row, col
+
+
+def _find(groups: Sequence[tuple[Box, ...]], idx: Sequence[int]) -> int:
+    for i, boxes in enumerate(groups):
+        if any(all(iv.start <= x < iv.stop for iv, x in zip(box, idx)) for box in boxes):
+            return i
+    raise IndexError(f"index {list(idx)} is outside the grid")
+
+
+def _dim_slices(lay: TensorLayout, d: int, holders: Sequence[int]) -> _Slices:
+    """Dim ``d`` cut at every interval boundary of the holding ranks, equal neighbours merged.
+
+    Only ranks holding elements count: a rank with an empty extent along another
+    dim is in no cell, so its boundaries would only split cells needlessly.
+    """
+    blocks = lay.blocks()
+    n = lay.shape[d]
+    cuts = sorted({0, n} | {x for r in holders for iv in blocks[r][d] for x in (iv.start, iv.stop)})
+    masks = [0] * (len(cuts) - 1)
+    for r in holders:
+        for iv in blocks[r][d]:
+            for k in range(bisect_left(cuts, iv.start), bisect_left(cuts, iv.stop)):
+                masks[k] |= 1 << r
+    out: list[tuple[Interval, int]] = []
+    for k, m in enumerate(masks):
+        if out and out[-1][1] == m:
+            out[-1] = (Interval(out[-1][0].start, cuts[k + 1]), m)
+        else:
+            out.append((Interval(cuts[k], cuts[k + 1]), m))
+    return tuple(out)
+
+
+def _axis(per_dim: Sequence[_Slices], everyone: int) -> list[tuple[Box, int]]:
+    """The boxes of an axis made of these dims (row-major product) and their rank masks."""
+    out: list[tuple[Box, int]] = []
+    for combo in itertools.product(*per_dim):
+        mask = everyone
+        for _, m in combo:
+            mask &= m
+        out.append((tuple(iv for iv, _ in combo), mask))
+    return out
+
+
+def _group(axis: list[tuple[Box, int]], limit: int) -> list[tuple[tuple[Box, ...], int]]:
+    """At most ``limit`` groups of consecutive entries; a group's mask is the union."""
+    k = max(1, -(-len(axis) // limit))
+    out: list[tuple[tuple[Box, ...], int]] = []
+    for i in range(0, len(axis), k):
+        part = axis[i : i + k]
+        mask = 0
+        for _, m in part:
+            mask |= m
+        out.append((tuple(b for b, _ in part), mask))
+    return out
+
+
+def _bits(mask: int) -> tuple[int, ...]:
+    return tuple(r for r in range(mask.bit_length()) if mask >> r & 1)
+
+
+def shard_grid(lay: TensorLayout, *, max_rows: int = MAX_ROWS, max_cols: int = MAX_COLS) -> ShardGrid:
+    """The picture's cells for ``lay`` (see the module docstring for the axes)."""
+    blocks = lay.blocks()
+    holders = [r for r, b in enumerate(blocks) if all(il for il in b)]
+    everyone = sum(1 << r for r in holders)
+    ndim = len(lay.shape)
+    col_dims: tuple[int, ...] = (ndim - 1,) if ndim >= 2 else ()
+    row_dims = tuple(range(ndim - len(col_dims)))
+    slices = [_dim_slices(lay, d, holders) for d in range(ndim)]
+    rows = _group(_axis([slices[d] for d in row_dims], everyone), max_rows)
+    cols = _group(_axis([slices[d] for d in col_dims], everyone), max_cols)
+    cells = tuple(tuple(_bits(rm & cm) for _, cm in cols) for _, rm in rows)
+    idle = tuple(r for r in range(len(blocks)) if r not in set(holders))
+    return ShardGrid(
+        layout=lay,
+        row_dims=row_dims,
+        col_dims=col_dims,
+        rows=tuple(b for b, _ in rows),
+        cols=tuple(b for b, _ in cols),
+        cells=cells,
+        idle=idle,
+    )
+
+
+def rank_label(ranks: Sequence[int], max_len: int | None = MAX_LABEL) -> str:
+    """Ranks as short text: runs of three or more as ``a-b``, others by commas.
+
+    >>> rank_label([0, 1, 2, 3]), rank_label([0, 2]), rank_label([0, 1, 5, 6, 7])
+    ('0-3', '0,2', '0,1,5-7')
+    >>> rank_label(range(0, 64, 8))
+    '0,…,56 (8)'
+    """
+    rs = sorted(ranks)
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{rs[i]}-{rs[j]}")
+        else:
+            parts.extend(str(r) for r in rs[i : j + 1])
+        i = j + 1
+    text = ",".join(parts)
+    if max_len is not None and len(text) > max_len and len(parts) > 2:
+        text = f"{rs[0]},…,{rs[-1]} ({len(rs)})"
+    return text
+
+
+def _box_label(box: Box) -> str:
+    return ", ".join(f"{iv.start}:{iv.stop}" for iv in box)
+
+
+def _group_label(boxes: tuple[Box, ...]) -> str:
+    if len(boxes) == 1:
+        return _box_label(boxes[0])
+    if len(boxes[0]) == 1:  # one dim: consecutive slices make one interval
+        return f"{boxes[0][0].start}:{boxes[-1][0].stop}"
+    return f"{_box_label(boxes[0])} … {_box_label(boxes[-1])}"
+
+
+def _dims_label(dims: Sequence[int]) -> str:
+    return ("dim " if len(dims) == 1 else "dims ") + ",".join(str(d) for d in dims)
+
+
+def _title(lay: TensorLayout, name: str | None) -> str:
+    head = f"{name}: " if name else ""
+    return f"{head}shape {list(lay.shape)} on mesh {lay.mesh}, placements {placements_str(lay.placements)}"
+
+
+def _notes(grid: ShardGrid) -> list[str]:
+    lay = grid.layout
+    notes: list[str] = []
+    if grid.idle and grid.rows and grid.cols:
+        who = rank_label(grid.idle, None)
+        notes.append(f"rank {who} holds nothing" if len(grid.idle) == 1 else f"ranks {who} hold nothing")
+    if grid.grouped:
+        notes.append("grouped: a cell lists every rank holding part of it")
+    op = lay.partial_op
+    if op is not None:
+        dims = [n for n, p in zip(lay.mesh.names, lay.placements) if isinstance(p, Partial)]
+        notes.append(f"P({op}) over {', '.join(dims)}: each element is the {op} of its ranks' values")
+    return notes
+
+
+def _cell_style(ranks: Sequence[int]) -> str:
+    bg = PALETTE[ranks[0] % len(PALETTE)]
+    r, g, b = (int(bg[i : i + 2], 16) for i in (1, 3, 5))
+    fg = "#000000" if r * 0.299 + g * 0.587 + b * 0.114 > 150 else "#FFFFFF"
+    return f"{fg} on {bg}"
+
+
+def render_layout(lay: TensorLayout, name: str | None = None, **grid_kw: int) -> RenderableType:
+    """The picture of ``lay`` as a rich renderable (title, grid, notes).
+
+    ``grid_kw`` go to :func:`shard_grid` (``max_rows``, ``max_cols``).
+    """
+    from rich.console import Group
+    from rich.text import Text
+
+    grid = shard_grid(lay, **grid_kw)
+    parts: list[RenderableType] = [Text(_title(lay, name))]
+    if not grid.rows or not grid.cols:
+        parts.append(Text("empty tensor: no elements to place"))
+    else:
+        parts.append(_table(grid))
+    parts.extend(Text(n) for n in _notes(grid))
+    return Group(*parts)
+
+
+def _table(grid: ShardGrid) -> RenderableType:
+    from rich import box
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SQUARE, show_lines=True, padding=0, highlight=False)
+    if grid.row_dims:
+        corner = _dims_label(grid.row_dims)
+        if grid.col_dims:
+            corner += " \\ " + _dims_label(grid.col_dims)
+        table.add_column(Padding(Text(corner), (0, 1)), no_wrap=True)
+    for c in grid.cols:
+        header = Text(_group_label(c) if grid.col_dims else "ranks", justify="center")
+        table.add_column(Padding(header, (0, 1)), justify="center", no_wrap=True)
+    for r, cells in zip(grid.rows, grid.cells):
+        row: list[RenderableType] = [Padding(Text(_group_label(r)), (0, 1))] if grid.row_dims else []
+        for ranks in cells:
+            label = Text(rank_label(ranks), justify="center")
+            style = _cell_style(ranks) if ranks else ""
+            row.append(Padding(label, (0, 1), style=style, expand=True))
+        table.add_row(*row)
+    return table
+
+
+def render_plan(src: TensorLayout, dst: TensorLayout, name: str | None = None) -> RenderableType:
+    """Source above target, for ``plan --show NAME``: one above the other stays narrow."""
+    from rich.console import Group
+    from rich.text import Text
+
+    head = f"{name}: " if name else ""
+    return Group(
+        Text(f"{head}source"),
+        render_layout(src),
+        Text(""),
+        Text(f"{head}target"),
+        render_layout(dst),
+    )
+
+
+def plain(renderable: RenderableType, width: int = 200) -> str:
+    """Render without colour or escape codes (``NO_COLOR``, pipes, snapshots); lines right-stripped."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(
+        file=buf, width=width, color_system=None, force_terminal=False, highlight=False, legacy_windows=False
+    ).print(renderable)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
+
+
+def layout_text(lay: TensorLayout, name: str | None = None, **grid_kw: int) -> str:
+    """:func:`render_layout` as plain text."""
+    return plain(render_layout(lay, name, **grid_kw))
+
+
+def plan_text(src: TensorLayout, dst: TensorLayout, name: str | None = None) -> str:
+    """:func:`render_plan` as plain text."""
+    return plain(render_plan(src, dst, name))
+
+
+def should_color(stream: IO[str], environ: Mapping[str, str] | None = None) -> bool:
+    """Colour only on a terminal and when ``NO_COLOR`` is unset or empty (no-color.org)."""
+    env = os.environ if environ is None else environ
+    if env.get("NO_COLOR"):
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
