@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
-from .intervals import Box, Interval
+from .intervals import Block, Box, Interval
 from .layout import TensorLayout, placements_str
 from .placements import Partial
 
@@ -44,7 +44,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ShardGrid",
+    "grid_from_blocks",
     "shard_grid",
+    "render_grid",
+    "render_pieces",
     "rank_label",
     "render_layout",
     "render_plan",
@@ -87,16 +90,17 @@ _Slices = tuple[tuple[Interval, int], ...]
 
 @dataclass(frozen=True, slots=True)
 class ShardGrid:
-    """The cells of a layout's picture and the ranks holding each.
+    """The cells of a picture and the holders of each.
 
-    ``rows[i]`` is the tuple of boxes (over ``row_dims``) that row ``i`` covers: one box,
-    or several consecutive ones when rows were grouped; ``cols[j]`` likewise over
-    ``col_dims``. ``cells[i][j]`` is the ascending ranks holding any element of
-    the cell (exactly the ranks holding each of its elements when not grouped).
-    ``idle`` are the ranks holding no element at all.
+    Holders are indices into the blocks the grid was made from (ranks, for a
+    layout). ``rows[i]`` is the tuple of boxes (over ``row_dims``) that row ``i``
+    covers: one box, or several consecutive ones when rows were grouped; ``cols[j]``
+    likewise over ``col_dims``. ``cells[i][j]`` is the ascending holders of any
+    element of the cell (exactly the holders of each of its elements when not
+    grouped). ``idle`` are the holders of no element at all.
     """
 
-    layout: TensorLayout
+    shape: tuple[int, ...]
     row_dims: tuple[int, ...]
     col_dims: tuple[int, ...]
     rows: tuple[tuple[Box, ...], ...]
@@ -107,6 +111,10 @@ class ShardGrid:
     @property
     def grouped(self) -> bool:
         return any(len(r) > 1 for r in self.rows) or any(len(c) > 1 for c in self.cols)
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows or not self.cols
 
     def cell_of(self, index: Sequence[int]) -> tuple[int, int]:
         """(row, column) of the cell holding the element at global ``index``."""
@@ -122,14 +130,12 @@ def _find(groups: Sequence[tuple[Box, ...]], idx: Sequence[int]) -> int:
     raise IndexError(f"index {list(idx)} is outside the grid")
 
 
-def _dim_slices(lay: TensorLayout, d: int, holders: Sequence[int]) -> _Slices:
-    """Dim ``d`` cut at every interval boundary of the holding ranks, equal neighbours merged.
+def _dim_slices(blocks: Sequence[Block], n: int, d: int, holders: Sequence[int]) -> _Slices:
+    """Dim ``d`` (size ``n``) cut at every interval boundary of the holders, equal neighbours merged.
 
-    Only ranks holding elements count: a rank with an empty extent along another
+    Only holders of elements count: a rank with an empty extent along another
     dim is in no cell, so its boundaries would only split cells needlessly.
     """
-    blocks = lay.blocks()
-    n = lay.shape[d]
     cuts = sorted({0, n} | {x for r in holders for iv in blocks[r][d] for x in (iv.start, iv.stop)})
     masks = [0] * (len(cuts) - 1)
     for r in holders:
@@ -146,7 +152,7 @@ def _dim_slices(lay: TensorLayout, d: int, holders: Sequence[int]) -> _Slices:
 
 
 def _axis(per_dim: Sequence[_Slices], everyone: int) -> list[tuple[Box, int]]:
-    """The boxes of an axis made of these dims (row-major product) and their rank masks."""
+    """The boxes of an axis made of these dims (row-major product) and their holder masks."""
     out: list[tuple[Box, int]] = []
     for combo in itertools.product(*per_dim):
         mask = everyone
@@ -173,28 +179,38 @@ def _bits(mask: int) -> tuple[int, ...]:
     return tuple(r for r in range(mask.bit_length()) if mask >> r & 1)
 
 
-def shard_grid(lay: TensorLayout, *, max_rows: int = MAX_ROWS, max_cols: int = MAX_COLS) -> ShardGrid:
-    """The picture's cells for ``lay`` (see the module docstring for the axes)."""
-    blocks = lay.blocks()
+def grid_from_blocks(
+    shape: Sequence[int], blocks: Sequence[Block], *, max_rows: int = MAX_ROWS, max_cols: int = MAX_COLS
+) -> ShardGrid:
+    """The picture's cells when holder ``i`` holds ``blocks[i]`` of a tensor of ``shape``.
+
+    Works for any blocks (a layout's ranks, a checkpoint's pieces); see the module
+    docstring for which dims become rows and columns.
+    """
+    shape = tuple(shape)
     holders = [r for r, b in enumerate(blocks) if all(il for il in b)]
     everyone = sum(1 << r for r in holders)
-    ndim = len(lay.shape)
+    ndim = len(shape)
     col_dims: tuple[int, ...] = (ndim - 1,) if ndim >= 2 else ()
     row_dims = tuple(range(ndim - len(col_dims)))
-    slices = [_dim_slices(lay, d, holders) for d in range(ndim)]
+    slices = [_dim_slices(blocks, shape[d], d, holders) for d in range(ndim)]
     rows = _group(_axis([slices[d] for d in row_dims], everyone), max_rows)
     cols = _group(_axis([slices[d] for d in col_dims], everyone), max_cols)
-    cells = tuple(tuple(_bits(rm & cm) for _, cm in cols) for _, rm in rows)
-    idle = tuple(r for r in range(len(blocks)) if r not in set(holders))
+    held = set(holders)
     return ShardGrid(
-        layout=lay,
+        shape=shape,
         row_dims=row_dims,
         col_dims=col_dims,
         rows=tuple(b for b, _ in rows),
         cols=tuple(b for b, _ in cols),
-        cells=cells,
-        idle=idle,
+        cells=tuple(tuple(_bits(rm & cm) for _, cm in cols) for _, rm in rows),
+        idle=tuple(r for r in range(len(blocks)) if r not in held),
     )
+
+
+def shard_grid(lay: TensorLayout, *, max_rows: int = MAX_ROWS, max_cols: int = MAX_COLS) -> ShardGrid:
+    """The picture's cells for ``lay``: holders are global ranks."""
+    return grid_from_blocks(lay.shape, lay.blocks(), max_rows=max_rows, max_cols=max_cols)
 
 
 def rank_label(ranks: Sequence[int], max_len: int | None = MAX_LABEL) -> str:
@@ -244,47 +260,73 @@ def _title(lay: TensorLayout, name: str | None) -> str:
     return f"{head}shape {list(lay.shape)} on mesh {lay.mesh}, placements {placements_str(lay.placements)}"
 
 
-def _notes(grid: ShardGrid) -> list[str]:
-    lay = grid.layout
+def _notes(grid: ShardGrid, noun: str, owner: Sequence[int] | None) -> list[str]:
     notes: list[str] = []
-    if grid.idle and grid.rows and grid.cols:
-        who = rank_label(grid.idle, None)
-        notes.append(f"rank {who} holds nothing" if len(grid.idle) == 1 else f"ranks {who} hold nothing")
+    if grid.idle and not grid.empty:
+        idle = sorted({owner[i] for i in grid.idle} if owner is not None else grid.idle)
+        who = rank_label(idle, None)
+        notes.append(f"{noun} {who} holds nothing" if len(idle) == 1 else f"{noun}s {who} hold nothing")
     if grid.grouped:
-        notes.append("grouped: a cell lists every rank holding part of it")
-    op = lay.partial_op
-    if op is not None:
-        dims = [n for n, p in zip(lay.mesh.names, lay.placements) if isinstance(p, Partial)]
-        notes.append(f"P({op}) over {', '.join(dims)}: each element is the {op} of its ranks' values")
+        notes.append(f"grouped: a cell lists every {noun} holding part of it")
     return notes
 
 
-def _cell_style(ranks: Sequence[int]) -> str:
-    bg = PALETTE[ranks[0] % len(PALETTE)]
+def _cell_style(first: int) -> str:
+    bg = PALETTE[first % len(PALETTE)]
     r, g, b = (int(bg[i : i + 2], 16) for i in (1, 3, 5))
     fg = "#000000" if r * 0.299 + g * 0.587 + b * 0.114 > 150 else "#FFFFFF"
     return f"{fg} on {bg}"
 
 
-def render_layout(lay: TensorLayout, name: str | None = None, **grid_kw: int) -> RenderableType:
-    """The picture of ``lay`` as a rich renderable (title, grid, notes).
+def render_grid(
+    grid: ShardGrid,
+    title: str,
+    *,
+    noun: str = "rank",
+    owner: Sequence[int] | None = None,
+    notes: Sequence[str] = (),
+) -> RenderableType:
+    """A grid as a rich renderable: title, table, notes.
 
-    ``grid_kw`` go to :func:`shard_grid` (``max_rows``, ``max_cols``).
+    ``owner[i]`` is the number shown for holder ``i`` (e.g. the file a checkpoint
+    piece lies in); by default the holder itself. ``noun`` names what the numbers are.
     """
     from rich.console import Group
     from rich.text import Text
 
-    grid = shard_grid(lay, **grid_kw)
-    parts: list[RenderableType] = [Text(_title(lay, name))]
-    if not grid.rows or not grid.cols:
+    parts: list[RenderableType] = [Text(title)]
+    if grid.empty:
         parts.append(Text("empty tensor: no elements to place"))
     else:
-        parts.append(_table(grid))
-    parts.extend(Text(n) for n in _notes(grid))
+        parts.append(_table(grid, noun, owner))
+    parts.extend(Text(n) for n in [*_notes(grid, noun, owner), *notes])
     return Group(*parts)
 
 
-def _table(grid: ShardGrid) -> RenderableType:
+def render_layout(lay: TensorLayout, name: str | None = None, **grid_kw: int) -> RenderableType:
+    """The picture of ``lay``: which rank holds which cells.
+
+    ``grid_kw`` go to :func:`shard_grid` (``max_rows``, ``max_cols``).
+    """
+    notes: list[str] = []
+    op = lay.partial_op
+    if op is not None:
+        dims = [n for n, p in zip(lay.mesh.names, lay.placements) if isinstance(p, Partial)]
+        notes.append(f"P({op}) over {', '.join(dims)}: each element is the {op} of its ranks' values")
+    return render_grid(shard_grid(lay, **grid_kw), _title(lay, name), notes=notes)
+
+
+def render_pieces(
+    name: str, shape: Sequence[int], blocks: Sequence[Block], files: Sequence[int], **grid_kw: int
+) -> RenderableType:
+    """The picture of a stored tensor's pieces (``inspect --show`` without a layout, e.g. DCP):
+    piece ``k`` holds ``blocks[k]`` and lies in file number ``files[k]``."""
+    grid = grid_from_blocks(shape, blocks, **grid_kw)
+    title = f"{name}: shape {list(shape)}, {len(blocks)} pieces in {len(set(files))} files"
+    return render_grid(grid, title, noun="file", owner=files)
+
+
+def _table(grid: ShardGrid, noun: str, owner: Sequence[int] | None) -> RenderableType:
     from rich import box
     from rich.padding import Padding
     from rich.table import Table
@@ -297,14 +339,14 @@ def _table(grid: ShardGrid) -> RenderableType:
             corner += " \\ " + _dims_label(grid.col_dims)
         table.add_column(Padding(Text(corner), (0, 1)), no_wrap=True)
     for c in grid.cols:
-        header = Text(_group_label(c) if grid.col_dims else "ranks", justify="center")
+        header = Text(_group_label(c) if grid.col_dims else f"{noun}s", justify="center")
         table.add_column(Padding(header, (0, 1)), justify="center", no_wrap=True)
     for r, cells in zip(grid.rows, grid.cells):
         row: list[RenderableType] = [Padding(Text(_group_label(r)), (0, 1))] if grid.row_dims else []
-        for ranks in cells:
-            label = Text(rank_label(ranks), justify="center")
-            style = _cell_style(ranks) if ranks else ""
-            row.append(Padding(label, (0, 1), style=style, expand=True))
+        for holders in cells:
+            shown = sorted({owner[h] for h in holders}) if owner is not None else list(holders)
+            label = Text(rank_label(shown), justify="center")
+            row.append(Padding(label, (0, 1), style=_cell_style(shown[0]) if shown else "", expand=True))
         table.add_row(*row)
     return table
 

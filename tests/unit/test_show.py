@@ -12,21 +12,26 @@ import io
 import os
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 
+from reshard.intervals import Interval
 from reshard.layout import TensorLayout
 from reshard.mesh import Mesh
 from reshard.show import (
     MAX_COLS,
     MAX_ROWS,
     ShardGrid,
+    grid_from_blocks,
     layout_text,
+    plain,
     plan_text,
     rank_label,
     render_layout,
+    render_pieces,
     shard_grid,
     should_color,
 )
@@ -59,8 +64,7 @@ def unravel(e: int, shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(idx))
 
 
-def check_against_torch(grid: ShardGrid) -> None:
-    lay = grid.layout
+def check_against_torch(lay: TensorLayout, grid: ShardGrid) -> None:
     holders = torch_holders(lay)
     union: dict[tuple[int, int], set[int]] = {}
     for e, who in enumerate(holders):
@@ -109,19 +113,19 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_cells_agree_with_torch(name: str) -> None:
-    check_against_torch(shard_grid(CASES[name]))
+    check_against_torch(CASES[name], shard_grid(CASES[name]))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ungrouped_cells_agree_with_torch(name: str) -> None:
-    check_against_torch(shard_grid(CASES[name], max_rows=10**6, max_cols=10**6))
+    check_against_torch(CASES[name], shard_grid(CASES[name], max_rows=10**6, max_cols=10**6))
 
 
 @settings(max_examples=examples(60))
 @given(layouts(max_numel=512, mesh_kw={"max_ranks": 8}))
 def test_random_layouts_agree_with_torch(lay: TensorLayout) -> None:
-    check_against_torch(shard_grid(lay, max_rows=10**6, max_cols=10**6))
-    check_against_torch(shard_grid(lay, max_rows=3, max_cols=2))
+    check_against_torch(lay, shard_grid(lay, max_rows=10**6, max_cols=10**6))
+    check_against_torch(lay, shard_grid(lay, max_rows=3, max_cols=2))
 
 
 def test_grid_is_coarsest() -> None:
@@ -357,3 +361,51 @@ def test_pure_module_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_pieces_of_a_torch_written_checkpoint_draw_like_its_layout(tmp_path: Path) -> None:
+    from reshard.config import load_layout, resolve_preset
+    from reshard.demo import build_demo
+    from reshard.formats import open_checkpoint
+
+    tp_dir = build_demo(tmp_path, layers=1, tp=4)["tp"]
+    ckpt = open_checkpoint(tp_dir, layout=load_layout(resolve_preset("llama-tp")))
+    for name, placement in [
+        ("model.layers.0.self_attn.o_proj.weight", "S(1)"),
+        ("model.layers.0.self_attn.k_proj.weight", "S(0)"),
+        ("model.norm.weight", "R"),
+    ]:
+        src = ckpt.tensors[name]
+        lay = TensorLayout.make(src.shape, mesh(tp=4), [placement])
+        pieces = grid_from_blocks(src.shape, src.piece_blocks)
+        assert pieces == shard_grid(lay)
+        check_against_torch(lay, pieces)
+        text = plain(render_pieces(name, src.shape, src.piece_blocks, src.piece_files))
+        assert text.splitlines()[0] == f"{name}: shape {list(src.shape)}, 4 pieces in 4 files"
+        assert text.splitlines()[1:] == [
+            line.replace("ranks", "files") for line in layout_text(lay).splitlines()[1:]
+        ]
+
+
+def test_pieces_sharing_a_file_are_labelled_by_file() -> None:
+    # a DCP-like source: file 0 holds rows 0:2 and 4:6, file 1 rows 2:4 and 6:8
+    rows = [(0, 2), (4, 6), (2, 4), (6, 8)]
+    blocks = [((Interval(a, b),), (Interval(0, 3),)) for a, b in rows]
+    text = plain(render_pieces("w", (8, 3), blocks, [0, 0, 1, 1], max_rows=2))
+    assert text == snap("""
+        w: shape [8, 3], 4 pieces in 2 files
+        ┌───────────────┬─────┐
+        │ dim 0 \\ dim 1 │ 0:3 │
+        ├───────────────┼─────┤
+        │ 0:4           │ 0,1 │
+        ├───────────────┼─────┤
+        │ 4:8           │ 0,1 │
+        └───────────────┴─────┘
+        grouped: a cell lists every file holding part of it
+        """)
+    assert plain(render_pieces("w", (8, 3), blocks, [0, 0, 1, 1])).splitlines()[4:11:2] == [
+        "│ 0:2           │  0  │",
+        "│ 2:4           │  1  │",
+        "│ 4:6           │  0  │",
+        "│ 6:8           │  1  │",
+    ]
