@@ -27,6 +27,7 @@ plain text without escape codes (:func:`plain`).
 
 from __future__ import annotations
 
+import difflib
 import io
 import itertools
 import os
@@ -35,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
+from .checkpoint import Checkpoint
+from .errors import TensorNotFoundError
 from .intervals import Block, Box, Interval
 from .layout import TensorLayout, placements_str
 from .placements import Partial
@@ -51,6 +54,7 @@ __all__ = [
     "rank_label",
     "render_layout",
     "render_plan",
+    "source_picture",
     "plain",
     "layout_text",
     "plan_text",
@@ -322,7 +326,8 @@ def render_pieces(
     """The picture of a stored tensor's pieces (``inspect --show`` without a layout, e.g. DCP):
     piece ``k`` holds ``blocks[k]`` and lies in file number ``files[k]``."""
     grid = grid_from_blocks(shape, blocks, **grid_kw)
-    title = f"{name}: shape {list(shape)}, {len(blocks)} pieces in {len(set(files))} files"
+    n, m = len(blocks), len(set(files))
+    title = f"{name}: shape {list(shape)}, {n} piece{'s' * (n != 1)} in {m} file{'s' * (m != 1)}"
     return render_grid(grid, title, noun="file", owner=files)
 
 
@@ -351,18 +356,44 @@ def _table(grid: ShardGrid, noun: str, owner: Sequence[int] | None) -> Renderabl
     return table
 
 
-def render_plan(src: TensorLayout, dst: TensorLayout, name: str | None = None) -> RenderableType:
-    """Source above target, for ``plan --show NAME``: one above the other stays narrow."""
+def source_picture(ckpt: Checkpoint, name: str, **grid_kw: int) -> RenderableType:
+    """``inspect --show NAME``: the tensor's layout when the checkpoint knows its mesh and
+    placements (per-rank), else its stored pieces labelled by file (hf, DCP).
+
+    Raises:
+        TensorNotFoundError: no tensor ``name``; the message suggests close names.
+    """
+    src = ckpt.tensors.get(name)
+    if src is None:
+        close = difflib.get_close_matches(name, list(ckpt.tensors), n=3)
+        hint = (
+            f"did you mean {', '.join(repr(c) for c in close)}?"
+            if close
+            else "list them with reshard inspect"
+        )
+        raise TensorNotFoundError(f"{ckpt.path}: no tensor {name!r}", path=ckpt.path, tensor=name, hint=hint)
+    if ckpt.mesh is not None and src.placements is not None:
+        return render_layout(TensorLayout.make(src.shape, ckpt.mesh, src.placements), name, **grid_kw)
+    return render_pieces(name, src.shape, src.piece_blocks, src.piece_files, **grid_kw)
+
+
+def render_plan(
+    src: TensorLayout | RenderableType, dst: TensorLayout | RenderableType, name: str | None = None
+) -> RenderableType:
+    """Source above target, for ``plan --show NAME``: one above the other stays narrow.
+
+    Either side is a layout or an already rendered picture (:func:`source_picture`).
+    """
     from rich.console import Group
     from rich.text import Text
 
     head = f"{name}: " if name else ""
     return Group(
         Text(f"{head}source"),
-        render_layout(src),
+        render_layout(src) if isinstance(src, TensorLayout) else src,
         Text(""),
         Text(f"{head}target"),
-        render_layout(dst),
+        render_layout(dst) if isinstance(dst, TensorLayout) else dst,
     )
 
 
@@ -382,7 +413,9 @@ def layout_text(lay: TensorLayout, name: str | None = None, **grid_kw: int) -> s
     return plain(render_layout(lay, name, **grid_kw))
 
 
-def plan_text(src: TensorLayout, dst: TensorLayout, name: str | None = None) -> str:
+def plan_text(
+    src: TensorLayout | RenderableType, dst: TensorLayout | RenderableType, name: str | None = None
+) -> str:
     """:func:`render_plan` as plain text."""
     return plain(render_plan(src, dst, name))
 

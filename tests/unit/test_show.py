@@ -34,6 +34,7 @@ from reshard.show import (
     render_pieces,
     shard_grid,
     should_color,
+    source_picture,
 )
 from tests.strategies import examples, layouts, torch_local, torch_placements
 
@@ -409,3 +410,34 @@ def test_pieces_sharing_a_file_are_labelled_by_file() -> None:
         "│ 4:6           │  0  │",
         "│ 6:8           │  1  │",
     ]
+
+
+def test_source_picture_per_rank_hf_and_unknown_names(tmp_path: Path) -> None:
+    from reshard.config import load_layout, resolve_preset
+    from reshard.demo import build_demo
+    from reshard.errors import TensorNotFoundError
+    from reshard.formats import open_checkpoint
+
+    paths = build_demo(tmp_path, layers=1, tp=4)
+    ckpt = open_checkpoint(paths["tp"], layout=load_layout(resolve_preset("llama-tp")))
+    name = "model.layers.0.mlp.down_proj.weight"
+    lay = TensorLayout.make(ckpt.tensors[name].shape, mesh(tp=4), ["S(1)"])
+    assert plain(source_picture(ckpt, name)) == layout_text(lay, name)
+
+    hf = open_checkpoint(paths["reference"])
+    assert plain(source_picture(hf, name)) == snap(f"""
+        {name}: shape [256, 688], 1 piece in 1 file
+        ┌───────────────┬───────┐
+        │ dim 0 \\ dim 1 │ 0:688 │
+        ├───────────────┼───────┤
+        │ 0:256         │   0   │
+        └───────────────┴───────┘
+        """)
+    target = TensorLayout.make((256, 688), mesh(tp=2), ["S(1)"])
+    text = plan_text(source_picture(hf, name), target, name)
+    assert text.startswith(f"{name}: source\n{name}: shape [256, 688], 1 piece in 1 file\n")
+    assert f"{name}: target\n" + layout_text(target) in text
+
+    with pytest.raises(TensorNotFoundError, match="no tensor 'model.layers.0.mlp.down_proj'") as e:
+        source_picture(ckpt, "model.layers.0.mlp.down_proj")
+    assert e.value.hint is not None and repr(name) in e.value.hint
