@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 import io
 import itertools
+import math
 import os
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
@@ -248,10 +249,12 @@ def _box_label(box: Box) -> str:
 
 
 def _group_label(boxes: tuple[Box, ...]) -> str:
-    if len(boxes) == 1:
-        return _box_label(boxes[0])
-    if len(boxes[0]) == 1:  # one dim: consecutive slices make one interval
-        return f"{boxes[0][0].start}:{boxes[-1][0].stop}"
+    """A group's boxes as their bounding box when they tile it (always, for one dim), else first … last."""
+    bound = tuple(
+        Interval(min(b[d].start for b in boxes), max(b[d].stop for b in boxes)) for d in range(len(boxes[0]))
+    )
+    if sum(math.prod(iv.size for iv in b) for b in boxes) == math.prod(iv.size for iv in bound):
+        return _box_label(bound)  # disjoint boxes as large as their bounding box tile it
     return f"{_box_label(boxes[0])} … {_box_label(boxes[-1])}"
 
 

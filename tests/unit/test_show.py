@@ -441,3 +441,23 @@ def test_source_picture_per_rank_hf_and_unknown_names(tmp_path: Path) -> None:
     with pytest.raises(TensorNotFoundError, match="no tensor 'model.layers.0.mlp.down_proj'") as e:
         source_picture(ckpt, "model.layers.0.mlp.down_proj")
     assert e.value.hint is not None and repr(name) in e.value.hint
+
+
+def test_grouped_nd_rows_are_labelled_by_their_bounding_box_when_they_tile_it() -> None:
+    lay = TensorLayout.make((3, 5, 2), mesh(ep=3, tp=5), ["S(0)", "S(1)"])
+    check_against_torch(lay, shard_grid(lay, max_rows=4))
+    assert layout_text(lay, max_rows=4) == snap("""
+        shape [3, 5, 2] on mesh ep=3,tp=5, placements (S(0), S(1))
+        ┌─────────────────────┬───────┐
+        │ dims 0,1 \\ dim 2    │  0:2  │
+        ├─────────────────────┼───────┤
+        │ 0:1, 0:4            │  0-3  │
+        ├─────────────────────┼───────┤
+        │ 0:1, 4:5 … 1:2, 2:3 │  4-7  │
+        ├─────────────────────┼───────┤
+        │ 1:2, 3:4 … 2:3, 1:2 │ 8-11  │
+        ├─────────────────────┼───────┤
+        │ 2:3, 2:5            │ 12-14 │
+        └─────────────────────┴───────┘
+        grouped: a cell lists every rank holding part of it
+        """)
