@@ -40,7 +40,7 @@ from typing import IO, TYPE_CHECKING
 from .checkpoint import Checkpoint
 from .errors import TensorNotFoundError
 from .intervals import Block, Box, Interval
-from .layout import TensorLayout, placements_str
+from .layout import TensorLayout
 from .placements import Partial
 
 if TYPE_CHECKING:
@@ -264,7 +264,8 @@ def _dims_label(dims: Sequence[int]) -> str:
 
 def _title(lay: TensorLayout, name: str | None) -> str:
     head = f"{name}: " if name else ""
-    return f"{head}shape {list(lay.shape)} on mesh {lay.mesh}, placements {placements_str(lay.placements)}"
+    placements = ", ".join(lay.placement_strs())
+    return f"{head}shape {list(lay.shape)} on mesh {lay.mesh}, placements ({placements})"
 
 
 def _notes(grid: ShardGrid, noun: str, owner: Sequence[int] | None) -> list[str]:

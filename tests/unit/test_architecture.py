@@ -16,10 +16,10 @@ LAYERS = [
     {"plan"},
     {"io", "io.header", "io.checksum", "io.pages", "io.reader", "io.writer", "torch_ops"},
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
-    {"formats.base", "formats.safetensors", "formats.manifest"},
+    {"formats.base", "formats.safetensors", "formats.manifest", "formats.hf_extras"},
     {"formats.dcp_boxes"},
     {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats"},
-    {"budget", "execute", "resume", "verify", "check", "report"},
+    {"budget", "execute", "resume", "verify", "check", "report", "show"},
     {"dist", "convert"},
     {"cli", "demo", "__main__", "formats.__main__", ""},
 ]
