@@ -66,7 +66,14 @@ def console() -> Console:
     """rich's stderr console, made on first use: `convert --quiet` never imports rich (~20 ms)."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+    return Console(stderr=True, highlight=False, emoji=False, width=None if sys.stderr.isatty() else 160)
+
+
+def _say(prefix: str, text: object) -> None:
+    """``prefix`` (rich markup) then ``text`` verbatim: names, paths and messages come from files."""
+    from .text import markup_safe
+
+    console().print(prefix + markup_safe(str(text)), soft_wrap=True)
 
 
 def _format_help(what: str, formats: Sequence[Reader | Writer]) -> str:
@@ -126,7 +133,7 @@ WorkersOpt = Annotated[
     typer.Option(
         "--workers",
         min=1,
-        help="Threads writing output files [default: cores, at most 4].",
+        help="Threads writing output files \\[default: cores, at most 4].",
         show_default=False,
     ),
 ]
@@ -197,9 +204,9 @@ def _errors(as_json: bool) -> Iterator[None]:
         code = e.exit_code
         if as_json:
             _emit({"ok": False, "error": e.to_json(), "exit_code": code})
-        console().print(f"[bold red]error:[/] {e.message}", markup=True, soft_wrap=True)
+        _say("[bold red]error:[/] ", e.message)
         if e.hint:
-            console().print(f"hint: {e.hint}", soft_wrap=True)
+            _say("hint: ", e.hint)
         raise typer.Exit(code) from None
     except KeyboardInterrupt:
         console().print(
@@ -308,14 +315,15 @@ def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
     if not coordinator().is_main:
         return  # under torchrun, rank 0 reports for everyone
     for w in result["warnings"]:
-        console().print(f"warning: {w}")
+        _say("warning: ", w)
     if json_:
         _emit({"ok": True, "command": "convert", **result})
     elif not quiet:
         d = result["destination"]
-        console().print(
+        _say(
             f"wrote {len(result['files'])} {d['format']} file(s), "
-            f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
+            f"{result['tensors']} tensors, {_human(result['bytes_written'])} to ",
+            d["path"],
         )
 
 
@@ -353,10 +361,10 @@ def inspect(
         doc = inspect_report(ck)
         problems: list[Problem] = []
         if check:
-            from .check import check_checkpoint
+            from .check import check_checkpoint, checks_made
 
             problems = check_checkpoint(ck)
-            doc["check"] = {"ok": not problems, "problems": problems}
+            doc["check"] = {"ok": not problems, "problems": problems, "verified": checks_made(ck)}
         if json_:
             _emit({"ok": not problems, "command": "inspect", **doc})
         else:
@@ -365,10 +373,10 @@ def inspect(
             if check:
                 if problems:
                     for p in problems:
-                        console().print(f"[red]problem:[/] {p['message']}", soft_wrap=True)
+                        _say("[red]problem:[/] ", p["message"])
                     console().print(f"check: {len(problems)} problem(s) found")
                 elif not quiet:
-                    console().print("check: ok (full coverage, replicas equal, checksums match)")
+                    console().print(f"check: ok ({', '.join(doc['check']['verified'])})")
         if problems:
             raise typer.Exit(1)
 
@@ -451,7 +459,7 @@ def verify(
             _emit({"ok": doc["equal"], "command": "verify", **doc})
         else:
             for d in doc["differences"]:
-                console().print(f"[red]differs:[/] {d['message']}", soft_wrap=True)
+                _say("[red]differs:[/] ", d["message"])
             if doc["equal"]:
                 if not quiet:
                     console().print(

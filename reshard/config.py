@@ -332,6 +332,14 @@ class LayoutConfig:
             path=self.source,
         )
 
+    def rule_location(self, name: str) -> str:
+        """``FILE:LINE: rule 'PATTERN'`` of the rule giving ``name`` its placements, for messages.
+
+        Raises:
+            LayoutError: no rule matches.
+        """
+        return self._where(self.match(name))[:-2]
+
     def placements_for(self, name: str, mesh: Mesh | None = None) -> tuple[Placement, ...]:
         """Placements of tensor ``name`` on ``mesh`` (default: this layout's mesh).
 

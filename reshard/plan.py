@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .checkpoint import Checkpoint, TensorSource
 from .dtypes import DTYPE_SIZES, FLOAT_DTYPES
-from .errors import PlanError
+from .errors import LayoutError, PlanError
 from .intervals import Block, IndexList, Segment, block_volume, overlap_segments
 from .layout import TensorLayout
 from .mesh import Mesh
@@ -372,6 +372,23 @@ class Plan:
         return sum(sum(self.file_reads(f).values()) for f in self.files)
 
 
+def _target_layout(
+    src: TensorSource, mesh: Mesh, placements: Sequence[Placement | str], rules: LayoutConfig | None
+) -> TensorLayout:
+    """The target layout of ``src``; a placement that does not fit names the rule it came from."""
+    try:
+        return TensorLayout.for_tensor(src.name, src.shape, mesh, placements)
+    except LayoutError as e:
+        if rules is None:
+            raise
+        raise LayoutError(
+            f"{rules.rule_location(src.name)}: {e.message}",
+            path=rules.source,
+            tensor=src.name,
+            hint=e.hint or "change the rule, or add a rule for this tensor before it",
+        ) from None
+
+
 def make_plan(
     source: Checkpoint,
     mesh: Mesh,
@@ -407,7 +424,7 @@ def make_plan(
         if dtype is not None and src.dtype != dtype and src.dtype in FLOAT_DTYPES:
             out_dtype = dtype
         pl = ["R"] * mesh.ndim if whole else placements_for(name)
-        layout = TensorLayout.for_tensor(name, src.shape, mesh, pl)
+        layout = _target_layout(src, mesh, pl, None if whole else rules)
         tensors.append(plan_tensor(src, layout, out_dtype))
     files = writer.files(tensors, mesh, options)
     return Plan(source, writer, mesh, tensors, files, rules=rules)

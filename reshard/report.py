@@ -12,6 +12,7 @@ from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, box_span, row_major_strides
 from .plan import Plan, copy_boxes
+from .text import markup_safe, shown
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
 
@@ -130,12 +131,14 @@ def _local_text(t: dict[str, Any]) -> str:
 def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
     """Human table of an inspect report."""
     from rich.table import Table
+    from rich.text import Text
 
     mesh = doc["mesh"]
     mesh_text = ",".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh else "-"
     console.print(
-        f"[bold]{doc['path']}[/]  format={doc['format']}  mesh={mesh_text}  "
-        f"files={len(doc['files'])} ({human(doc['file_bytes'])})"
+        f"[bold]{markup_safe(doc['path'])}[/]  format={doc['format']}  mesh={markup_safe(mesh_text)}  "
+        f"files={len(doc['files'])} ({human(doc['file_bytes'])})",
+        soft_wrap=True,
     )
     table = Table(show_edge=False, pad_edge=False)
     for col in ("tensor", "count", "dtype", "shape", "placements", "local shape(s)", "bytes"):
@@ -155,11 +158,11 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     for label, ts in rows:
         t = ts[0]
         table.add_row(
-            label,
+            Text(shown(label)),
             str(len(ts)) if len(ts) > 1 else "",
             t["dtype"],
             str(t["shape"]),
-            ", ".join(t["placements"]) if t["placements"] else f"{t['pieces']} piece(s)",
+            Text(shown(", ".join(t["placements"]))) if t["placements"] else f"{t['pieces']} piece(s)",
             _local_text(t),
             human(sum(x["bytes"] for x in ts)),
         )
@@ -168,11 +171,10 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
     for n in doc.get("non_tensors", ()):
         where = f" in {n['file']}" if n["file"] else ""
-        console.print(
-            f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
-        )
+        text = f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
+        console.print(Text(shown(text)), soft_wrap=True)
     for w in doc["warnings"]:
-        console.print(f"warning: {w}")
+        console.print(Text("warning: " + shown(w)), soft_wrap=True)
 
 
 def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
@@ -255,11 +257,13 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
 
 def render_plan(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     t = doc["target"]
+    mesh = ",".join(f"{n}={s}" for n, s in zip(t["mesh"]["names"], t["mesh"]["shape"]))
     console.print(
-        f"[bold]plan[/]: {doc['source']['path']} ({doc['source']['format']}) -> "
-        f"{t['format']} mesh={','.join(f'{n}={s}' for n, s in zip(t['mesh']['names'], t['mesh']['shape']))}, "
+        f"[bold]plan[/]: {markup_safe(doc['source']['path'])} ({doc['source']['format']}) -> "
+        f"{t['format']} mesh={markup_safe(mesh)}, "
         f"{doc['tensors']} tensors"
     )
     table = Table(show_edge=False, pad_edge=False)
@@ -268,10 +272,10 @@ def render_plan(doc: dict[str, Any], console: Any) -> None:
     for f in doc["files"]:
         srcs = ", ".join(s["file"] for s in f["sources"][:3]) + (" ..." if len(f["sources"]) > 3 else "")
         table.add_row(
-            f["name"],
+            Text(shown(f["name"])),
             human(f["bytes_written"]),
             human(f["bytes_read"]),
-            srcs,
+            Text(shown(srcs)),
             str(f["copies"]),
             f"{f['read_amplification']:.2f}",
         )

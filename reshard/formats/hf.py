@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
-from ..errors import HeaderError, TensorNotFoundError
+from ..errors import TensorNotFoundError
 from ..intervals import full_block
 from ..io.header import Header, read_header
 from ..io.writer import FileResult, write_json
 from ..mesh import Mesh
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
 from .base import MAYBE, NO, YES, Probe, Reader, Writer
+from .hf_extras import INDEX, SINGLE, hf_weight_files
 from .manifest import manifest_for, write_manifest
 from .safetensors import SafetensorsFile, header_order
 
 __all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 def _tensor(name: str, header: Header, file_index: int) -> TensorSource:
@@ -39,13 +36,19 @@ def _tensor(name: str, header: Header, file_index: int) -> TensorSource:
 def open_hf(path: Path) -> Checkpoint:
     """Open ``model.safetensors``, a sharded checkpoint with its index, or one ``.safetensors`` file.
 
+    The weight files are those transformers would load (:func:`hf_weight_files`):
+    with both ``model.safetensors`` and an index present, the single file, and a warning.
+
     Raises:
         HeaderError: unreadable index or headers, a shard named by the index missing.
         TensorNotFoundError: the index names a tensor its shard does not hold.
     """
-    files, weight_map = _hf_files(path)
+    if path.is_file():
+        files, weight_map, warning = [path], None, None
+    else:
+        files, weight_map, warning = hf_weight_files(path)
     headers = [read_header(f) for f in files]
-    warnings: list[CheckpointWarning] = []
+    warnings = [CheckpointWarning(warning, path=str(path))] if warning else []
     tensors: dict[str, TensorSource] = {}
     if weight_map is None:
         for name in headers[0].names:
@@ -75,44 +78,6 @@ def open_hf(path: Path) -> Checkpoint:
         tensors=dict(sorted(tensors.items())),
         warnings=warnings,
     )
-
-
-def _hf_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The shard files and, for a sharded checkpoint, the index's tensor -> file map."""
-    if path.is_file():
-        return [path], None
-    if (path / INDEX).exists():
-        weight_map = _read_index(path / INDEX)
-        names = sorted(set(weight_map.values()))
-        for n in names:
-            if "/" in n or n.startswith("."):
-                raise HeaderError(
-                    f"{path / INDEX}: shard name {n!r} points outside the checkpoint", path=str(path / INDEX)
-                )
-        files = [path / n for n in names]
-        for f in files:
-            if not f.exists():
-                raise HeaderError(f"{f}: listed in {INDEX} but missing", path=str(f))
-        return files, weight_map
-    if (path / SINGLE).exists():
-        return [path / SINGLE], None
-    cands = sorted(p for p in path.glob("*.safetensors"))
-    if len(cands) != 1:
-        raise HeaderError(f"{path}: no {SINGLE} or {INDEX} found", path=str(path))
-    return cands, None
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise TypeError("weight_map must map tensor names to file names")
-    except (ValueError, KeyError, TypeError) as e:
-        raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
-    return weight_map
 
 
 def _detect(probe: Probe) -> int:

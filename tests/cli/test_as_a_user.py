@@ -1,0 +1,165 @@
+"""The CLI as a user meets it (issue 14): honest messages, verbatim names, pictures, --verify.
+
+Real files written by safetensors/torch in the test, real ``reshard`` subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+RESHARD = str(Path(sys.executable).parent / "reshard")
+
+FULL = {
+    "model.layers.0.wq": torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6),
+    "model.layers.0.wo": torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8),
+    "model.norm": torch.ones(6, dtype=torch.float32),
+}
+
+TP_LAYOUT = """\
+mesh: {tp: 4}
+placements:
+  "*.wq": {tp: S(0)}
+  "*.wo": {tp: S(1)}
+  "*": R
+"""
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("RESHARD_DEBUG", "NO_COLOR")}
+    return subprocess.run(
+        [RESHARD, *args], capture_output=True, text=True, env={**base, **(env or {})}, timeout=120
+    )
+
+
+def save_hf(path: Path, tensors: dict[str, torch.Tensor] = FULL) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture()
+def hf(tmp_path: Path) -> Path:
+    return save_hf(tmp_path / "hf")
+
+
+@pytest.fixture()
+def layout(tmp_path: Path) -> Path:
+    p = tmp_path / "tp.yaml"
+    p.write_text(TP_LAYOUT)
+    return p
+
+
+# --- 3. HF weight files as transformers picks them ------------------------------------
+
+
+def test_single_file_beats_index_and_inspect_and_convert_warn(tmp_path: Path) -> None:
+    both = save_hf(tmp_path / "both")
+    other = {k: v + 1 for k, v in FULL.items()}
+    shard = "model-00001-of-00001.safetensors"
+    save_file(other, str(both / shard), metadata={"format": "pt"})
+    (both / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(other, shard)})
+    )
+    p = run("inspect", str(both))
+    assert p.returncode == 0, p.stderr
+    assert "warning:" in p.stderr and "reading model.safetensors, as transformers does" in p.stderr
+    doc = json.loads(run("inspect", str(both), "--json").stdout)
+    assert [f["name"] for f in doc["files"]] == ["model.safetensors"]
+    assert any("holds both" in w for w in doc["warnings"])
+    out = tmp_path / "out"
+    p = run("convert", str(both), str(out), "--to", "hf")
+    assert p.returncode == 0, p.stderr
+    assert "holds both model.safetensors and model.safetensors.index.json" in p.stderr
+    got = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in FULL.items())  # the single file's values
+
+
+# --- 4. inspect --check claims only checks it made --------------------------------------
+
+
+def test_check_without_manifest_says_no_checksums(hf: Path, tmp_path: Path) -> None:
+    p = run("inspect", str(hf), "--check")
+    assert p.returncode == 0, p.stderr
+    assert "check: ok (full coverage, no checksums recorded (reshard.json absent))" in p.stderr
+    assert "checksums match" not in p.stderr
+    doc = json.loads(run("inspect", str(hf), "--check", "--json").stdout)
+    assert doc["check"]["verified"] == ["full coverage", "no checksums recorded (reshard.json absent)"]
+
+    out = tmp_path / "tp4"
+    assert run("convert", str(hf), str(out), "--target-layout", str(tmp_path / "tp.yaml")).returncode == 2
+    (tmp_path / "tp.yaml").write_text(TP_LAYOUT.replace('"*": R', '"*": R\n').replace("tp: 4", "tp: 2"))
+    assert run("convert", str(hf), str(out), "--target-layout", str(tmp_path / "tp.yaml")).returncode == 0
+    p = run("inspect", str(out), "--check")
+    assert p.returncode == 0, p.stderr
+    assert "check: ok (full coverage, replicas equal, checksums in reshard.json match)" in p.stderr
+
+
+# --- 6. a placement that does not fit names tensor, file, line and rule -----------------
+
+
+def test_placement_that_does_not_fit_names_tensor_file_line_rule(hf: Path, tmp_path: Path) -> None:
+    lay = tmp_path / "bad.yaml"
+    lay.write_text('mesh: {tp: 2}\nplacements:\n  "*.wq": {tp: S(0)}\n  "*.wo": {tp: S(5)}\n  "*": R\n')
+    dst = tmp_path / "o"
+    p = run("convert", str(hf), str(dst), "--target-layout", str(lay), "--json")
+    assert p.returncode == 2, p.stderr
+    err = json.loads(p.stdout)["error"]
+    assert err["message"].startswith(f"{lay}:4: rule '*.wo': ")
+    assert 'tensor "model.layers.0.wo" of shape [6, 8]' in err["message"]
+    assert "S(5) does not fit a 2-d tensor" in err["message"]
+    assert err["tensor"] == "model.layers.0.wo" and err["path"] == str(lay)
+    assert not dst.exists() and "Traceback" not in p.stderr
+    p = run("plan", str(hf), "--target-layout", str(lay))
+    assert p.returncode == 2 and f"{lay}:4: rule '*.wo'" in p.stderr
+
+
+# --- 5. user text shown verbatim -----------------------------------------------------
+
+ODD = {
+    "experts[gate].weight": torch.ones(4, 2),
+    "a.[/bad].b": torch.zeros(2),
+    "esc\x1b[31mred": torch.zeros(3),
+    ":smile: [bold]x[/bold]": torch.zeros(1),
+}
+
+
+def test_inspect_all_shows_odd_names_verbatim(tmp_path: Path) -> None:
+    src = save_hf(tmp_path / "odd[dir]", ODD)
+    p = run("inspect", str(src), "--all")
+    assert p.returncode == 0, p.stderr
+    for name in ("experts[gate].weight", "a.[/bad].b", "esc\\x1b[31mred", ":smile: [bold]x[/bold]"):
+        assert name in p.stderr, name
+    assert "\x1b" not in p.stderr and "odd[dir]" in p.stderr
+    p = run("plan", str(src), "--consolidate")
+    assert p.returncode == 0, p.stderr
+    assert "odd[dir]" in p.stderr
+
+
+def test_error_and_rule_warnings_keep_brackets(tmp_path: Path) -> None:
+    src = save_hf(tmp_path / "hf", ODD)
+    lay = tmp_path / "odd.yaml"
+    lay.write_text('mesh: {tp: 2}\nplacements:\n  "*.[qkv]_proj": {tp: S(0)}\n  "*": R\n')
+    p = run("convert", str(src), str(tmp_path / "o"), "--target-layout", str(lay))
+    assert p.returncode == 0, p.stderr
+    assert "rule '*.[qkv]_proj' matches no tensor" in p.stderr
+    lay.write_text('mesh: {tp: 2}\nplacements:\n  "experts[[]gate].weight": {tp: S(3)}\n  "*": R\n')
+    p = run("convert", str(src), str(tmp_path / "o2"), "--target-layout", str(lay))
+    assert p.returncode == 2
+    assert "rule 'experts[[]gate].weight'" in p.stderr and 'tensor "experts[gate].weight"' in p.stderr
+    p = run("convert", str(tmp_path / "no[/bad]\x1b[31m"), str(tmp_path / "o3"), "--consolidate")
+    assert p.returncode == 2
+    assert "no[/bad]\\x1b[31m: no such file or directory" in p.stderr and "\x1b" not in p.stderr
+
+
+def test_convert_help_shows_workers_default() -> None:
+    p = run("convert", "--help", env={"COLUMNS": "200"})
+    assert p.returncode == 0
+    assert "[default: cores, at most 4]" in p.stdout
