@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .errors import ReshardError
+from .errors import ReshardError, UsageError
 from .formats import readers, writers
 from .formats.base import Reader, Writer
 
@@ -271,6 +271,13 @@ def convert(
     max_memory: MaxMemoryOpt = "64MiB",
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="After writing, prove the output equal to the source, bit for bit (exit 1 if not).",
+        ),
+    ] = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -283,10 +290,16 @@ def convert(
       reshard convert ckpt-tp4 hf-out --consolidate --dtype bf16
 
       reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
+
+      reshard convert ckpt-tp4 ckpt-tp8 --target-mesh tp=8 --verify
     """
     from .convert import convert as run
 
     with _errors(json_):
+        if verify and dtype is not None:
+            raise UsageError(
+                "--verify proves the output bit-identical to the source; --dtype changes the bits"
+            )
         budget = _budget(workers, max_memory)
         with _progress(_show_progress(json_, quiet), "converting") as prog:
 
@@ -306,7 +319,22 @@ def convert(
                 progress=prog,
                 on_plan=on_plan,
             )
+        if verify:
+            result["verify"] = _verify_output(_source(src, from_, source_layout, source_mesh), dst)
         _report_convert(result, json_, quiet)
+    if verify and not result["verify"]["equal"]:
+        raise typer.Exit(1)
+
+
+def _verify_output(source: SourceSpec, dst: str) -> dict[str, Any]:
+    """``convert --verify``: the written output against the source (rank 0 only under torchrun)."""
+    from .convert import SourceSpec, open_source
+    from .dist import coordinator
+    from .verify import verify_checkpoints
+
+    if not coordinator().is_main:
+        return {"equal": True}
+    return dict(verify_checkpoints(open_source(source), open_source(SourceSpec(dst))))
 
 
 def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
@@ -316,8 +344,11 @@ def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
         return  # under torchrun, rank 0 reports for everyone
     for w in result["warnings"]:
         _say("warning: ", w)
+    checked = result.get("verify")
+    for d in checked["differences"] if checked else ():
+        _say("[red]differs:[/] ", d["message"])
     if json_:
-        _emit({"ok": True, "command": "convert", **result})
+        _emit({"ok": checked["equal"] if checked else True, "command": "convert", **result})
     elif not quiet:
         d = result["destination"]
         _say(
@@ -325,6 +356,11 @@ def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
             f"{result['tensors']} tensors, {_human(result['bytes_written'])} to ",
             d["path"],
         )
+    if checked and not json_ and (not quiet or not checked["equal"]):
+        if checked["equal"]:
+            _say("verified: ", f"equal to the source ({_human(checked['bytes_compared'])} compared)")
+        else:
+            _say("[red]verify:[/] ", f"{len(checked['differences'])} difference(s) from the source")
 
 
 @app.command()

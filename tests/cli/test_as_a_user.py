@@ -163,3 +163,47 @@ def test_convert_help_shows_workers_default() -> None:
     p = run("convert", "--help", env={"COLUMNS": "200"})
     assert p.returncode == 0
     assert "[default: cores, at most 4]" in p.stdout
+
+
+# --- 7. convert --verify ----------------------------------------------------------------
+
+
+def test_convert_verify_proves_output_equal(hf: Path, layout: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tp4"
+    p = run("convert", str(hf), str(out), "--target-layout", str(layout), "--verify", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is True and doc["verify"]["equal"] is True
+    assert doc["verify"]["tensors"] == 3 and doc["verify"]["bytes_compared"] == sum(
+        t.numel() * 4 for t in FULL.values()
+    )
+    p = run("convert", str(out), str(tmp_path / "back"), "--consolidate", "--verify")
+    assert p.returncode == 0 and "verified: equal to the source" in p.stderr, p.stderr
+    p = run("convert", str(out), str(tmp_path / "x"), "--consolidate", "--verify", "--dtype", "bf16")
+    assert p.returncode == 2 and "--dtype changes the bits" in p.stderr
+
+
+def test_convert_verify_catches_a_stale_resumed_file(hf: Path, layout: Path, tmp_path: Path) -> None:
+    """--resume keeps a finished file whose journal entry still matches, even if the source was
+    re-saved since with other values: --verify is what notices."""
+    from reshard.io.checksum import file_checksum
+
+    ref = tmp_path / "ref"
+    assert run("convert", str(hf), str(ref), "--target-layout", str(layout)).returncode == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    name = "rank-00001-of-00004.safetensors"
+    (out / name).write_bytes((ref / name).read_bytes())
+    entry = {"name": name, "size": (out / name).stat().st_size, "checksum": file_checksum(out / name)}
+    (out / ".reshard-progress.jsonl").write_text(json.dumps(entry) + "\n")
+    save_hf(hf, {k: v + 1 for k, v in FULL.items()})  # the source changed since
+    args = ("convert", str(hf), str(out), "--target-layout", str(layout), "--resume")
+    p = run(*args, "--verify", "--json")
+    assert p.returncode == 1, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is False and doc["resumed_files"] == 1
+    assert doc["verify"]["equal"] is False
+    # rank 1's stale shards of wq and wo; the replicated norm is read from the fresh rank 0
+    assert {d["tensor"] for d in doc["verify"]["differences"]} == {"model.layers.0.wq", "model.layers.0.wo"}
+    p = run(*args, "--verify")
+    assert p.returncode == 1 and "differs:" in p.stderr and "difference(s) from the source" in p.stderr
