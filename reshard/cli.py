@@ -186,6 +186,32 @@ ResumeOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr.")]
+ShowOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--show",
+        help="Draw which rank (or file) holds which part of tensor NAME, on stdout, instead of the "
+        "table; plain text when NO_COLOR is set or stdout is not a terminal. Not with --json.",
+        metavar="NAME",
+    ),
+]
+
+
+def _picture(picture: Any) -> None:
+    """A ``--show`` picture on stdout: coloured on a terminal, else plain text (no escape codes)."""
+    from .show import plain, should_color
+
+    if should_color(sys.stdout):
+        from rich.console import Console
+
+        Console(highlight=False, emoji=False).print(picture)
+    else:
+        sys.stdout.write(plain(picture))
+
+
+def _no_json_show(show: str | None, json_: bool) -> None:
+    if show is not None and json_:
+        raise UsageError("--show draws a picture and --json prints data: use one at a time")
 
 
 def _emit(doc: dict[str, Any]) -> None:
@@ -378,6 +404,7 @@ def inspect(
         bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")
     ] = False,
     all_: Annotated[bool, typer.Option("--all", help="One row per tensor (no grouping of layers).")] = False,
+    show: ShowOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -388,12 +415,23 @@ def inspect(
       reshard inspect ckpt-tp4
 
       reshard inspect ckpt-tp4 --check --json
+
+      reshard inspect ckpt-tp4 --show model.layers.0.self_attn.q_proj.weight
     """
     from .convert import open_source
     from .report import inspect_report, render_inspect
 
     with _errors(json_):
+        _no_json_show(show, json_)
         ck = open_source(_source(ckpt, from_, layout, mesh))
+        if show is not None:
+            from .show import source_picture
+
+            _picture(source_picture(ck, show))
+            for w in ck.warnings:
+                _say("warning: ", w)
+            if not check:
+                return
         doc = inspect_report(ck)
         problems: list[Problem] = []
         if check:
@@ -431,6 +469,7 @@ def plan(
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
     max_memory: MaxMemoryOpt = "64MiB",
+    show: ShowOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -441,17 +480,28 @@ def plan(
       reshard plan ckpt-tp4 --target-mesh tp=8
 
       reshard plan ckpt-tp4 --consolidate --json
+
+      reshard plan ckpt-tp4 --target-mesh tp=8 --show model.layers.0.mlp.down_proj.weight
     """
     from .convert import build_plan, open_source, resolve_target
     from .report import plan_report, render_plan
 
     with _errors(json_):
+        _no_json_show(show, json_)
         budget = _budget(workers, max_memory)
         ck = open_source(_source(src, from_, source_layout, source_mesh))
         p = build_plan(
             ck,
             resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
         )
+        if show is not None:
+            from .show import render_plan as plan_picture
+            from .show import source_picture
+
+            before = source_picture(ck, show)  # an unknown name fails here, with suggestions
+            after = next(t.layout for t in p.tensors if t.name == show)
+            _picture(plan_picture(before, after, show))
+            return
         doc = plan_report(p, budget)
         if json_:
             _emit({"ok": True, "command": "plan", **doc})

@@ -213,3 +213,67 @@ def test_convert_verify_catches_a_stale_resumed_file(hf: Path, layout: Path, tmp
     interrupted()
     p = run(*args, "--verify")
     assert p.returncode == 1 and "differs:" in p.stderr and "difference(s) from the source" in p.stderr
+
+
+# --- 1. inspect/plan --show NAME ---------------------------------------------------------
+
+
+def run_on_tty(*args: str, no_color: bool) -> str:
+    """stdout of ``reshard ARGS`` on a pseudo-terminal, as a user sees it."""
+    import pty
+
+    main, child = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
+    env.update({"TERM": "xterm-256color", "COLUMNS": "200"} | ({"NO_COLOR": "1"} if no_color else {}))
+    proc = subprocess.Popen([RESHARD, *args], stdout=child, stderr=subprocess.DEVNULL, env=env)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=60)
+    os.close(main)
+    assert proc.returncode == 0
+    return b"".join(chunks).decode()
+
+
+def test_inspect_show_per_rank_layout_and_hf_pieces(hf: Path, layout: Path, tmp_path: Path) -> None:
+    tp4 = tmp_path / "tp4"
+    assert run("convert", str(hf), str(tp4), "--target-layout", str(layout)).returncode == 0
+    p = run("inspect", str(tp4), "--show", "model.layers.0.wo")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "model.layers.0.wo: shape [6, 8] on mesh tp=4, placements (S(1))"
+    assert "│ 0:6           │  0  │  1  │  2  │  3  │" in p.stdout
+    assert "\x1b" not in p.stdout and "┃" not in p.stdout  # the picture, not the table
+    p = run("inspect", str(hf), "--show", "model.layers.0.wq")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "model.layers.0.wq: shape [8, 6], 1 piece in 1 file"
+    p = run("inspect", str(tp4), "--show", "model.layers.0.wx")
+    assert p.returncode == 2 and "no tensor 'model.layers.0.wx'" in p.stderr
+    assert "did you mean 'model.layers.0.wo'" in p.stderr or "did you mean 'model.layers.0.wq'" in p.stderr
+    p = run("inspect", str(tp4), "--show", "model.norm", "--json")
+    assert p.returncode == 2 and json.loads(p.stdout)["error"]["type"] == "UsageError"
+    coloured = run_on_tty("inspect", str(tp4), "--show", "model.layers.0.wo", no_color=False)
+    assert "\x1b[" in coloured and "0:6" in coloured
+    bare = run_on_tty("inspect", str(tp4), "--show", "model.layers.0.wo", no_color=True)
+    assert "\x1b" not in bare and "0:6" in bare
+
+
+def test_plan_show_source_above_target(hf: Path, layout: Path, tmp_path: Path) -> None:
+    tp4 = tmp_path / "tp4"
+    assert run("convert", str(hf), str(tp4), "--target-layout", str(layout)).returncode == 0
+    p = run("plan", str(tp4), "--target-mesh", "tp=2", "--show", "model.layers.0.wq")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "model.layers.0.wq: source"
+    assert "model.layers.0.wq: target" in lines
+    assert "shape [8, 6] on mesh tp=2, placements (S(0))" in lines
+    assert "│ 4:8           │  1  │" in p.stdout and "│ 6:8           │  3  │" in p.stdout
+    assert not list(tmp_path.glob("*/reshard.json.tmp"))
+    p = run("plan", str(tp4), "--consolidate", "--show", "model.norm", "--json")
+    assert p.returncode == 2 and "--show draws a picture" in json.loads(p.stdout)["error"]["message"]
