@@ -161,10 +161,11 @@ def _target(
     consolidate: bool,
     dtype: str | None,
     max_shard_size: str,
+    config_from: str | None = None,
 ) -> TargetSpec:
     from .convert import TargetSpec
 
-    return TargetSpec(layout, mesh, to, consolidate, dtype, max_shard_size)
+    return TargetSpec(layout, mesh, to, consolidate, dtype, max_shard_size, config_from)
 
 
 MaxMemoryOpt = Annotated[
@@ -295,6 +296,15 @@ def convert(
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
     max_memory: MaxMemoryOpt = "64MiB",
+    config_from: Annotated[
+        str | None,
+        typer.Option(
+            "--config-from",
+            help="hf output: copy config.json, generation config, tokenizer and other non-weight files "
+            "from this model directory (default: the source directory, when it has a config.json).",
+            metavar="DIR",
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
     verify: Annotated[
@@ -336,7 +346,7 @@ def convert(
             result = run(
                 _source(src, from_, source_layout, source_mesh),
                 dst,
-                _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size),
+                _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size, config_from),
                 workers=budget.workers,
                 buffer_size=budget.buffer,
                 window=budget.window,

@@ -17,6 +17,7 @@ from .errors import ConfigError, ReshardError, UsageError, WriteError
 from .execute import ProgressFn, execute_plan
 from .formats import MANIFEST, open_checkpoint, writer, writers
 from .formats.base import Writer
+from .formats.hf_extras import copy_model_files, scan_model_files
 from .io.writer import FileResult
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
@@ -29,6 +30,7 @@ __all__ = [
     "open_source",
     "resolve_target",
     "build_plan",
+    "model_files_for",
     "convert",
     "parse_size",
     "DTYPES",
@@ -101,6 +103,9 @@ class TargetSpec:
     consolidate: bool = False
     dtype: str | None = None
     max_shard_size: str = "5GB"
+    config_from: str | None = None
+    """hf output: the model directory whose config, tokenizer and other non-weight files to copy
+    (default: the source directory, when it has a ``config.json``)."""
 
 
 def _load_layout(text: str) -> LayoutConfig:
@@ -200,6 +205,42 @@ def _target_rules(
         mesh = base.mesh.with_sizes(sizes)
         return mesh, base.with_mesh(mesh)
     raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
+
+
+def model_files_for(source: Checkpoint, target: Target, config_from: str | None) -> list[Path]:
+    """The non-weight files an hf output gets, scanned before anything is written.
+
+    From ``--config-from DIR``, else from the source directory when it has a ``config.json``.
+    Files left out, and an hf output that will hold weights only, are warnings on ``source``.
+
+    Raises:
+        UsageError: ``--config-from`` for a non-hf output, or a DIR without ``config.json``.
+        ConfigError: ``config.json`` cannot be parsed (with ``--dtype``, whose dtype it gets).
+    """
+    if target.fmt != CONSOLIDATED:
+        if config_from is not None:
+            raise UsageError(f"--config-from gives hf output its model files; this output is {target.fmt}")
+        return []
+    src = Path(source.path)
+    root = Path(config_from) if config_from is not None else (src if src.is_dir() else src.parent)
+    if config_from is None and not (root / "config.json").is_file():
+        source.warnings.append(
+            CheckpointWarning(
+                f"{source.path}: no config.json; the hf output holds weights only (transformers cannot "
+                "load it as a model): give --config-from DIR (the original model directory)",
+                path=source.path,
+            )
+        )
+        return []
+    scan = scan_model_files(root, dtype=target.dtype)
+    if not any(p.name == "config.json" for p in scan.files):
+        raise UsageError(
+            f"--config-from {root}: no config.json there; name the model's Hugging Face directory",
+            path=str(root),
+        )
+    for p, why in scan.skipped:
+        source.warnings.append(CheckpointWarning(f"{p}: not copied to the output: {why}", path=str(p)))
+    return list(scan.files)
 
 
 def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWarning]:
@@ -311,9 +352,11 @@ def convert(
     ckpt = open_source(source)
     tgt = resolve_target(ckpt, target)
     plan = build_plan(ckpt, tgt)
+    extras = model_files_for(ckpt, tgt, target.config_from)
     if on_plan is not None:
         on_plan(plan)
     run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
+    run.extras, run.extras_dtype = extras, tgt.dtype
     ordered, kept = run.guarded()
     return {
         "source": {
@@ -328,6 +371,7 @@ def convert(
         "bytes_read": sum(r.bytes_read for r in ordered),
         "copies": sum(f.copies for f in plan.files),
         "resumed_files": kept,
+        "model_files": [p.name for p in extras],
         "warnings": [str(w) for w in ckpt.warnings],
     }
 
@@ -350,6 +394,8 @@ class _Run:
         self.resume = resume
         self.coord: Coordinator = coordinator()
         self.created_dir = not dst.exists()
+        self.extras: Sequence[Path] = ()
+        self.extras_dtype: str | None = None
 
     def guarded(self) -> tuple[list[FileResult], int]:
         """Write everything; on failure remove what this run wrote. Returns results and files kept."""
@@ -390,6 +436,9 @@ class _Run:
         by_name = {r.name: r for r in done + results}
         ordered = [by_name[f.name] for f in plan.files]
         if coord.is_main:
+            # weights are in place; the model files go before the index and reshard.json,
+            # which mark the directory complete
+            copy_model_files(list(self.extras), dst, dtype=self.extras_dtype)
             self.writer.complete(dst, plan, ordered)
             for j in dst.glob(JOURNAL + "*"):
                 j.unlink(missing_ok=True)
@@ -439,5 +488,7 @@ class _Run:
             if not name.startswith("."):  # exact names: what complete() writes (an index)
                 (dst / name).unlink(missing_ok=True)
         (dst / MANIFEST).unlink(missing_ok=True)
+        for p in self.extras:
+            (dst / p.name).unlink(missing_ok=True)
         if self.created_dir:
             shutil.rmtree(dst, ignore_errors=True)

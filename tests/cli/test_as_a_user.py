@@ -277,3 +277,59 @@ def test_plan_show_source_above_target(hf: Path, layout: Path, tmp_path: Path) -
     assert not list(tmp_path.glob("*/reshard.json.tmp"))
     p = run("plan", str(tp4), "--consolidate", "--show", "model.norm", "--json")
     assert p.returncode == 2 and "--show draws a picture" in json.loads(p.stdout)["error"]["message"]
+
+
+# --- 2. hf outputs carry the model files ---------------------------------------------------
+
+
+def test_model_files_are_checked_before_writing(hf: Path, layout: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"dtype": "float32",')  # broken
+    (model / "tokenizer.json").write_text("{}")
+    dst = tmp_path / "o"
+    p = run("convert", str(hf), str(dst), "--to", "hf", "--config-from", str(model), "--dtype", "bf16")
+    assert p.returncode == 2 and f"{model / 'config.json'}: not valid JSON" in p.stderr, p.stderr
+    assert not dst.exists()
+    (model / "config.json").unlink()
+    p = run("convert", str(hf), str(dst), "--to", "hf", "--config-from", str(model))
+    assert p.returncode == 2 and "no config.json there" in p.stderr and not dst.exists()
+    p = run("convert", str(hf), str(dst), "--target-layout", str(layout), "--config-from", str(model))
+    assert p.returncode == 2 and "this output is per-rank" in p.stderr and not dst.exists()
+    (model / "config.json").write_text('{"torch_dtype": "float32"}')
+    os.symlink(tmp_path / "tp.yaml", model / "vocab.txt")
+    p = run(
+        "convert", str(hf), str(dst), "--to", "hf", "--config-from", str(model), "--dtype", "fp16", "--json"
+    )
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["model_files"] == ["config.json", "tokenizer.json"]
+    assert any("vocab.txt: not copied to the output: a symlink" in w for w in doc["warnings"])
+    assert json.loads((dst / "config.json").read_text()) == {"torch_dtype": "float16"}
+
+
+def test_model_file_copy_failure_exits_3_and_leaves_nothing(hf: Path, tmp_path: Path) -> None:
+    """Weights (under 1 KiB) fit the file size limit, a 64 KiB tokenizer does not."""
+    import resource
+    import signal
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("x" * 65536)
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32768, 32768))
+
+    dst = tmp_path / "o"
+    p = subprocess.run(
+        [RESHARD, "convert", str(hf), str(dst), "--to", "hf", "--config-from", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+    )
+    assert p.returncode == 3, p.stderr
+    assert "copying tokenizer.json failed" in p.stderr
+    assert not dst.exists()
