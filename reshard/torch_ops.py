@@ -8,36 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from .io.header import TORCH_NAMES
+
 __all__ = ["torch_dtype", "cast_reduce"]
 
-_TORCH_NAMES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-}
+_TORCH_NAMES = TORCH_NAMES  # dist.py's name for it
 
 
 def torch_dtype(name: str) -> Any:
     """The torch dtype of a safetensors dtype string."""
     import torch
 
-    return getattr(torch, _TORCH_NAMES[name])
+    return getattr(torch, TORCH_NAMES[name])
 
 
 def cast_reduce(views: list[Any], src_dtype: str, dst_dtype: str, reduce_op: str | None, n: int) -> Any:

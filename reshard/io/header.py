@@ -42,6 +42,7 @@ __all__ = [
     "DTYPE_SIZES",
     "DTYPE_RANK",
     "FLOAT_DTYPES",
+    "TORCH_NAMES",
     "MAX_HEADER_SIZE",
     "TensorEntry",
     "Header",
@@ -74,6 +75,29 @@ DTYPE_SIZES: dict[str, int] = {
     "U64": 8,
     "F64": 8,
     "C64": 8,
+}
+
+#: safetensors dtype -> torch dtype name (``torch.<name>``).
+TORCH_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 
 #: The real floating-point dtypes (C64 is complex and not included).
