@@ -9,7 +9,7 @@ from .intervals import Block, block_shape, block_volume
 from .mesh import Mesh
 from .placements import Placement
 
-__all__ = ["TensorSource", "Checkpoint"]
+__all__ = ["TensorSource", "StoredObject", "Checkpoint"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,7 @@ class TensorSource:
     piece_partials: tuple[int, ...] | None = None
     reduce_op: str | None = None
     placements: tuple[Placement, ...] | None = None
+    piece_crcs: tuple[int | None, ...] | None = None  # CRC32 of each piece's bytes, when the format stores one
 
     @property
     def numel(self) -> int:
@@ -50,6 +51,19 @@ class TensorSource:
         return block_volume(self.piece_blocks[k])
 
 
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """A non-tensor item (DCP ``BYTE_IO``): ``length`` opaque bytes at ``offset`` of file ``file``.
+
+    It cannot go into safetensors; converting lists it instead of copying it.
+    """
+
+    name: str
+    file: int
+    offset: int
+    length: int
+
+
 @dataclass(slots=True)
 class Checkpoint:
     """A readable checkpoint: its files and its logical tensors (in name order)."""
@@ -63,6 +77,7 @@ class Checkpoint:
     layout: Any = None  # config.LayoutConfig when known
     manifest: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    objects: dict[str, StoredObject] = field(default_factory=dict)  # non-tensor items, by name
 
     @property
     def total_bytes(self) -> int:

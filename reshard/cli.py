@@ -57,6 +57,7 @@ class InFormat(str, Enum):
     per_rank = "per-rank"
     hf = "hf"
     dcp = "dcp-safetensors"
+    dcp_torch = "dcp"
 
 
 SourceLayoutOpt = Annotated[

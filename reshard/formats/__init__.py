@@ -10,12 +10,13 @@ from typing import Any
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError, HeaderError, LayoutError, UsageError
 from ..mesh import Mesh
+from .dcp import is_dcp, open_dcp
 from .hf import INDEX, SINGLE, open_hf
 from .per_rank import RANK_FILE, open_per_rank
 
 __all__ = ["FORMATS", "MANIFEST", "detect_format", "open_checkpoint", "read_manifest"]
 
-FORMATS = ("per-rank", "hf", "dcp-safetensors")
+FORMATS = ("per-rank", "hf", "dcp-safetensors", "dcp")
 MANIFEST = "reshard.json"
 DCP_FILE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
 
@@ -49,6 +50,8 @@ def detect_format(path: Path) -> str:
     manifest = read_manifest(path)
     if manifest is not None and manifest.get("format") in FORMATS:
         return str(manifest["format"])
+    if is_dcp(path):
+        return "dcp"
     names = [p.name for p in path.iterdir() if p.is_file()]
     st = [n for n in names if n.endswith(".safetensors")]
     if any(DCP_FILE.match(n) for n in st):
@@ -79,7 +82,7 @@ def open_checkpoint(
 
     Args:
         path: a checkpoint directory, or one ``.safetensors`` file.
-        fmt: force a format (``per-rank``, ``hf``, ``dcp-safetensors``).
+        fmt: force a format (``per-rank``, ``hf``, ``dcp-safetensors``, ``dcp``).
         layout: a :class:`reshard.config.LayoutConfig` for per-rank files that do not
             describe themselves (or to override their description).
         mesh_sizes: override mesh dim sizes of the layout (``--source-mesh``).
@@ -95,6 +98,8 @@ def open_checkpoint(
         raise UsageError(f"{p}: no such file or directory", path=str(p))
     if fmt == "hf":
         ckpt = open_hf(p)
+    elif fmt == "dcp":
+        ckpt = open_dcp(p)
     elif fmt == "dcp-safetensors":
         from .dcp_safetensors import open_dcp_safetensors
 
