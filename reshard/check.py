@@ -9,6 +9,7 @@ instead of raising, so one run lists everything wrong:
 * ``bounds``: a piece's bytes lie outside its file; ``outside``: a piece's
   indices lie outside its tensor's global shape;
 * ``hole``: a global region no piece holds (per Partial group);
+* ``crc``: a piece whose bytes do not match the CRC32 its format stores (DCP chunks);
 * ``replica``: pieces holding the same block that differ byte for byte;
   ``overlap``: pieces holding different but overlapping blocks that differ on
   the overlap.
@@ -550,6 +551,8 @@ def _check_tensor(
     if not readable:
         return
     isz = DTYPE_SIZES[t.dtype]
+    if t.piece_crcs is not None:
+        _check_crcs(ckpt, t, g, out)
     for grp in g.groups:
         for r, k in grp.replicas:
             idx = data.replica(t, r, k, g.numels[r] * isz)
@@ -589,6 +592,36 @@ def _check_tensor(
                         other=fi,
                     )
                 )
+
+
+def _check_crcs(ckpt: Checkpoint, t: TensorSource, g: _Geometry, out: list[dict[str, Any]]) -> None:
+    """Report pieces whose bytes fail the CRC32 the format recorded for them."""
+    from .io.torchzip import crc32_range
+
+    assert t.piece_crcs is not None
+    isz = DTYPE_SIZES[t.dtype]
+    for k, want in enumerate(t.piece_crcs):
+        if want is None:
+            continue
+        f = ckpt.files[t.piece_files[k]]
+        off, n = t.piece_offsets[k], g.numels[k] * isz
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            got = crc32_range(fd, off, n, f)
+        finally:
+            os.close(fd)
+        if got != want:
+            out.append(
+                _problem(
+                    "crc",
+                    f'{f}: tensor "{t.name}" bytes [{off}, {off + n}) have CRC32 {got:08x}, but the '
+                    f"archive records {want:08x}; the file is damaged",
+                    path=f,
+                    tensor=t.name,
+                    expected=f"{want:08x}",
+                    actual=f"{got:08x}",
+                )
+            )
 
 
 def _overlap_list(ilist: IndexList, segs: tuple[Segment, ...]) -> IndexList:

@@ -43,8 +43,15 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         total += nbytes
         params += t.numel
         locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+        chunks = {}
+        if ck.format == "dcp":
+            chunks["chunks"] = [
+                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
+                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
+            ]
         tensors.append(
             {
+                **chunks,
                 "name": t.name,
                 "dtype": t.dtype,
                 "shape": list(t.shape),
@@ -64,7 +71,22 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
         "warnings": list(ck.warnings),
+        "objects": [
+            {"name": o.name, "file": os.path.basename(ck.files[o.file]), "bytes": o.length}
+            for o in ck.objects.values()
+        ],
+        **({"note": _DCP_NOTE} if ck.format == "dcp" else {}),
     }
+
+
+_DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
+
+
+def _block_text(block: Any) -> str:
+    """A piece's global indices, ``[0:4)x[2:3)``; ``[]`` for an empty chunk, ``()`` for a scalar."""
+    if not block:
+        return "()"
+    return "x".join(",".join(str(iv) for iv in ilist) or "[]" for ilist in block)
 
 
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
@@ -115,6 +137,13 @@ def _local_text(t: dict[str, Any]) -> str:
     return shown + (" ..." if len(ls) > 8 else "")
 
 
+def _chunks_text(t: dict[str, Any], group: bool) -> str:
+    cs = t["chunks"]
+    shown = cs[:4] if group else cs
+    text = "; ".join(f"{c['box']} {c['file']}" for c in shown)
+    return text + (f"; ... ({len(cs)} chunks)" if len(shown) < len(cs) else "")
+
+
 def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
     """Human table of an inspect report."""
     from rich.table import Table
@@ -148,12 +177,18 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
             t["dtype"],
             str(t["shape"]),
             ", ".join(t["placements"]) if t["placements"] else f"{t['pieces']} piece(s)",
-            _local_text(t),
+            _chunks_text(t, group) if "chunks" in t else _local_text(t),
             human(sum(x["bytes"] for x in ts)),
         )
     console.print(table)
     tot = doc["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
+    if doc.get("note"):
+        console.print(doc["note"])
+    if doc["objects"]:
+        console.print(f"{len(doc['objects'])} non-tensor item(s) (not converted to safetensors):")
+        for o in doc["objects"]:
+            console.print(f"  {o['name']}  {o['file']}  {human(o['bytes'])}", soft_wrap=True)
     for w in doc["warnings"]:
         console.print(f"warning: {w}")
 
