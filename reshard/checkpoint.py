@@ -35,7 +35,7 @@ class TensorSource:
     piece_partials: tuple[int, ...] | None = None
     reduce_op: str | None = None
     placements: tuple[Placement, ...] | None = None
-    piece_crcs: tuple[int | None, ...] | None = None  # CRC32 of each piece's bytes, when the format stores one
+    piece_crcs: tuple[int | None, ...] | None = None  # each piece's CRC32, when its format stores one
 
     @property
     def numel(self) -> int:

@@ -68,7 +68,15 @@ from ..io.unpickle import (
 )
 from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning, overlapping_pairs
 
-__all__ = ["METADATA", "RANK_METADATA", "ZSTD_DESCRIPTOR", "metadata_files", "is_dcp", "open_dcp"]
+__all__ = [
+    "METADATA",
+    "RANK_METADATA",
+    "ZSTD_DESCRIPTOR",
+    "metadata_files",
+    "is_dcp",
+    "open_dcp",
+    "objects_warning",
+]
 
 #: The global metadata file.
 METADATA = ".metadata"
@@ -453,7 +461,8 @@ class _Reader:
         return out
 
 
-def _objects_warning(objects: dict[str, StoredObject]) -> str:
+def objects_warning(objects: dict[str, StoredObject]) -> str:
+    """The warning that lists the non-tensor items a conversion leaves out."""
     names = sorted(objects)
     shown = ", ".join(names[:_MAX_LISTED]) + (
         f" (and {len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
@@ -503,7 +512,7 @@ def open_dcp(path: Path) -> Checkpoint:
     finally:
         r.files.close()
     if r.objects:
-        r.warnings.append(_objects_warning(r.objects))
+        r.warnings.append(objects_warning(r.objects))
     return Checkpoint(
         path=str(root),
         format="dcp",

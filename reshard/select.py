@@ -1,0 +1,97 @@
+r"""``--include`` / ``--exclude``: keep a subset of a checkpoint's entries by name (pure).
+
+Patterns are the layout rules' patterns (:func:`reshard.config._compile`): a
+shell glob over the whole name where ``*`` crosses dots (``optimizer.*``), or a
+``re:`` regex matched with ``re.fullmatch``. An entry is kept when no include
+pattern is given or one matches it, and no exclude pattern matches it. Entries
+are the tensors and the non-tensor items (DCP ``BYTE_IO``) alike. A pattern
+that matches no entry is a warning, not an error: the same command line can
+serve checkpoints with and without optimizer state.
+
+>>> selected(["model.w", "optimizer.state.w.exp_avg"], exclude=["optimizer.*", "lr_scheduler.*"])
+(['model.w'], [('--exclude', 'lr_scheduler.*')])
+>>> selected(["a.0.w", "a.1.w", "b"], include=[r"re:a\.\d+\.w"])[0]
+['a.0.w', 'a.1.w']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+
+from .checkpoint import Checkpoint
+from .config import _compile
+from .errors import ConfigError, UsageError
+
+__all__ = ["select_checkpoint", "selected"]
+
+
+def _patterns(option: str, patterns: Sequence[str]) -> list[tuple[str, re.Pattern[str]]]:
+    out = []
+    for p in patterns:
+        try:
+            out.append((p, _compile(p)))
+        except ConfigError as e:
+            raise UsageError(f'{option} "{p}": {e.message}') from None
+    return out
+
+
+def selected(
+    names: Iterable[str], include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The names kept, in order, and the ``(option, pattern)`` pairs that matched no name.
+
+    Raises:
+        UsageError: a pattern is not a valid glob or ``re:`` regex.
+    """
+    inc = _patterns("--include", include)
+    exc = _patterns("--exclude", exclude)
+    used: set[tuple[str, str]] = set()
+    kept = []
+    for name in names:
+        hit_inc = [("--include", p) for p, rx in inc if rx.fullmatch(name)]
+        hit_exc = [("--exclude", p) for p, rx in exc if rx.fullmatch(name)]
+        used.update(hit_inc, hit_exc)
+        if (not inc or hit_inc) and not hit_exc:
+            kept.append(name)
+    unused = [("--include", p) for p, _ in inc] + [("--exclude", p) for p, _ in exc]
+    return kept, [u for u in unused if u not in used]
+
+
+def select_checkpoint(
+    ckpt: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[Checkpoint, list[str]]:
+    """``ckpt`` with only the tensors and non-tensor items the patterns keep.
+
+    Returns:
+        The filtered checkpoint (``ckpt`` itself when no pattern is given; else a
+        copy, whose manifest lists only the kept tensors and whose warnings
+        include the returned ones) and a warning per pattern that matched nothing.
+
+    Raises:
+        UsageError: a pattern is not a valid glob or ``re:`` regex.
+    """
+    if not include and not exclude:
+        return ckpt, []
+    kept, unused = selected([*ckpt.tensors, *ckpt.objects], include, exclude)
+    keep = set(kept)
+    warnings = [f'{opt} "{p}" matches nothing in {ckpt.path}' for opt, p in unused]
+    objects = {k: v for k, v in ckpt.objects.items() if k in keep}
+    old = list(ckpt.warnings)
+    if len(objects) != len(ckpt.objects):
+        from .formats.dcp import objects_warning
+
+        stale = objects_warning(ckpt.objects) if ckpt.objects else None
+        old = [w for w in old if w != stale] + ([objects_warning(objects)] if objects else [])
+    manifest = ckpt.manifest
+    if manifest is not None and isinstance(manifest.get("tensors"), dict):
+        manifest = {**manifest, "tensors": {k: v for k, v in manifest["tensors"].items() if k in keep}}
+    out = dataclasses.replace(
+        ckpt,
+        tensors={k: v for k, v in ckpt.tensors.items() if k in keep},
+        objects=objects,
+        manifest=manifest,
+        warnings=old + warnings,
+    )
+    return out, warnings
