@@ -145,6 +145,9 @@ def _bad(where: str, path: str, what: str) -> HeaderError:
 
 def _find_eocd(fd: int, path: str, where: str, base: int, length: int) -> tuple[int, bytes]:
     """Archive-relative position and bytes of the end-of-central-directory record."""
+    last = _pread(fd, _EOCD.size, base + length - _EOCD.size, path)
+    if last[:4] == _EOCD_SIG and _EOCD.unpack(last)[7] == 0:  # torch writes no comment: one small read
+        return length - _EOCD.size, last
     tail = min(length, _EOCD.size + _MAX_COMMENT)
     buf = _pread(fd, tail, base + length - tail, path)
     i = buf.rfind(_EOCD_SIG)

@@ -84,6 +84,16 @@ def test_zip64_archive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert records["archive/data/0"] == bytes(range(256)) * 3
 
 
+def test_archive_with_comment(tmp_path: Path) -> None:
+    """torch writes no zip comment; an archive with one is found by scanning back for the end record."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/data.pkl", b"p")
+        z.comment = b"a comment"
+    p, base, length = _embed(tmp_path, buf.getvalue())
+    assert _same_as_zipfile(p, base, length) == {"archive/data.pkl": b"p"}
+
+
 def _archive(method: int = zipfile.ZIP_STORED) -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", method) as z:
