@@ -113,10 +113,37 @@ def _workers_and_buffer(workers: int | None, max_memory: str) -> tuple[int, int]
     return n, buffer_for(budget, n)
 
 
-def _source(path: str, from_: InFormat | None, layout: str | None, mesh: str | None) -> SourceSpec:
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        help="Keep only entries whose full name matches (glob, * crosses dots; or re:REGEX); repeatable.",
+        metavar="GLOB",
+    ),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude",
+        help="Drop entries whose full name matches, e.g. 'optimizer.*'; repeatable.",
+        metavar="GLOB",
+    ),
+]
+
+
+def _source(
+    path: str,
+    from_: InFormat | None,
+    layout: str | None,
+    mesh: str | None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> SourceSpec:
     from .convert import SourceSpec
 
-    return SourceSpec(path, from_.value if from_ else None, layout, mesh)
+    return SourceSpec(
+        path, from_.value if from_ else None, layout, mesh, tuple(include or ()), tuple(exclude or ())
+    )
 
 
 def _target(
@@ -220,6 +247,8 @@ def convert(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
@@ -238,6 +267,8 @@ def convert(
       reshard convert ckpt-tp4 hf-out --consolidate --dtype bf16
 
       reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
+
+      reshard convert dcp-step-1000 hf-out --consolidate --exclude 'optimizer.*'
     """
     from .convert import convert as run
 
@@ -250,7 +281,7 @@ def convert(
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
 
             result = run(
-                _source(src, from_, source_layout, source_mesh),
+                _source(src, from_, source_layout, source_mesh, include, exclude),
                 dst,
                 _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size),
                 workers=n,
@@ -287,6 +318,8 @@ def inspect(
     ] = None,
     mesh: SourceMeshOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     check: Annotated[
         bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")
     ] = False,
@@ -306,7 +339,7 @@ def inspect(
     from .report import inspect_report, render_inspect
 
     with _errors(json_):
-        ck = open_source(_source(ckpt, from_, layout, mesh))
+        ck = open_source(_source(ckpt, from_, layout, mesh, include, exclude))
         doc = inspect_report(ck)
         problems: list[dict[str, Any]] = []
         if check:
@@ -340,6 +373,8 @@ def plan(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
@@ -360,7 +395,7 @@ def plan(
 
     with _errors(json_):
         n, buf = _workers_and_buffer(workers, max_memory)
-        ck = open_source(_source(src, from_, source_layout, source_mesh))
+        ck = open_source(_source(src, from_, source_layout, source_mesh, include, exclude))
         p = build_plan(
             ck,
             resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
@@ -384,6 +419,8 @@ def verify(
         str | None,
         typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE"),
     ] = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -401,8 +438,13 @@ def verify(
     from .verify import verify_checkpoints
 
     with _errors(json_):
+        from .select import select_pair
+
         ca = open_source(SourceSpec(a, None, layout_a, None))
         cb = open_source(SourceSpec(b, None, layout_b, None))
+        ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or ())
+        for w in unmatched:
+            console().print(f"warning: {w}")
         doc = verify_checkpoints(ca, cb)
         if json_:
             _emit({"ok": doc["equal"], "command": "verify", **doc})

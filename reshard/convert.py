@@ -82,6 +82,8 @@ class SourceSpec:
     fmt: str | None = None
     layout: str | None = None
     mesh: str | None = None
+    include: tuple[str, ...] = ()  # --include / --exclude patterns (reshard.select)
+    exclude: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,10 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
     if layout is not None:
         ckpt.warnings.extend(rule_warnings(layout, ckpt.tensors))
+    if spec.include or spec.exclude:
+        from .select import select_checkpoint
+
+        ckpt, _ = select_checkpoint(ckpt, spec.include, spec.exclude)
     return ckpt
 
 

@@ -24,7 +24,7 @@ from .checkpoint import Checkpoint
 from .config import _compile
 from .errors import ConfigError, UsageError
 
-__all__ = ["select_checkpoint", "selected"]
+__all__ = ["select_checkpoint", "select_pair", "selected"]
 
 
 def _patterns(option: str, patterns: Sequence[str]) -> list[tuple[str, re.Pattern[str]]]:
@@ -59,6 +59,10 @@ def selected(
     return kept, [u for u in unused if u not in used]
 
 
+def _unmatched(unused: Sequence[tuple[str, str]], where: str) -> list[str]:
+    return [f'{opt} "{p}" matches nothing in {where}' for opt, p in unused]
+
+
 def select_checkpoint(
     ckpt: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
 ) -> tuple[Checkpoint, list[str]]:
@@ -72,11 +76,32 @@ def select_checkpoint(
     Raises:
         UsageError: a pattern is not a valid glob or ``re:`` regex.
     """
+    out, unused = _select(ckpt, include, exclude)
+    warnings = _unmatched(unused, ckpt.path)
+    out.warnings.extend(warnings)
+    return out, warnings
+
+
+def select_pair(
+    a: Checkpoint, b: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[Checkpoint, Checkpoint, list[str]]:
+    """Both checkpoints filtered alike (``verify``); a pattern warns only when it matches in neither.
+
+    Raises:
+        UsageError: a pattern is not a valid glob or ``re:`` regex.
+    """
+    sa, ua = _select(a, include, exclude)
+    sb, ub = _select(b, include, exclude)
+    return sa, sb, _unmatched([u for u in ua if u in ub], f"{a.path} or {b.path}")
+
+
+def _select(
+    ckpt: Checkpoint, include: Sequence[str], exclude: Sequence[str]
+) -> tuple[Checkpoint, list[tuple[str, str]]]:
     if not include and not exclude:
         return ckpt, []
     kept, unused = selected([*ckpt.tensors, *ckpt.objects], include, exclude)
     keep = set(kept)
-    warnings = [f'{opt} "{p}" matches nothing in {ckpt.path}' for opt, p in unused]
     objects = {k: v for k, v in ckpt.objects.items() if k in keep}
     old = list(ckpt.warnings)
     if len(objects) != len(ckpt.objects):
@@ -92,6 +117,6 @@ def select_checkpoint(
         tensors={k: v for k, v in ckpt.tensors.items() if k in keep},
         objects=objects,
         manifest=manifest,
-        warnings=old + warnings,
+        warnings=old,
     )
-    return out, warnings
+    return out, unused

@@ -300,3 +300,29 @@ def test_unknown_transform_refused(saved: Path, tmp_path: Path) -> None:
     (ck / ".metadata").write_bytes(pickle.dumps(md))
     err = _refused(run_cli("inspect", ck))
     assert "stream.lz4/1" in err and "stream.zstd/1" in err
+
+
+@pytest.mark.dist
+def test_cli_include_exclude(saved: Path, tmp_path: Path) -> None:
+    src = saved / "fsdp_tp"
+    sel = ["--exclude", "optimizer.*", "--exclude", "lr_scheduler.*"]
+    out = tmp_path / "model"
+    proc = run_cli("convert", src, out, "--consolidate", *sel, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert 'warning: --exclude "lr_scheduler.*" matches nothing' in proc.stderr
+    want = {k: v for k, v in ref(saved, "fsdp_tp").items() if not k.startswith("optimizer.")}
+    assert_same(st.load_file(str(out / "model.safetensors")), want)
+    assert json.loads(proc.stdout)["warnings"] == [f'--exclude "lr_scheduler.*" matches nothing in {src}']
+    assert run_cli("verify", src, out).returncode == 1  # the optimizer state is missing in out
+    proc = run_cli("verify", src, out, *sel)
+    assert proc.returncode == 0, proc.stderr
+    assert "matches nothing in" in proc.stderr and "optimizer" not in proc.stderr
+    # another input format: the hf output, with an re: include
+    proc = run_cli("inspect", out, "--include", r"re:model\..*", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [t["name"] for t in json.loads(proc.stdout)["tensors"]] == ["model.down.weight", "model.up.weight"]
+    proc = run_cli("plan", src, "--consolidate", "--include", "*.step", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["tensors"] == 2
+    err = _refused(run_cli("inspect", src, "--include", "re:("))
+    assert '--include "re:("' in err
