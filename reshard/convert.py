@@ -402,6 +402,8 @@ def convert(
         "copies": sum(f.copies for f in plan.files),
         "resumed_files": len(done),
         "warnings": list(ckpt.warnings),
+        # non-tensor items (DCP BYTE_IO) cannot go into safetensors: listed, not copied
+        "not_converted": [{"name": o.name, "bytes": o.length} for o in ckpt.objects.values()],
     }
 
 

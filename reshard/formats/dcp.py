@@ -42,12 +42,9 @@ What the format does not say, and how it is handled:
 
 from __future__ import annotations
 
-import atexit
 import io
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +183,10 @@ class _Files:
     def decompress(self, fi: int, offset: int, length: int, where: str) -> tuple[int, int, int]:
         """Spool the zstd stream at ``[offset, offset + length)``; its (file, offset, size) there."""
         if self._spool is None:
+            import atexit  # not at module level: every CLI run imports this module
+            import shutil
+            import tempfile
+
             d = tempfile.mkdtemp(prefix="reshard-dcp-")
             atexit.register(shutil.rmtree, d, True)
             p = Path(d) / "decompressed.bin"

@@ -86,6 +86,7 @@ def test_convert_to_hf_bit_exact(saved: Path, tmp_path: Path, name: str) -> None
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["source"]["format"] == "dcp"
+    assert {o["name"] for o in doc["not_converted"]} == set(open_checkpoint(src).objects)
     assert_same(st.load_file(str(out / "model.safetensors")), ref(saved, name))
     assert detect_format(out) == "hf"
     proc = run_cli("verify", src, out)
@@ -111,6 +112,7 @@ def test_fsdp_tp_optimizer_state(saved: Path) -> None:
     assert sorted((b[0][0].start, b[0][0].stop) for b in up.piece_blocks) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert set(ck.objects) == {f"optimizer.param_groups.0.{k}" for k in PARAM_GROUPS}
     assert any("12 non-tensor item(s)" in w for w in ck.warnings)
+    assert set(open_checkpoint(saved / "plain").objects) == {"extra.lr", "extra.name"}
 
 
 @pytest.mark.dist
