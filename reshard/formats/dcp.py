@@ -22,13 +22,15 @@ What the format does not say, and how it is handled:
   ``_StridedShard`` x ``Shard`` local tensor is one box). Tensors are therefore
   sets of boxes; converting never needs the source placements.
 - **Transposed or permuted views** are saved as is (``x.t()`` has strides
-  ``(1, n)``). reshard copies row-major bytes only, so such a chunk is refused
-  with a message naming it, never copied wrongly.
+  ``(1, n)``). The copy path reads row-major pieces, so such a chunk is copied
+  once at open time, tile by tile in bounded memory, into its row-major layout
+  in the spool file below (its CRC32 checked on the way). Strides that are not
+  a permuted dense layout are refused.
 - **zstd** (``_extensions=[ZStandard()]``, descriptor ``stream.zstd/1``): the
   whole chunk archive is compressed. It is decompressed at open time, streaming
   in bounded memory, into one spool file under ``$TMPDIR`` (removed at exit),
-  and its pieces point there. Needs the ``zstandard`` or ``pyzstd`` module;
-  other descriptors are refused.
+  and its pieces point there (the spool is one more file of the checkpoint).
+  Needs the ``zstandard`` or ``pyzstd`` module; other descriptors are refused.
 - **SAFETENSORS serialisation** (``FileSystemWriter(serialization_format=SAFETENSORS)``):
   a chunk offset points at a safetensors blob instead of a zip; told apart by
   the bytes at the offset.
@@ -54,7 +56,7 @@ from ..checkpoint import Checkpoint, StoredObject, TensorSource
 from ..errors import HeaderError, LayoutError, UsageError
 from ..intervals import Block, Box
 from ..io.header import DTYPE_SIZES, MAX_HEADER_SIZE, Header, decode_header
-from ..io.torchzip import STORED, TorchZip, read_record, read_torch_zip
+from ..io.torchzip import STORED, TorchZip, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
     ChunkMeta,
@@ -84,6 +86,7 @@ ZSTD_DESCRIPTOR = "stream.zstd/1"
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _SPOOL_BLOCK = 1 << 20
+_SPOOL_TILE = 8 << 20
 _MAX_LISTED = 5
 
 
@@ -180,8 +183,8 @@ class _Files:
     def size(self, fi: int) -> int:
         return os.fstat(self.fds[fi]).st_size
 
-    def decompress(self, fi: int, offset: int, length: int, where: str) -> tuple[int, int, int]:
-        """Spool the zstd stream at ``[offset, offset + length)``; its (file, offset, size) there."""
+    def spool(self) -> int:
+        """The spool file (made on first use): decompressed chunks and row-major copies of permuted ones."""
         if self._spool is None:
             import atexit  # not at module level: every CLI run imports this module
             import shutil
@@ -189,11 +192,59 @@ class _Files:
 
             d = tempfile.mkdtemp(prefix="reshard-dcp-")
             atexit.register(shutil.rmtree, d, True)
-            p = Path(d) / "decompressed.bin"
+            p = Path(d) / "spool.bin"
             self.paths.append(p)
             self.fds.append(os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
             self._spool = len(self.paths) - 1
-        sfd = self.fds[self._spool]
+        return self._spool
+
+    def permute(
+        self, fi: int, offset: int, size: tuple[int, ...], order: tuple[int, ...], isz: int
+    ) -> tuple[int, int]:
+        """Write the row-major copy of a permuted dense chunk to the spool; its (file, offset) there.
+
+        Tile by tile through memory maps, released as it goes, so memory stays bounded
+        (about ``_SPOOL_TILE`` bytes of each map) whatever the chunk's size.
+        """
+        import mmap
+        from itertools import product
+
+        import numpy as np
+
+        sp = self.spool()
+        sfd = self.fds[sp]
+        start = os.fstat(sfd).st_size
+        numel = _numel(size)
+        os.ftruncate(sfd, start + numel * isz)
+        npt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]
+        tile = list(size)
+        while _numel(tile) * isz > _SPOOL_TILE:
+            k = max(range(len(tile)), key=lambda d: tile[d])
+            tile[k] = (tile[k] + 1) // 2
+        src_mm = mmap.mmap(self.fds[fi], 0, access=mmap.ACCESS_READ)
+        dst_mm = mmap.mmap(sfd, 0)
+        try:
+            stored = np.frombuffer(src_mm, npt, numel, offset).reshape([size[d] for d in order])
+            logical = stored.transpose([order.index(d) for d in range(len(size))])
+            out = np.frombuffer(dst_mm, npt, numel, start).reshape(size)
+            for corner in product(*(range(0, n, t) for n, t in zip(size, tile, strict=True))):
+                key = tuple(slice(c, c + t) for c, t in zip(corner, tile, strict=True))
+                out[key] = logical[key]
+                src_mm.madvise(mmap.MADV_DONTNEED)  # the page cache keeps them; RSS stays bounded
+                dst_mm.madvise(mmap.MADV_DONTNEED)  # a shared file map: written pages live on in the cache
+            del stored, logical, out
+        finally:
+            for mm in (src_mm, dst_mm):
+                try:
+                    mm.close()
+                except BufferError:  # a numpy view still alive (an error mid-copy): it goes with it
+                    pass
+        return sp, start
+
+    def decompress(self, fi: int, offset: int, length: int, where: str) -> tuple[int, int, int]:
+        """Spool the zstd stream at ``[offset, offset + length)``; its (file, offset, size) there."""
+        sp = self.spool()
+        sfd = self.fds[sp]
         start = os.fstat(sfd).st_size
         pos = start
         try:
@@ -208,7 +259,7 @@ class _Files:
             if type(e).__name__ != "ZstdError":
                 raise
             raise HeaderError(f"{where}: zstd stream is damaged ({e})", path=str(self.paths[fi])) from None
-        return self._spool, start, pos - start
+        return sp, start, pos - start
 
     def close(self) -> None:
         for fd in self.fds:
@@ -220,18 +271,36 @@ class _Files:
 
 
 @dataclass(frozen=True, slots=True)
+class _Stored:
+    """A chunk's elements in its archive: offset, CRC32, stored shape, storage order if permuted."""
+
+    start: int
+    crc: int | None
+    size: tuple[int, ...]
+    order: tuple[int, ...] | None
+    itemsize: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Piece:
     chunk: StoredChunk
     crc: int | None
 
 
-def _row_major(size: Sequence[int], stride: Sequence[int]) -> bool:
+def _storage_order(size: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
+    """The dims from outermost to innermost in storage when ``(size, stride)`` is a dense layout
+    (row-major up to a permutation: ``x.t()``, ``x.permute(...)``); None when it is not dense.
+
+    >>> _storage_order((4, 3), (3, 1)), _storage_order((4, 3), (1, 4)), _storage_order((4, 3), (1, 1))
+    ((0, 1), (1, 0), None)
+    """
+    order = tuple(sorted(range(len(size)), key=lambda d: -stride[d]))
     expect = 1
-    for n, s in zip(reversed(size), reversed(stride), strict=True):
-        if n != 1 and s != expect:
-            return False
-        expect *= n
-    return True
+    for d in reversed(order):
+        if size[d] != 1 and stride[d] != expect:
+            return None
+        expect *= size[d]
+    return order
 
 
 def _full_sizes(chunk: ChunkMeta, ndim: int) -> tuple[int, ...]:
@@ -255,8 +324,8 @@ def _zip_piece(
     meta: TensorMeta,
     sizes: tuple[int, ...],
     where: str,
-) -> tuple[int, int | None]:
-    """Absolute data offset and CRC32 of the chunk archive at ``base``, after checking it holds the chunk."""
+) -> _Stored:
+    """Where the chunk archive at ``base`` keeps the chunk's elements, after checking it holds the chunk."""
     fd, path = files.fds[fi], str(files.paths[fi])
     tz: TorchZip = read_torch_zip(fd, path, base, length)
     st = load_stored_tensor(read_record(fd, tz, tz.record("data.pkl")), path=where)
@@ -275,11 +344,12 @@ def _zip_piece(
             tensor=fqn,
         )
     numel = _numel(sizes)
-    if numel and not _row_major(st.size, st.stride):
+    order = _storage_order(st.size, st.stride)
+    if numel and order is None:
         raise LayoutError(
-            f"{q} chunk of shape {list(st.size)} is stored with strides {list(st.stride)}: a transposed "
-            "or permuted view torch saved as is. reshard copies row-major bytes only and refuses it "
-            "rather than copy wrong bytes; re-save the state dict with .contiguous() tensors.",
+            f"{q} chunk of shape {list(st.size)} is stored with strides {list(st.stride)}, which are "
+            "not a dense layout (overlapping or gapped elements); re-save the state dict with "
+            ".contiguous() tensors.",
             path=path,
             tensor=fqn,
         )
@@ -294,7 +364,9 @@ def _zip_piece(
             tensor=fqn,
         )
     crc = rec.crc32 if first == 0 and nbytes == rec.size else None
-    return rec.offset + first, crc
+    moving = [d for d in order or () if st.size[d] != 1]  # size-1 dims may have any stride
+    permuted = bool(numel) and moving != sorted(moving)
+    return _Stored(rec.offset + first, crc, st.size, order if permuted else None, isz)
 
 
 def _safetensors_piece(
@@ -430,11 +502,28 @@ class _Reader:
             fi, base, length = self.files.decompress(fi, base, length, where)
         crc: int | None = None
         if os.pread(self.files.fds[fi], 4, base) == _ZIP_MAGIC:
-            start, crc = _zip_piece(self.files, fi, base, length, fqn, m, sizes, where)
+            stored = _zip_piece(self.files, fi, base, length, fqn, m, sizes, where)
+            start, crc = stored.start, stored.crc
+            if stored.order is not None:
+                fi, start = self._unpermute(fqn, fi, stored, where)
+                crc = None
         else:
             start = _safetensors_piece(self.files, fi, base, fqn, m, sizes, where, self.blobs)
         st_dtype = SAFETENSORS_DTYPES[m.dtype]
         return _Piece(StoredChunk(fi, chunk.offsets, sizes, st_dtype, start, m.size), crc)
+
+    def _unpermute(self, fqn: str, fi: int, stored: _Stored, where: str) -> tuple[int, int]:
+        """Spool a row-major copy of a permuted chunk, checking the stored bytes' CRC32 on the way."""
+        assert stored.order is not None
+        nbytes = _numel(stored.size) * stored.itemsize
+        if (
+            stored.crc is not None
+            and crc32_range(self.files.fds[fi], stored.start, nbytes, where) != stored.crc
+        ):
+            self.warnings.append(
+                f'problem: {where}: tensor "{fqn}" chunk bytes fail their CRC32 check; the file is damaged'
+            )
+        return self.files.permute(fi, stored.start, stored.size, stored.order, stored.itemsize)
 
     def tensors(self) -> dict[str, TensorSource]:
         out: dict[str, TensorSource] = {}

@@ -34,7 +34,7 @@ st = pytest.importorskip("safetensors.torch")
 HERE = Path(__file__).resolve().parent
 HELPER = HERE / "dcp_helpers" / "save_dcp.py"
 RESHARD = Path(sys.executable).with_name("reshard")
-READABLE = ["plain", "zstd", "safetensors", "megatron", "fsdp_tp", "rank_local"]
+READABLE = ["plain", "zstd", "safetensors", "transposed", "megatron", "fsdp_tp", "rank_local"]
 PARAM_GROUPS = {
     "amsgrad", "betas", "capturable", "decoupled_weight_decay", "differentiable", "eps", "foreach",
     "fused", "lr", "maximize", "params", "weight_decay",
@@ -215,11 +215,22 @@ def _refused(proc: subprocess.CompletedProcess[str], code: int = 2) -> str:
 
 
 @pytest.mark.dist
-def test_transposed_chunk_refused(saved: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    err = _refused(run_cli("convert", saved / "transposed", out, "--consolidate"))
-    assert 'tensor "t"' in err and "__0_0.distcp" in err and "strides [1, 4]" in err
-    assert not out.exists()
+def test_permuted_chunks_tile_by_tile(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transposed/permuted chunks are rewritten row-major at open, in many small tiles here."""
+    import reshard.formats.dcp as dcp_mod
+
+    monkeypatch.setattr(dcp_mod, "_SPOOL_TILE", 256)
+    ck = open_checkpoint(saved / "transposed")
+    want = ref(saved, "transposed")
+    for name in ("t", "p"):
+        t = ck.tensors[name]
+        assert t.piece_files == (len(ck.files) - 1,), "a spooled copy"
+        assert t.piece_crcs == (None,)
+        with open(ck.files[t.piece_files[0]], "rb") as f:
+            f.seek(t.piece_offsets[0])
+            assert f.read(len(raw(want[name]))) == raw(want[name]), name
+    assert ck.tensors["col"].piece_files == (0,), "row-major already: read in place"
+    assert not any(w.startswith("problem:") for w in ck.warnings)
 
 
 class _Touch:

@@ -10,7 +10,7 @@ Single process (``dcp.save(no_dist=True)``):
   and non-tensor items (``extra.lr``, ``extra.name``);
 - ``zstd/``: the same through ``FileSystemWriter(_extensions=[ZStandard()])``;
 - ``safetensors/``: the same through ``serialization_format=SAFETENSORS``;
-- ``transposed/``: a ``x.t()`` view (saved with strides ``(1, n)``);
+- ``transposed/``: ``x.t()`` and ``x.permute(2, 0, 1)`` views (saved with their strides);
 - ``megatron/``: a Megatron-Core ``torch_dist``-shaped checkpoint crafted to
   the documented structure (``MCoreMetadata``, stacked ``[L, ...]`` and
   ``[L, E, ...]`` tensors whose chunk offsets have more dims than their sizes),
@@ -95,8 +95,14 @@ def single(out: Path) -> None:
         no_dist=True,
     )
     torch.save(_flat_full(model_only), out / "safetensors.ref.pt")
-    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    dcp.save({"t": x.t()}, checkpoint_id=str(out / "transposed"), no_dist=True)
+    g = torch.Generator().manual_seed(5)
+    views = {
+        "t": torch.randn(30, 70, generator=g).t(),  # strides (1, 70)
+        "p": torch.randn(3, 40, 50, generator=g).to(torch.bfloat16).permute(2, 0, 1),
+        "col": torch.randn(1, 6, generator=g).t(),  # (6, 1) with stride (1, 6): row-major anyway
+    }
+    dcp.save(views, checkpoint_id=str(out / "transposed"), no_dist=True)
+    torch.save({k: v.contiguous() for k, v in views.items()}, out / "transposed.ref.pt")
 
 
 # --------------------------------------------------------------------------- Megatron
