@@ -294,8 +294,15 @@ def _int_tuple(v: Any) -> tuple[int, ...] | None:
 
 def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None) -> StoredTensor:
     sz, st = _int_tuple(size), _int_tuple(stride)
-    if not isinstance(storage, StorageRef) or type(offset) is not int or sz is None or st is None:
-        raise ValueError("tensor rebuild arguments are not (storage, int, sizes, strides)")
+    if (
+        not isinstance(storage, StorageRef)
+        or type(offset) is not int
+        or sz is None
+        or st is None
+        or len(sz) != len(st)
+        or min((offset, *sz, *st)) < 0
+    ):
+        raise ValueError("tensor rebuild arguments are not (storage, offset, sizes, strides) >= 0")
     if dtype is None:
         dtype = storage.dtype
     if dtype is None or dtype not in SAFETENSORS_DTYPES:

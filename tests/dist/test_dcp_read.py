@@ -179,7 +179,7 @@ def test_copy_path_imports_no_torch(saved: Path, tmp_path: Path) -> None:
         "        assert e.code in (0, None), e.code\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    srcs = [str(saved / n) for n in ("fsdp_tp", "zstd", "safetensors", "megatron")]
+    srcs = [str(saved / n) for n in ("fsdp_tp", "zstd", "safetensors", "megatron", "transposed")]
     proc = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "o"), *srcs], capture_output=True, text=True, timeout=120
     )

@@ -151,3 +151,17 @@ def test_unpicklers_refuse_other_globals() -> None:
         load_dcp_metadata(pickle.dumps({"a": 1}), path="m.pkl")
     with pytest.raises(HeaderError, match="holds a dict, not one tensor"):
         load_stored_tensor(pickle.dumps({}), path="d.pkl")
+
+
+def test_data_pkl_with_negative_offset_refused() -> None:
+    """A storage offset before the record would make the piece start outside it."""
+    buf = io.BytesIO()
+    torch.save(torch.zeros(4), buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        data = z.read("archive/data.pkl")
+    ok = load_stored_tensor(data, path="d.pkl")
+    assert ok.storage_offset == 0
+    bad = data.replace(b"K\x00K\x04\x85", b"J\xff\xff\xff\xffK\x04\x85")  # BININT1 0 -> BININT -1
+    assert bad != data
+    with pytest.raises(HeaderError, match=r"d\.pkl: not a valid torch.save tensor pickle"):
+        load_stored_tensor(bad, path="d.pkl")
