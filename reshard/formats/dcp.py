@@ -129,19 +129,20 @@ class _Range(io.RawIOBase):
         return got
 
 
-def _zstd_reader(raw: BinaryIO, where: str) -> BinaryIO:
+def _zstd_reader(raw: BinaryIO, where: str) -> tuple[BinaryIO, tuple[type[Exception], ...]]:
+    """A streaming zstd decompressor over ``raw`` and the exceptions it raises on bad data."""
     try:
         import zstandard
 
         r: BinaryIO = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return r
+        return r, (zstandard.ZstdError, ValueError)
     except ImportError:
         pass
     try:
         import pyzstd  # type: ignore[import-not-found]
 
         z: BinaryIO = pyzstd.ZstdFile(raw)
-        return z
+        return z, (pyzstd.ZstdError, ValueError, EOFError)
     except ImportError:
         raise UsageError(
             f"{where} is compressed with zstd ({ZSTD_DESCRIPTOR}); reading it needs the zstandard "
@@ -216,7 +217,7 @@ class _Files:
         start = os.fstat(sfd).st_size
         numel = _numel(size)
         os.ftruncate(sfd, start + numel * isz)
-        npt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]
+        npt = np.dtype(f"u{isz}")
         tile = list(size)
         while _numel(tile) * isz > _SPOOL_TILE:
             k = max(range(len(tile)), key=lambda d: tile[d])
@@ -247,17 +248,12 @@ class _Files:
         sfd = self.fds[sp]
         start = os.fstat(sfd).st_size
         pos = start
+        z, errors = _zstd_reader(io.BufferedReader(_Range(self.fds[fi], offset, length)), where)
         try:
-            with _zstd_reader(io.BufferedReader(_Range(self.fds[fi], offset, length)), where) as z:
+            with z:
                 while block := z.read(_SPOOL_BLOCK):
                     pos += os.pwrite(sfd, block, pos)
-        except (OSError, ValueError) as e:
-            if isinstance(e, OSError) and e.errno is not None:
-                raise
-            raise HeaderError(f"{where}: zstd stream is damaged ({e})", path=str(self.paths[fi])) from None
-        except Exception as e:  # zstandard.ZstdError and pyzstd.ZstdError derive from Exception only
-            if type(e).__name__ != "ZstdError":
-                raise
+        except errors as e:
             raise HeaderError(f"{where}: zstd stream is damaged ({e})", path=str(self.paths[fi])) from None
         return sp, start, pos - start
 

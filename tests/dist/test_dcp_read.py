@@ -339,3 +339,17 @@ def test_cli_include_exclude(saved: Path, tmp_path: Path) -> None:
     assert json.loads(proc.stdout)["tensors"] == 2
     err = _refused(run_cli("inspect", src, "--include", "re:("))
     assert '--include "re:("' in err
+
+
+@pytest.mark.dist
+def test_damaged_zstd_chunk(saved: Path, tmp_path: Path) -> None:
+    ck = _copy(saved, "zstd", tmp_path)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.w")
+    with open(ck / info.relative_path, "r+b") as f:
+        f.seek(info.offset + 30)
+        b = f.read(4)
+        f.seek(info.offset + 30)
+        f.write(bytes(x ^ 0xFF for x in b))
+    err = _refused(run_cli("convert", ck, tmp_path / "out", "--consolidate"))
+    assert f"{info.relative_path} (bytes {info.offset}.." in err and "zstd stream is damaged" in err
