@@ -16,8 +16,10 @@ records, ``tuple``, ``dict``), never torch. Two tables are defined here:
   into a :class:`StoredTensor` (storage key, dtype, offset, size, stride).
 
 To read other pickles (a ``.pt`` of DTensors, say), build a table from these
-(``{**TORCH_SAVE_TENSOR_GLOBALS, ("torch.distributed.tensor", "DTensor"): ...}``)
-and call :func:`restricted_load`.
+(``{**TORCH_SAVE_TENSOR_GLOBALS, ("torch.distributed.tensor", "DTensor"): ...}``,
+stand-ins derived from :class:`Record`) and call :func:`restricted_load` with
+``persistent_load=storage_persistent_load``: tensors then come out as
+:class:`StoredTensor` records.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ __all__ = [
     "RestrictedUnpickler",
     "restricted_load",
     "TorchDtype",
+    "Record",
+    "storage_persistent_load",
     "StorageRef",
     "StoredTensor",
     "ChunkMeta",
@@ -151,7 +155,7 @@ class TorchDtype(str):
     __slots__ = ()
 
 
-class _Record:
+class Record:
     """Inert stand-in for a pickled class instance: remembers its state, runs nothing."""
 
     # NEWOBJ builds instances with __new__ only, so the defaults live on the class
@@ -165,7 +169,7 @@ class _Record:
         self.state = state
 
 
-class _Metadata(_Record):
+class _Metadata(Record):
     pass
 
 
@@ -173,31 +177,31 @@ class _MCoreMetadata(_Metadata):
     pass
 
 
-class _TensorStorageMetadata(_Record):
+class _TensorStorageMetadata(Record):
     pass
 
 
-class _ChunkStorageMetadata(_Record):
+class _ChunkStorageMetadata(Record):
     pass
 
 
-class _TensorProperties(_Record):
+class _TensorProperties(Record):
     pass
 
 
-class _BytesStorageMetadata(_Record):
+class _BytesStorageMetadata(Record):
     pass
 
 
-class _MetadataIndex(_Record):
+class _MetadataIndex(Record):
     pass
 
 
-class _StorageInfo(_Record):
+class _StorageInfo(Record):
     pass
 
 
-class _StorageMeta(_Record):
+class _StorageMeta(Record):
     pass
 
 
@@ -335,7 +339,8 @@ TORCH_SAVE_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def _storage_pid(pid: Any) -> StorageRef:
+def storage_persistent_load(pid: Any) -> StorageRef:
+    """``persistent_load`` of a ``torch.save`` pickle: ``('storage', type, key, location, numel)``."""
     if (
         isinstance(pid, tuple)
         and len(pid) == 5
@@ -361,7 +366,7 @@ def load_stored_tensor(data: bytes, *, path: str) -> StoredTensor:
         path=path,
         allowed=TORCH_SAVE_TENSOR_GLOBALS,
         what="torch.save tensor",
-        persistent_load=_storage_pid,
+        persistent_load=storage_persistent_load,
     )
     if not isinstance(obj, StoredTensor):
         raise HeaderError(f"{path}: data.pkl holds a {type(obj).__name__}, not one tensor", path=path)
@@ -429,7 +434,7 @@ class DcpMetadata:
     megatron: bool
 
 
-def _state(obj: Any, cls: type[_Record], what: str) -> dict[str, Any]:
+def _state(obj: Any, cls: type[Record], what: str) -> dict[str, Any]:
     if not isinstance(obj, cls) or not isinstance(obj.state, dict):
         raise ValueError(f"{what} is a {type(obj).__name__}, not a {cls.__name__[1:]}")
     st: dict[str, Any] = obj.state
