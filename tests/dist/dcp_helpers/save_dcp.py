@@ -9,7 +9,8 @@ Single process (``dcp.save(no_dist=True)``):
 - ``plain/``: f32, bf16, f16, float8_e4m3fn, uint16, int64, bool, 0-d tensors
   and non-tensor items (``extra.lr``, ``extra.name``);
 - ``zstd/``: the same through ``FileSystemWriter(_extensions=[ZStandard()])``;
-- ``safetensors/``: the same through ``serialization_format=SAFETENSORS``;
+- ``safetensors/``: the same through ``serialization_format=SAFETENSORS`` (the
+  non-tensor items as zips, then one safetensors blob);
 - ``transposed/``: ``x.t()`` and ``x.permute(2, 0, 1)`` views (saved with their strides);
 - ``megatron/``: a Megatron-Core ``torch_dist``-shaped checkpoint crafted to
   the documented structure (``MCoreMetadata``, stacked ``[L, ...]`` and
@@ -86,15 +87,14 @@ def single(out: Path) -> None:
     torch.save(_flat_full(sd), out / "plain.ref.pt")
     dcp.save(sd, storage_writer=FileSystemWriter(str(out / "zstd"), _extensions=[ZStandard()]), no_dist=True)
     torch.save(_flat_full(sd), out / "zstd.ref.pt")
-    model_only = {"model": sd["model"]}
-    dcp.save(
-        model_only,
+    dcp.save(  # non-tensor items as zips, then one safetensors blob of the tensors
+        sd,
         storage_writer=FileSystemWriter(
             str(out / "safetensors"), serialization_format=SerializationFormat.SAFETENSORS
         ),
         no_dist=True,
     )
-    torch.save(_flat_full(model_only), out / "safetensors.ref.pt")
+    torch.save(_flat_full(sd), out / "safetensors.ref.pt")
     g = torch.Generator().manual_seed(5)
     views = {
         "t": torch.randn(30, 70, generator=g).t(),  # strides (1, 70)
