@@ -401,9 +401,9 @@ def _safetensors_piece(
 
 
 def _chunk_for(meta: TensorMeta, offset: tuple[int, ...] | None, fqn: str, where: str) -> ChunkMeta:
-    for c in meta.chunks:
-        if c.offsets == offset:
-            return c
+    c = meta.chunk_at(offset)
+    if c is not None:
+        return c
     raise HeaderError(
         f'{where}: storage entry of tensor "{fqn}" at offsets {list(offset or ())} matches none '
         "of its chunks",

@@ -29,7 +29,7 @@ import io
 import os
 import pickle
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HeaderError
@@ -391,6 +391,14 @@ class TensorMeta:
     dtype: str
     size: tuple[int, ...]
     chunks: tuple[ChunkMeta, ...]
+    _by_offsets: dict[tuple[int, ...], ChunkMeta] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_offsets", {c.offsets: c for c in self.chunks})
+
+    def chunk_at(self, offsets: tuple[int, ...] | None) -> ChunkMeta | None:
+        """The chunk at these global offsets (how ``storage_data`` keys refer to chunks), or None."""
+        return self._by_offsets.get(offsets) if offsets is not None else None
 
 
 @dataclass(frozen=True, slots=True)
