@@ -47,6 +47,7 @@ from __future__ import annotations
 import io
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,7 @@ ZSTD_DESCRIPTOR = "stream.zstd/1"
 _ZIP_MAGIC = b"PK\x03\x04"
 _SPOOL_BLOCK = 1 << 20
 _SPOOL_TILE = 8 << 20
+_MAX_OPEN = 64
 _MAX_LISTED = 5
 
 
@@ -151,14 +153,20 @@ def _zstd_reader(raw: BinaryIO, where: str) -> tuple[BinaryIO, tuple[type[Except
 
 
 class _Files:
-    """The checkpoint's data files by relative path (opened once), plus the zstd spool file."""
+    """The checkpoint's data files by relative path, plus the spool file.
+
+    At most ``_MAX_OPEN`` data files are open at once (a save over thousands of
+    ranks has more files than the default descriptor limit).
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.paths: list[Path] = []
-        self.fds: list[int] = []
+        self._sizes: list[int] = []
         self._index: dict[str, int] = {}
+        self._open: OrderedDict[int, int] = OrderedDict()
         self._spool: int | None = None
+        self._spool_fd = -1
 
     def index(self, rel: str, where: str) -> int:
         i = self._index.get(rel)
@@ -169,20 +177,34 @@ class _Files:
             raise HeaderError(f"{where}: data file {rel!r} is not a file inside the checkpoint", path=where)
         p = self.root / rel
         try:
-            fd = os.open(p, os.O_RDONLY)
+            size = p.stat().st_size
         except OSError as e:
             raise HeaderError(
-                f"{p}: cannot open a data file {where} refers to ({e.strerror}); copy the whole "
+                f"{p}: cannot read a data file {where} refers to ({e.strerror}); copy the whole "
                 "checkpoint directory",
                 path=str(p),
             ) from None
         self.paths.append(p)
-        self.fds.append(fd)
+        self._sizes.append(size)
         self._index[rel] = len(self.paths) - 1
         return len(self.paths) - 1
 
+    def fd(self, fi: int) -> int:
+        """An open descriptor of file ``fi`` (least recently used ones are closed)."""
+        if fi == self._spool:
+            return self._spool_fd
+        fd = self._open.get(fi)
+        if fd is not None:
+            self._open.move_to_end(fi)
+            return fd
+        if len(self._open) >= _MAX_OPEN:
+            os.close(self._open.popitem(last=False)[1])
+        fd = os.open(self.paths[fi], os.O_RDONLY)
+        self._open[fi] = fd
+        return fd
+
     def size(self, fi: int) -> int:
-        return os.fstat(self.fds[fi]).st_size
+        return os.fstat(self._spool_fd).st_size if fi == self._spool else self._sizes[fi]
 
     def spool(self) -> int:
         """The spool file (made on first use): decompressed chunks and row-major copies of permuted ones."""
@@ -194,8 +216,9 @@ class _Files:
             d = tempfile.mkdtemp(prefix="reshard-dcp-")
             atexit.register(shutil.rmtree, d, True)
             p = Path(d) / "spool.bin"
+            self._spool_fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             self.paths.append(p)
-            self.fds.append(os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            self._sizes.append(0)
             self._spool = len(self.paths) - 1
         return self._spool
 
@@ -213,7 +236,7 @@ class _Files:
         import numpy as np
 
         sp = self.spool()
-        sfd = self.fds[sp]
+        sfd = self.fd(sp)
         start = os.fstat(sfd).st_size
         numel = _numel(size)
         os.ftruncate(sfd, start + numel * isz)
@@ -222,7 +245,7 @@ class _Files:
         while _numel(tile) * isz > _SPOOL_TILE:
             k = max(range(len(tile)), key=lambda d: tile[d])
             tile[k] = (tile[k] + 1) // 2
-        src_mm = mmap.mmap(self.fds[fi], 0, access=mmap.ACCESS_READ)
+        src_mm = mmap.mmap(self.fd(fi), 0, access=mmap.ACCESS_READ)
         dst_mm = mmap.mmap(sfd, 0)
         try:
             stored = np.frombuffer(src_mm, npt, numel, offset).reshape([size[d] for d in order])
@@ -245,10 +268,10 @@ class _Files:
     def decompress(self, fi: int, offset: int, length: int, where: str) -> tuple[int, int, int]:
         """Spool the zstd stream at ``[offset, offset + length)``; its (file, offset, size) there."""
         sp = self.spool()
-        sfd = self.fds[sp]
+        sfd = self.fd(sp)
         start = os.fstat(sfd).st_size
         pos = start
-        z, errors = _zstd_reader(io.BufferedReader(_Range(self.fds[fi], offset, length)), where)
+        z, errors = _zstd_reader(io.BufferedReader(_Range(self.fd(fi), offset, length)), where)
         try:
             with z:
                 while block := z.read(_SPOOL_BLOCK):
@@ -258,9 +281,12 @@ class _Files:
         return sp, start, pos - start
 
     def close(self) -> None:
-        for fd in self.fds:
+        for fd in self._open.values():
             os.close(fd)
-        self.fds = []
+        self._open.clear()
+        if self._spool_fd >= 0:
+            os.close(self._spool_fd)
+            self._spool_fd = -1
 
 
 # --------------------------------------------------------------------------- chunks
@@ -322,7 +348,7 @@ def _zip_piece(
     where: str,
 ) -> _Stored:
     """Where the chunk archive at ``base`` keeps the chunk's elements, after checking it holds the chunk."""
-    fd, path = files.fds[fi], str(files.paths[fi])
+    fd, path = files.fd(fi), str(files.paths[fi])
     tz: TorchZip = read_torch_zip(fd, path, base, length)
     st = load_stored_tensor(read_record(fd, tz, tz.record("data.pkl")), path=where)
     q = f'{where}: tensor "{fqn}"'
@@ -376,7 +402,7 @@ def _safetensors_piece(
     cache: dict[Any, Header],
 ) -> int:
     """Absolute data offset of ``fqn`` in the safetensors blob at ``base`` (SAFETENSORS serialisation)."""
-    fd, path = files.fds[fi], str(files.paths[fi])
+    fd, path = files.fd(fi), str(files.paths[fi])
     h = cache.get((fi, base))
     if h is None:
         n = int.from_bytes(os.pread(fd, 8, base).ljust(8, b"\0"), "little")
@@ -427,7 +453,7 @@ class _Reader:
         md = load_dcp_metadata(mpath.read_bytes(), path=str(mpath))
         self._merge_meta(md, mpath)
         stored: set[tuple[str, tuple[int, ...] | None]] = set()
-        for e in md.storage:
+        for e in sorted(md.storage, key=lambda e: (e.info.relative_path, e.info.offset)):  # file order
             m = md.entries.get(e.fqn)
             if m is None:
                 raise HeaderError(
@@ -497,7 +523,7 @@ class _Reader:
                 )
             fi, base, length = self.files.decompress(fi, base, length, where)
         crc: int | None = None
-        if os.pread(self.files.fds[fi], 4, base) == _ZIP_MAGIC:
+        if os.pread(self.files.fd(fi), 4, base) == _ZIP_MAGIC:
             stored = _zip_piece(self.files, fi, base, length, fqn, m, sizes, where)
             start, crc = stored.start, stored.crc
             if stored.order is not None:
@@ -514,7 +540,7 @@ class _Reader:
         nbytes = _numel(stored.size) * stored.itemsize
         if (
             stored.crc is not None
-            and crc32_range(self.files.fds[fi], stored.start, nbytes, where) != stored.crc
+            and crc32_range(self.files.fd(fi), stored.start, nbytes, where) != stored.crc
         ):
             self.warnings.append(
                 f'problem: {where}: tensor "{fqn}" chunk bytes fail their CRC32 check; the file is damaged'

@@ -116,6 +116,17 @@ def test_fsdp_tp_optimizer_state(saved: Path) -> None:
 
 
 @pytest.mark.dist
+def test_few_open_files(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one descriptor at a time (as with more rank files than the fd limit) the reading is the same."""
+    import reshard.formats.dcp as dcp_mod
+
+    want = open_checkpoint(saved / "fsdp_tp")
+    monkeypatch.setattr(dcp_mod, "_MAX_OPEN", 1)
+    got = open_checkpoint(saved / "fsdp_tp")
+    assert got.tensors == want.tensors and got.objects == want.objects and got.files == want.files
+
+
+@pytest.mark.dist
 def test_inspect_json_lists_boxes_and_objects(saved: Path) -> None:
     proc = run_cli("inspect", saved / "fsdp_tp", "--json")
     assert proc.returncode == 0, proc.stderr
