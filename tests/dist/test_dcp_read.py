@@ -91,7 +91,7 @@ def test_convert_to_hf_bit_exact(saved: Path, tmp_path: Path, name: str) -> None
     assert detect_format(out) == "hf"
     proc = run_cli("verify", src, out)
     assert proc.returncode == 0, proc.stderr
-    proc = run_cli("inspect", src, "--check")
+    proc = run_cli("inspect", src, "--check", "--from", "dcp")
     assert proc.returncode == 0, proc.stderr
     assert "check: ok" in proc.stderr
 
