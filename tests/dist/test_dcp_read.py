@@ -80,6 +80,8 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 @pytest.mark.parametrize("name", READABLE)
 def test_convert_to_hf_bit_exact(saved: Path, tmp_path: Path, name: str) -> None:
     src = saved / name
+    if name == "zstd" and not src.exists():
+        pytest.skip("torch's ZStandard extension needs the zstandard module (pip install zstandard)")
     assert detect_format(src) == "dcp"
     out = tmp_path / "hf"
     proc = run_cli("convert", src, out, "--consolidate", "--json")
@@ -190,7 +192,8 @@ def test_copy_path_imports_no_torch(saved: Path, tmp_path: Path) -> None:
         "        assert e.code in (0, None), e.code\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    srcs = [str(saved / n) for n in ("fsdp_tp", "zstd", "safetensors", "megatron", "transposed")]
+    names = ("fsdp_tp", "zstd", "safetensors", "megatron", "transposed")
+    srcs = [str(saved / n) for n in names if (saved / n).exists()]
     proc = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "o"), *srcs], capture_output=True, text=True, timeout=120
     )
@@ -214,6 +217,8 @@ def test_select_model_only(saved: Path) -> None:
 
 
 def _copy(saved: Path, name: str, tmp_path: Path) -> Path:
+    if not (saved / name).exists():
+        pytest.skip(f"{name} was not written (zstd: pip install zstandard)")
     dst = tmp_path / name
     shutil.copytree(saved / name, dst)
     return dst

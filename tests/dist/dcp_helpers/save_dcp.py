@@ -85,8 +85,10 @@ def single(out: Path) -> None:
     sd = plain_state()
     dcp.save(sd, checkpoint_id=str(out / "plain"), no_dist=True)
     torch.save(_flat_full(sd), out / "plain.ref.pt")
-    dcp.save(sd, storage_writer=FileSystemWriter(str(out / "zstd"), _extensions=[ZStandard()]), no_dist=True)
-    torch.save(_flat_full(sd), out / "zstd.ref.pt")
+    if ZStandard.is_available():  # needs the zstandard or pyzstd module
+        writer = FileSystemWriter(str(out / "zstd"), _extensions=[ZStandard()])
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+        torch.save(_flat_full(sd), out / "zstd.ref.pt")
     dcp.save(  # non-tensor items as zips, then one safetensors blob of the tensors
         sd,
         storage_writer=FileSystemWriter(
