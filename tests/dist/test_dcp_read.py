@@ -369,3 +369,24 @@ def test_damaged_zstd_chunk(saved: Path, tmp_path: Path) -> None:
         f.write(bytes(x ^ 0xFF for x in b))
     err = _refused(run_cli("convert", ck, tmp_path / "out", "--consolidate"))
     assert f"{info.relative_path} (bytes {info.offset}.." in err and "zstd stream is damaged" in err
+
+
+@pytest.mark.dist
+def test_zstd_without_a_zstd_module(saved: Path, tmp_path: Path) -> None:
+    """No zstandard/pyzstd importable: exit 2 saying what to install, nothing written."""
+    src = _copy(saved, "zstd", tmp_path)
+    code = (
+        "import sys\n"
+        "sys.modules['zstandard'] = sys.modules['pyzstd'] = None  # import fails as if not installed\n"
+        "from reshard.cli import app\n"
+        "app(['convert', sys.argv[1], sys.argv[2], '--consolidate'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    err = _refused(proc)
+    assert "stream.zstd/1" in err and "pip install zstandard" in err
+    assert not (tmp_path / "out").exists()
