@@ -267,11 +267,11 @@ class _Files:
 
     def decompress(self, fi: int, offset: int, length: int, where: str) -> tuple[int, int, int]:
         """Spool the zstd stream at ``[offset, offset + length)``; its (file, offset, size) there."""
-        sp = self.spool()
+        z, errors = _zstd_reader(io.BufferedReader(_Range(self.fd(fi), offset, length)), where)
+        sp = self.spool()  # after the module check: no temporary directory for nothing
         sfd = self.fd(sp)
         start = os.fstat(sfd).st_size
         pos = start
-        z, errors = _zstd_reader(io.BufferedReader(_Range(self.fd(fi), offset, length)), where)
         try:
             with z:
                 while block := z.read(_SPOOL_BLOCK):
