@@ -3,16 +3,17 @@
 ``check_checkpoint`` backs ``reshard inspect --check``. It reports problems
 instead of raising, so one run lists everything wrong:
 
-* ``warning``: a reader warning marked as a data problem (text starting ``"problem: "``);
+* ``warning``: a reader warning marked as a data problem (:attr:`CheckpointWarning.problem`);
 * ``missing-file``, ``size``, ``checksum``, ``unlisted-file``, ``manifest``: the
   files against ``reshard.json`` (sizes, ``xxh3_128`` checksums, tensor dtypes and shapes);
 * ``bounds``: a piece's bytes lie outside its file; ``outside``: a piece's
   indices lie outside its tensor's global shape;
 * ``hole``: a global region no piece holds (per Partial group);
-* ``crc``: a piece whose bytes do not match the CRC32 its format stores (DCP chunks);
 * ``replica``: pieces holding the same block that differ byte for byte;
   ``overlap``: pieces holding different but overlapping blocks that differ on
   the overlap.
+* ``crc32``: a piece whose bytes do not have the CRC32 its format recorded
+  (:attr:`~reshard.checkpoint.TensorSource.piece_crc32`).
 
 Coverage is interval arithmetic, once per piece geometry (tensors of the same
 :attr:`~reshard.checkpoint.TensorSource.signature` share it), never element by
@@ -23,14 +24,15 @@ element. Data is compared through memory maps in chunks of at most
 from __future__ import annotations
 
 import os
-from bisect import bisect_right
-from collections.abc import Sequence
+import zlib
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
+from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
-from .execute import CHECKSUM_PREFIX, file_checksum, slabs
+from .dtypes import DTYPE_SIZES
 from .intervals import (
     Block,
     Box,
@@ -38,23 +40,45 @@ from .intervals import (
     Interval,
     Segment,
     block_volume,
+    coverage_holes,
+    format_box,
+    global_index,
     normalize,
     overlap_segments,
+    overlapping_pairs,
     select,
+    slabs,
 )
-from .io.header import DTYPE_SIZES
+from .io.checksum import CHECKSUM_PREFIX, file_checksum
+from .io.reader import MappedFiles, read_box
 from .plan import natural_key
-from .verify import DEFAULT_MAX_BYTES, MappedFiles, global_index
 
-__all__ = ["check_checkpoint", "coverage_holes", "PROBLEM_PREFIX", "MAX_REGIONS"]
-
-#: A reader warning starting with this text reports a data problem, not just information.
-PROBLEM_PREFIX = "problem: "
+__all__ = ["check_checkpoint", "Problem", "MAX_REGIONS"]
 
 #: Hole regions reported per tensor and partial group; the rest are summed up in one more problem.
 MAX_REGIONS = 8
 
-_CHECKSUM_ALGO = CHECKSUM_PREFIX
+
+class _ProblemCore(TypedDict):
+    kind: str
+    message: str
+    path: str | None
+    tensor: str | None
+    region: list[list[int]] | None
+
+
+class Problem(_ProblemCore, total=False):
+    """One problem found, as JSON (``inspect --check --json``).
+
+    ``region`` is a global box ``[[start, stop], ...]``; ``size``/``checksum``/``crc32``
+    problems add ``expected`` and ``actual``, ``replica``/``overlap`` add ``index`` (the
+    first differing global index) and ``other`` (the file compared with).
+    """
+
+    expected: int | str
+    actual: int | str
+    index: list[int]
+    other: str
 
 
 def _problem(
@@ -64,20 +88,23 @@ def _problem(
     path: str | None = None,
     tensor: str | None = None,
     region: Box | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    return {
+    expected: int | str | None = None,
+    actual: int | str | None = None,
+    index: list[int] | None = None,
+    other: str | None = None,
+) -> Problem:
+    p: Problem = {
         "kind": kind,
         "message": message,
         "path": path,
         "tensor": tensor,
         "region": [[iv.start, iv.stop] for iv in region] if region is not None else None,
-        **extra,
     }
-
-
-def _box_str(box: Box) -> str:
-    return "[" + ", ".join(f"{iv.start}:{iv.stop}" for iv in box) + "]"
+    if expected is not None and actual is not None:
+        p["expected"], p["actual"] = expected, actual
+    if index is not None and other is not None:
+        p["index"], p["other"] = index, other
+    return p
 
 
 def _volume(box: Box) -> int:
@@ -88,70 +115,6 @@ def _volume(box: Box) -> int:
 
 
 # --------------------------------------------------------------------------- coverage
-
-
-def _contains(ilist: IndexList, x: int) -> bool:
-    i = bisect_right([iv.start for iv in ilist], x) - 1
-    return i >= 0 and x < ilist[i].stop
-
-
-def coverage_holes(shape: Sequence[int], blocks: Sequence[Block]) -> list[Box]:
-    """Disjoint boxes of a tensor of ``shape`` that none of ``blocks`` covers.
-
-    A sweep along each dim in turn: the elementary intervals between the
-    blocks' boundaries, merged where the same blocks cover them, recursing into
-    the blocks covering each; the recursion is memoized on the set of remaining
-    per-dim index lists, so regular layouts cost about one pass over their blocks.
-
-    >>> I = Interval
-    >>> coverage_holes((6, 4), [((I(0, 2),), (I(0, 4),)), ((I(4, 6),), (I(0, 4),))])
-    [(Interval(start=2, stop=4), Interval(start=0, stop=4))]
-    >>> coverage_holes((6, 4), [((I(0, 6),), (I(0, 4),))])
-    []
-    """
-    ndim = len(shape)
-    if any(n == 0 for n in shape):
-        return []
-    memo: dict[tuple[int, frozenset[Block]], list[Box]] = {}
-
-    def rec(d: int, tails: frozenset[Block]) -> list[Box]:
-        if d == ndim:
-            return [] if tails else [()]
-        key = (d, tails)
-        hit = memo.get(key)
-        if hit is not None:
-            return hit
-        n = shape[d]
-        events: dict[int, list[tuple[Block, int]]] = {0: [], n: []}
-        for t in tails:
-            for iv in t[0]:
-                lo, hi = min(iv.start, n), min(iv.stop, n)
-                if lo < hi:
-                    events.setdefault(lo, []).append((t[1:], 1))
-                    events.setdefault(hi, []).append((t[1:], -1))
-        active: dict[Block, int] = {}
-        runs: list[tuple[int, int, frozenset[Block]]] = []
-        cuts = sorted(events)
-        for lo, hi in zip(cuts, cuts[1:], strict=False):
-            for tail, step in events[lo]:
-                c = active.get(tail, 0) + step
-                if c:
-                    active[tail] = c
-                else:
-                    del active[tail]
-            cover = frozenset(active)
-            if runs and runs[-1][2] == cover:
-                runs[-1] = (runs[-1][0], hi, cover)
-            else:
-                runs.append((lo, hi, cover))
-        out: list[Box] = []
-        for lo, hi, cover in runs:
-            for h in rec(d + 1, cover):
-                out.append((Interval(lo, hi),) + h)
-        memo[key] = out
-        return out
-
-    return rec(0, frozenset(blocks))
 
 
 # --------------------------------------------------------------------------- geometry
@@ -176,31 +139,23 @@ class _Geometry:
     numels: tuple[int, ...]
 
 
-def _overlapping(blocks: Sequence[Block]) -> list[tuple[int, int]]:
-    """Pairs ``(i, j)`` of distinct blocks that share an element (sweep on the best dim)."""
-    n = len(blocks)
-    if n < 2 or not blocks[0]:
-        return []
-    ndim = len(blocks[0])
-    hull = [[(b[d][0].start, b[d][-1].stop) for d in range(ndim)] for b in blocks]
-    d0 = max(range(ndim), key=lambda d: len({h[d][0] for h in hull}))
-    order = sorted(range(n), key=lambda i: hull[i][d0])
-    pairs: list[tuple[int, int]] = []
-    for x, i in enumerate(order):
-        stop_i = hull[i][d0][1]
-        for j in order[x + 1 :]:
-            if hull[j][d0][0] >= stop_i:
-                break
-            hulls_meet = all(
-                hull[i][d][0] < hull[j][d][1] and hull[j][d][0] < hull[i][d][1] for d in range(ndim)
-            )
-            bi, bj = blocks[i], blocks[j]
-            if hulls_meet and all(overlap_segments(bi[d], bj[d]) for d in range(ndim)):
-                pairs.append((min(i, j), max(i, j)))
-    return sorted(pairs)
-
-
 def _geometry(t: TensorSource) -> _Geometry:
+    outside = _outside(t)
+    if outside:
+        return _Geometry(tuple(outside), (), ())
+    numels = tuple(block_volume(b) for b in t.piece_blocks)
+    partials = t.piece_partials
+    by_group: dict[int, list[int]] = {}
+    for k in range(len(t.piece_blocks)):
+        by_group.setdefault(partials[k] if partials is not None else 0, []).append(k)
+    if not by_group:
+        by_group[0] = []
+    groups = tuple(_group(t, gid, by_group[gid], numels) for gid in sorted(by_group))
+    return _Geometry((), groups, numels)
+
+
+def _outside(t: TensorSource) -> list[tuple[int, int]]:
+    """``(piece, dim)`` of pieces with indices past the global shape (dim -1: wrong rank)."""
     outside = []
     for k, blk in enumerate(t.piece_blocks):
         if len(blk) != len(t.shape):
@@ -209,40 +164,33 @@ def _geometry(t: TensorSource) -> _Geometry:
         for d, (ilist, n) in enumerate(zip(blk, t.shape, strict=True)):
             if ilist and ilist[-1].stop > n:
                 outside.append((k, d))
-    numels = tuple(block_volume(b) for b in t.piece_blocks) if not outside else ()
-    if outside:
-        return _Geometry(tuple(outside), (), numels)
-    partials = t.piece_partials
-    by_group: dict[int, list[int]] = {}
-    for k in range(len(t.piece_blocks)):
-        by_group.setdefault(partials[k] if partials is not None else 0, []).append(k)
-    if not by_group:
-        by_group[0] = []
-    groups = []
+    return outside
+
+
+def _group(t: TensorSource, gid: int, pieces: Sequence[int], numels: Sequence[int]) -> _Group:
+    """Holes, replica pairs and overlapping pairs of one partial group's pieces."""
+    reps: dict[Block, int] = {}
+    replicas: list[tuple[int, int]] = []
+    for k in pieces:
+        blk = t.piece_blocks[k]
+        if numels[k] == 0:
+            continue
+        r = reps.get(blk)
+        if r is None:
+            reps[blk] = k
+        else:
+            replicas.append((r, k))
+    distinct = list(reps)
     numel = t.numel
-    for gid in sorted(by_group):
-        reps: dict[Block, int] = {}
-        replicas: list[tuple[int, int]] = []
-        for k in by_group[gid]:
-            blk = t.piece_blocks[k]
-            if numels[k] == 0:
-                continue
-            r = reps.get(blk)
-            if r is None:
-                reps[blk] = k
-            else:
-                replicas.append((r, k))
-        distinct = list(reps)
-        holes = coverage_holes(t.shape, distinct) if numel else []
-        covered = numel - sum(_volume(h) for h in holes)
-        overlaps: list[tuple[int, int, tuple[tuple[Segment, ...], ...]]] = []
-        if sum(block_volume(b) for b in distinct) > covered:
-            # some distinct blocks overlap: find which (a well-formed layout never gets here)
-            for i, j in _overlapping(distinct):
-                segs = tuple(overlap_segments(a, b) for a, b in zip(distinct[i], distinct[j], strict=True))
-                overlaps.append((reps[distinct[i]], reps[distinct[j]], segs))
-        groups.append(_Group(gid, tuple(holes), tuple(replicas), tuple(overlaps)))
-    return _Geometry((), tuple(groups), numels)
+    holes = coverage_holes(t.shape, distinct) if numel else []
+    covered = numel - sum(_volume(h) for h in holes)
+    overlaps: list[tuple[int, int, tuple[tuple[Segment, ...], ...]]] = []
+    if sum(block_volume(b) for b in distinct) > covered:
+        # some distinct blocks overlap: find which (a well-formed layout never gets here)
+        for i, j in overlapping_pairs(distinct):
+            segs = tuple(overlap_segments(a, b) for a, b in zip(distinct[i], distinct[j], strict=True))
+            overlaps.append((reps[distinct[i]], reps[distinct[j]], segs))
+    return _Group(gid, tuple(holes), tuple(replicas), tuple(overlaps))
 
 
 # --------------------------------------------------------------------------- data
@@ -290,6 +238,13 @@ class _Data:
             pos += n
         return None
 
+    def crc32(self, fi: int, offset: int, nbytes: int) -> int:
+        """CRC32 of ``nbytes`` of file ``fi`` at ``offset``, read in bounded chunks."""
+        crc = 0
+        for pos in range(offset, offset + nbytes, self.chunk):
+            crc = zlib.crc32(self.files.raw(fi, pos, min(self.chunk, offset + nbytes - pos)).data, crc)
+        return crc
+
     def overlap(
         self, t: TensorSource, i: int, j: int, segs: tuple[tuple[Segment, ...], ...]
     ) -> list[int] | None:
@@ -299,8 +254,8 @@ class _Data:
         import numpy as np
 
         isz = DTYPE_SIZES[t.dtype]
-        ai = self.files.array(t, i)
-        aj = self.files.array(t, j)
+        pi = self.files.piece(t, i)
+        pj = self.files.piece(t, j)
         items = max(1, self.chunk // isz)
         try:
             for combo in product(*segs):
@@ -310,10 +265,8 @@ class _Data:
                 for slab in slabs(sizes, 1, items):
                     ki = tuple(slice(s + a, s + b) for s, (a, b) in zip(s_st, slab, strict=True))
                     kj = tuple(slice(s + a, s + b) for s, (a, b) in zip(d_st, slab, strict=True))
-                    va = ai[ki] if ki else ai[...]
-                    vb = aj[kj] if kj else aj[...]
-                    self.files.touch(t, i, ki)
-                    self.files.touch(t, j, kj)
+                    va = read_box(self.files, pi, ki)
+                    vb = read_box(self.files, pj, kj)
                     neq = np.not_equal(va, vb)
                     if neq.any():
                         shape = tuple(b - a for a, b in slab)
@@ -323,7 +276,7 @@ class _Data:
                         return global_index(t.piece_blocks[j], in_j)
                     del va, vb, neq
         finally:
-            del ai, aj
+            del pi, pj
             self.files.release()
         return None
 
@@ -336,7 +289,7 @@ def _manifest_root(ckpt: Checkpoint) -> Path:
     return p if p.is_dir() else p.parent
 
 
-def _check_files(ckpt: Checkpoint, out: list[dict[str, Any]]) -> list[int | None]:
+def _check_files(ckpt: Checkpoint, out: list[Problem]) -> list[int | None]:
     sizes: list[int | None] = []
     for f in ckpt.files:
         try:
@@ -347,9 +300,9 @@ def _check_files(ckpt: Checkpoint, out: list[dict[str, Any]]) -> list[int | None
     return sizes
 
 
-def _check_manifest(ckpt: Checkpoint, out: list[dict[str, Any]], max_bytes: int) -> None:
+def _check_manifest(ckpt: Checkpoint, out: list[Problem], max_bytes: int) -> None:
+    """The files and tensors against ``reshard.json``."""
     man = ckpt.manifest
-    chunk = max(4096, min(8 << 20, max_bytes // 2))
     if man is None:
         return
     root = _manifest_root(ckpt)
@@ -359,113 +312,73 @@ def _check_manifest(ckpt: Checkpoint, out: list[dict[str, Any]], max_bytes: int)
         out.append(_problem("manifest", f'{where}: "files" is not an object', path=where))
         files = None
     if files is not None:
+        chunk = max(4096, min(8 << 20, max_bytes // 2))
         for name, info in files.items():
-            path = root / name
-            if not isinstance(info, dict) or "/" in name or "\\" in name or name.startswith("."):
-                msg = f"{where}: invalid entry for file {name!r}"
-                out.append(_problem("manifest", msg, path=where))
-                continue
-            if not path.is_file():
-                out.append(
-                    _problem(
-                        "missing-file",
-                        f"{path}: listed in reshard.json but missing. Copy it back from the source "
-                        "or convert again.",
-                        path=str(path),
-                    )
-                )
-                continue
-            size = path.stat().st_size
-            want = info.get("size")
-            if isinstance(want, int) and want != size:
-                out.append(
-                    _problem(
-                        "size",
-                        f"{path}: {size} bytes, but reshard.json says {want}; the file is truncated "
-                        "or was replaced",
-                        path=str(path),
-                        expected=want,
-                        actual=size,
-                    )
-                )
-                continue
-            cs = info.get("checksum")
-            if cs is None:
-                continue
-            if not isinstance(cs, str) or not cs.startswith(_CHECKSUM_ALGO):
-                out.append(
-                    _problem(
-                        "manifest",
-                        f"{where}: checksum {cs!r} of {name} is not {_CHECKSUM_ALGO}<hex>",
-                        path=where,
-                    )
-                )
-                continue
-            actual = file_checksum(path, chunk=chunk)
-            if actual != cs:
-                out.append(
-                    _problem(
-                        "checksum",
-                        f"{path}: checksum {actual} does not match {cs} in reshard.json; "
-                        "the file's bytes changed since it was written",
-                        path=str(path),
-                        expected=cs,
-                        actual=actual,
-                    )
-                )
+            _check_listed_file(root, where, name, info, chunk, out)
         for f in ckpt.files:
             p = Path(f)
             if p.parent == root and p.name not in files:
-                out.append(
-                    _problem(
-                        "unlisted-file",
-                        f"{p}: part of the checkpoint but not listed in reshard.json",
-                        path=str(p),
-                    )
-                )
+                msg = f"{p}: part of the checkpoint but not listed in reshard.json"
+                out.append(_problem("unlisted-file", msg, path=str(p)))
     tensors = man.get("tensors")
-    if not isinstance(tensors, dict):
+    if isinstance(tensors, dict):
+        _check_listed_tensors(ckpt, where, tensors, out)
+
+
+def _check_listed_file(
+    root: Path, where: str, name: str, info: object, chunk: int, out: list[Problem]
+) -> None:
+    """One file of ``reshard.json``: present, of its size, with its checksum."""
+    path = root / name
+    if not isinstance(info, dict) or "/" in name or "\\" in name or name.startswith("."):
+        out.append(_problem("manifest", f"{where}: invalid entry for file {name!r}", path=where))
         return
+    if not path.is_file():
+        msg = f"{path}: listed in reshard.json but missing. Copy it back from the source or convert again."
+        out.append(_problem("missing-file", msg, path=str(path)))
+        return
+    size = path.stat().st_size
+    want = info.get("size")
+    if isinstance(want, int) and want != size:
+        msg = f"{path}: {size} bytes, but reshard.json says {want}; the file is truncated or was replaced"
+        out.append(_problem("size", msg, path=str(path), expected=want, actual=size))
+        return
+    cs = info.get("checksum")
+    if cs is None:
+        return
+    if not isinstance(cs, str) or not cs.startswith(CHECKSUM_PREFIX):
+        msg = f"{where}: checksum {cs!r} of {name} is not {CHECKSUM_PREFIX}<hex>"
+        out.append(_problem("manifest", msg, path=where))
+        return
+    actual = file_checksum(path, chunk=chunk)
+    if actual != cs:
+        msg = (
+            f"{path}: checksum {actual} does not match {cs} in reshard.json; "
+            "the file's bytes changed since it was written"
+        )
+        out.append(_problem("checksum", msg, path=str(path), expected=cs, actual=actual))
+
+
+def _check_listed_tensors(
+    ckpt: Checkpoint, where: str, tensors: dict[str, object], out: list[Problem]
+) -> None:
+    """The tensors of ``reshard.json`` against the files': same names, dtypes and shapes."""
     for name in sorted(set(tensors) - set(ckpt.tensors), key=natural_key):
-        out.append(
-            _problem(
-                "manifest",
-                f'{where}: tensor "{name}" is listed but no file holds it',
-                path=where,
-                tensor=name,
-            )
-        )
+        msg = f'{where}: tensor "{name}" is listed but no file holds it'
+        out.append(_problem("manifest", msg, path=where, tensor=name))
     for name in sorted(set(ckpt.tensors) - set(tensors), key=natural_key):
-        out.append(
-            _problem(
-                "manifest",
-                f'{where}: tensor "{name}" is in the files but not listed',
-                path=where,
-                tensor=name,
-            )
-        )
+        msg = f'{where}: tensor "{name}" is in the files but not listed'
+        out.append(_problem("manifest", msg, path=where, tensor=name))
     for name, info in tensors.items():
         t = ckpt.tensors.get(name)
         if t is None or not isinstance(info, dict):
             continue
         if "dtype" in info and info["dtype"] != t.dtype:
-            out.append(
-                _problem(
-                    "manifest",
-                    f'{where}: tensor "{name}" is {info["dtype"]}, but the files hold {t.dtype}',
-                    path=where,
-                    tensor=name,
-                )
-            )
+            msg = f'{where}: tensor "{name}" is {info["dtype"]}, but the files hold {t.dtype}'
+            out.append(_problem("manifest", msg, path=where, tensor=name))
         if "shape" in info and info["shape"] != list(t.shape):
-            out.append(
-                _problem(
-                    "manifest",
-                    f'{where}: tensor "{name}" has shape {info["shape"]}, but the files give {list(t.shape)}',
-                    path=where,
-                    tensor=name,
-                )
-            )
+            msg = f'{where}: tensor "{name}" has shape {info["shape"]}, but the files give {list(t.shape)}'
+            out.append(_problem("manifest", msg, path=where, tensor=name))
 
 
 def _check_bounds(
@@ -473,7 +386,7 @@ def _check_bounds(
     t: TensorSource,
     g: _Geometry,
     sizes: Sequence[int | None],
-    out: list[dict[str, Any]],
+    out: list[Problem],
 ) -> bool:
     """Report pieces whose bytes are not all in their file; True when every piece is readable."""
     isz = DTYPE_SIZES.get(t.dtype)
@@ -508,120 +421,97 @@ def _check_tensor(
     g: _Geometry,
     sizes: Sequence[int | None],
     data: _Data,
-    out: list[dict[str, Any]],
+    out: list[Problem],
 ) -> None:
-    q = f'tensor "{t.name}"'
     if g.outside:
         for k, d in g.outside:
             f = ckpt.files[t.piece_files[k]]
             what = f"dim {d}" if d >= 0 else f"{len(t.piece_blocks[k])} dims"
-            out.append(
-                _problem(
-                    "outside",
-                    f"{f}: {q} holds indices outside the global shape {list(t.shape)} ({what})",
-                    path=f,
-                    tensor=t.name,
-                )
-            )
+            msg = f'{f}: tensor "{t.name}" holds indices outside the global shape {list(t.shape)} ({what})'
+            out.append(_problem("outside", msg, path=f, tensor=t.name))
         return
     readable = _check_bounds(ckpt, t, g, sizes, out)
-    several = len(g.groups) > 1
     for grp in g.groups:
-        gtxt = f" in partial group {grp.gid}" if several else ""
-        for box in grp.holes[:MAX_REGIONS]:
-            out.append(
-                _problem(
-                    "hole",
-                    f"{q} (shape {list(t.shape)}): region {_box_str(box)}{gtxt} is in no piece "
-                    f"({_volume(box)} elements). A rank file or shard is missing, "
-                    "or the layout is wrong.",
-                    tensor=t.name,
-                    region=box,
-                )
-            )
-        rest = grp.holes[MAX_REGIONS:]
-        if rest:
-            out.append(
-                _problem(
-                    "hole",
-                    f"{q}: {len(rest)} more hole region(s){gtxt} ({sum(_volume(b) for b in rest)} elements)",
-                    tensor=t.name,
-                )
-            )
+        _report_holes(t, grp, len(g.groups) > 1, out)
     if not readable:
         return
-    isz = DTYPE_SIZES[t.dtype]
-    if t.piece_crcs is not None:
-        _check_crcs(ckpt, t, g, out)
     for grp in g.groups:
-        for r, k in grp.replicas:
-            idx = data.replica(t, r, k, g.numels[r] * isz)
-            if idx is not None:
-                fr, fk = ckpt.files[t.piece_files[r]], ckpt.files[t.piece_files[k]]
-                blk = t.piece_blocks[r]
-                box = tuple(_interval_at(il, x) for il, x in zip(blk, idx, strict=True))
-                out.append(
-                    _problem(
-                        "replica",
-                        f"{q}: replicas of region {_box_str(box)} differ: {Path(fk).name} and "
-                        f"{Path(fr).name} hold different bytes, first at index {idx}",
-                        path=fk,
-                        tensor=t.name,
-                        region=box,
-                        index=idx,
-                        other=fr,
-                    )
-                )
-        for i, j, segs in grp.overlaps:
-            idx = data.overlap(t, i, j, segs)
-            if idx is not None:
-                fi, fj = ckpt.files[t.piece_files[i]], ckpt.files[t.piece_files[j]]
-                box = tuple(
-                    _interval_at(_overlap_list(t.piece_blocks[j][d], s), x)
-                    for d, (s, x) in enumerate(zip(segs, idx, strict=True))
-                )
-                out.append(
-                    _problem(
-                        "overlap",
-                        f"{q}: overlapping pieces disagree on region {_box_str(box)}: {Path(fj).name} "
-                        f"and {Path(fi).name} hold different bytes, first at index {idx}",
-                        path=fj,
-                        tensor=t.name,
-                        region=box,
-                        index=idx,
-                        other=fi,
-                    )
-                )
+        _report_replicas(ckpt, t, g, grp, data, out)
+        _report_overlaps(ckpt, t, grp, data, out)
+    if t.piece_crc32 is not None:
+        _report_crc32(ckpt, t, g, data, out)
 
 
-def _check_crcs(ckpt: Checkpoint, t: TensorSource, g: _Geometry, out: list[dict[str, Any]]) -> None:
-    """Report pieces whose bytes fail the CRC32 the format recorded for them."""
-    from .io.torchzip import crc32_range
+def _report_holes(t: TensorSource, grp: _Group, several: bool, out: list[Problem]) -> None:
+    q = f'tensor "{t.name}"'
+    gtxt = f" in partial group {grp.gid}" if several else ""
+    for box in grp.holes[:MAX_REGIONS]:
+        msg = (
+            f"{q} (shape {list(t.shape)}): region {format_box(box)}{gtxt} is in no piece "
+            f"({_volume(box)} elements). A rank file or shard is missing, or the layout is wrong."
+        )
+        out.append(_problem("hole", msg, tensor=t.name, region=box))
+    rest = grp.holes[MAX_REGIONS:]
+    if rest:
+        msg = f"{q}: {len(rest)} more hole region(s){gtxt} ({sum(_volume(b) for b in rest)} elements)"
+        out.append(_problem("hole", msg, tensor=t.name))
 
-    assert t.piece_crcs is not None
+
+def _report_replicas(
+    ckpt: Checkpoint, t: TensorSource, g: _Geometry, grp: _Group, data: _Data, out: list[Problem]
+) -> None:
     isz = DTYPE_SIZES[t.dtype]
-    for k, want in enumerate(t.piece_crcs):
+    for r, k in grp.replicas:
+        idx = data.replica(t, r, k, g.numels[r] * isz)
+        if idx is None:
+            continue
+        fr, fk = ckpt.files[t.piece_files[r]], ckpt.files[t.piece_files[k]]
+        box = tuple(_interval_at(il, x) for il, x in zip(t.piece_blocks[r], idx, strict=True))
+        msg = (
+            f'tensor "{t.name}": replicas of region {format_box(box)} differ: {Path(fk).name} and '
+            f"{Path(fr).name} hold different bytes, first at index {idx}"
+        )
+        out.append(_problem("replica", msg, path=fk, tensor=t.name, region=box, index=idx, other=fr))
+
+
+def _report_overlaps(ckpt: Checkpoint, t: TensorSource, grp: _Group, data: _Data, out: list[Problem]) -> None:
+    for i, j, segs in grp.overlaps:
+        idx = data.overlap(t, i, j, segs)
+        if idx is None:
+            continue
+        fi, fj = ckpt.files[t.piece_files[i]], ckpt.files[t.piece_files[j]]
+        box = tuple(
+            _interval_at(_overlap_list(t.piece_blocks[j][d], s), x)
+            for d, (s, x) in enumerate(zip(segs, idx, strict=True))
+        )
+        msg = (
+            f'tensor "{t.name}": overlapping pieces disagree on region {format_box(box)}: {Path(fj).name} '
+            f"and {Path(fi).name} hold different bytes, first at index {idx}"
+        )
+        out.append(_problem("overlap", msg, path=fj, tensor=t.name, region=box, index=idx, other=fi))
+
+
+def _report_crc32(ckpt: Checkpoint, t: TensorSource, g: _Geometry, data: _Data, out: list[Problem]) -> None:
+    """Pieces whose stored bytes do not have the CRC32 the format recorded for them."""
+    assert t.piece_crc32 is not None
+    isz = DTYPE_SIZES[t.dtype]
+    for k, want in enumerate(t.piece_crc32):
         if want is None:
             continue
-        f = ckpt.files[t.piece_files[k]]
-        off, n = t.piece_offsets[k], g.numels[k] * isz
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            got = crc32_range(fd, off, n, f)
-        finally:
-            os.close(fd)
+        got = data.crc32(t.piece_files[k], t.piece_offsets[k], g.numels[k] * isz)
         if got != want:
-            out.append(
-                _problem(
-                    "crc",
-                    f'{f}: tensor "{t.name}" bytes [{off}, {off + n}) have CRC32 {got:08x}, but the '
-                    f"archive records {want:08x}; the file is damaged",
-                    path=f,
-                    tensor=t.name,
-                    expected=f"{want:08x}",
-                    actual=f"{got:08x}",
-                )
+            f = ckpt.files[t.piece_files[k]]
+            msg = (
+                f'{f}: tensor "{t.name}" piece {format_box(_hull(t.piece_blocks[k]))}: CRC32 {got:08x} '
+                f"does not match the recorded {want:08x}; the file's bytes changed since it was written"
             )
+            out.append(
+                _problem("crc32", msg, path=f, tensor=t.name, expected=f"{want:08x}", actual=f"{got:08x}")
+            )
+
+
+def _hull(block: Block) -> Box:
+    return tuple(Interval(il[0].start, il[-1].stop) if il else Interval(0, 0) for il in block)
 
 
 def _overlap_list(ilist: IndexList, segs: tuple[Segment, ...]) -> IndexList:
@@ -632,7 +522,7 @@ def _overlap_list(ilist: IndexList, segs: tuple[Segment, ...]) -> IndexList:
     return normalize(sorted(out))
 
 
-def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[dict[str, Any]]:
+def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Problem]:
     """Prove a checkpoint whole; returns its problems (empty when it is whole).
 
     Args:
@@ -645,13 +535,13 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
         or None); value problems (``replica``, ``overlap``) also carry ``index`` (the
         first differing global index) and ``other`` (the file compared with).
     """
-    out: list[dict[str, Any]] = []
+    out: list[Problem] = []
     for w in ckpt.warnings:
-        if w.startswith(PROBLEM_PREFIX):
-            out.append(_problem("warning", w[len(PROBLEM_PREFIX) :]))
+        if w.problem:
+            out.append(_problem("warning", w.message, path=w.path, tensor=w.tensor))
     sizes = _check_files(ckpt, out)
     _check_manifest(ckpt, out, max_bytes)
-    cache: dict[tuple[Any, ...], _Geometry] = {}
+    cache: dict[tuple[Hashable, ...], _Geometry] = {}
     data = _Data(ckpt, max_bytes)
     try:
         for name in sorted(ckpt.tensors, key=natural_key):

@@ -1,15 +1,28 @@
-"""What a checkpoint holds, whatever its format: tensors as pieces in files (pure)."""
+"""What a checkpoint holds, whatever its format: tensors as pieces in files (pure).
+
+Every reader (:mod:`reshard.formats`) produces a :class:`Checkpoint`; everything
+downstream (plan, convert, verify, ``inspect --check``, ``load_dtensors``) works
+on it alone.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .intervals import Block, block_shape, block_volume
 from .mesh import Mesh
 from .placements import Placement
 
-__all__ = ["TensorSource", "StoredObject", "Checkpoint"]
+if TYPE_CHECKING:
+    from .config import LayoutConfig
+
+__all__ = ["Signature", "TensorSource", "NonTensor", "CheckpointWarning", "Checkpoint"]
+
+Signature = tuple[Hashable, ...]
+"""Identifies a tensor's piece geometry: equal signatures, equal piece blocks (any hashable
+values a reader chooses, e.g. ``("layout", shape, mesh_shape, placements)``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +36,8 @@ class TensorSource:
 
     ``signature`` identifies the piece geometry (same signature, same blocks)
     so the planner can reuse work across tensors of the same shape and layout.
+    ``piece_crc32`` holds, when the format records them, the CRC32 of each piece's
+    stored bytes (None for a piece without one); ``inspect --check`` verifies them.
     """
 
     name: str
@@ -31,11 +46,11 @@ class TensorSource:
     piece_files: tuple[int, ...]
     piece_offsets: tuple[int, ...]
     piece_blocks: tuple[Block, ...]
-    signature: tuple[Any, ...]
+    signature: Signature
     piece_partials: tuple[int, ...] | None = None
     reduce_op: str | None = None
     placements: tuple[Placement, ...] | None = None
-    piece_crcs: tuple[int | None, ...] | None = None  # each piece's CRC32, when its format stores one
+    piece_crc32: tuple[int | None, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -52,21 +67,60 @@ class TensorSource:
 
 
 @dataclass(frozen=True, slots=True)
-class StoredObject:
-    """A non-tensor item (DCP ``BYTE_IO``): ``length`` opaque bytes at ``offset`` of file ``file``.
+class NonTensor:
+    """An item of the checkpoint that is not a tensor (bytes, a pickled object): listed, never converted.
 
-    It cannot go into safetensors; converting lists it instead of copying it.
+    Attributes:
+        name: its key in the checkpoint.
+        size: its stored size in bytes.
+        file: index of the file holding it in :attr:`Checkpoint.files`, or None
+            (kept in the checkpoint's metadata).
+        kind: what it is, for people (``"bytes"``, ``"object"``).
     """
 
     name: str
-    file: int
-    offset: int
-    length: int
+    size: int
+    file: int | None = None
+    kind: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointWarning:
+    """Something a reader noticed that does not stop it.
+
+    Attributes:
+        message: the text for people (names the file and tensor).
+        problem: a data problem (``inspect --check`` reports it and exits 1), not just
+            information such as an ignored stray file.
+        path: the file it is about, when there is one.
+        tensor: the tensor it is about, when there is one.
+    """
+
+    message: str
+    problem: bool = False
+    path: str | None = None
+    tensor: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass(slots=True)
 class Checkpoint:
-    """A readable checkpoint: its files and its logical tensors (in name order)."""
+    """A readable checkpoint: its files and its logical tensors (in name order).
+
+    Attributes:
+        path: the directory (or file) opened.
+        format: the reader's name.
+        files: every file the pieces refer to, by index.
+        file_sizes: their sizes, in bytes.
+        tensors: name -> :class:`TensorSource`.
+        mesh: the mesh it was saved on, when it says.
+        layout: its placement rules, when known (self-described, or the source layout).
+        manifest: its ``reshard.json``, when present.
+        warnings: what the reader noticed.
+        non_tensors: items that are not tensors (listed by ``inspect``, not converted).
+    """
 
     path: str
     format: str
@@ -74,10 +128,10 @@ class Checkpoint:
     file_sizes: tuple[int, ...]
     tensors: dict[str, TensorSource]
     mesh: Mesh | None = None
-    layout: Any = None  # config.LayoutConfig when known
-    manifest: dict[str, Any] | None = None
-    warnings: list[str] = field(default_factory=list)
-    objects: dict[str, StoredObject] = field(default_factory=dict)  # non-tensor items, by name
+    layout: LayoutConfig | None = None
+    manifest: dict[str, object] | None = None
+    warnings: list[CheckpointWarning] = field(default_factory=list)
+    non_tensors: tuple[NonTensor, ...] = ()
 
     @property
     def total_bytes(self) -> int:

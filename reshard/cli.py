@@ -13,18 +13,21 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from .errors import ReshardError
+from .formats import readers, writers
+from .formats.base import Reader, Writer
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from .budget import Budget
+    from .check import Problem
     from .convert import SourceSpec, TargetSpec
 
 __all__ = ["app", "main"]
@@ -40,6 +43,24 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        sys.stdout.write(f"reshard {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Convert model checkpoints between parallel layouts, streaming, in bounded memory."""
+
+
 @functools.cache
 def console() -> Console:
     """rich's stderr console, made on first use: `convert --quiet` never imports rich (~20 ms)."""
@@ -48,16 +69,8 @@ def console() -> Console:
     return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 
-class OutFormat(str, Enum):
-    per_rank = "per-rank"
-    hf = "hf"
-
-
-class InFormat(str, Enum):
-    per_rank = "per-rank"
-    hf = "hf"
-    dcp = "dcp-safetensors"
-    dcp_torch = "dcp"
+def _format_help(what: str, formats: Sequence[Reader | Writer]) -> str:
+    return what + " " + "; ".join(f"{f.name}: {f.help}" for f in formats) + "."
 
 
 SourceLayoutOpt = Annotated[
@@ -84,8 +97,24 @@ TargetMeshOpt = Annotated[
 ConsolidateOpt = Annotated[
     bool, typer.Option("--consolidate", help="Write one consolidated HF checkpoint (same as --to hf).")
 ]
-ToOpt = Annotated[OutFormat | None, typer.Option("--to", help="Output format.")]
-FromOpt = Annotated[InFormat | None, typer.Option("--from", help="Force the input format.")]
+ToOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--to",
+        metavar="[" + "|".join(w.name for w in writers()) + "]",
+        help=_format_help("Output format (default: per-rank for a multi-rank target, else hf):", writers()),
+        show_default=False,
+    ),
+]
+FromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--from",
+        metavar="[" + "|".join(r.name for r in readers()) + "]",
+        help=_format_help("Force the input format (default: detected):", readers()),
+        show_default=False,
+    ),
+]
 DtypeOpt = Annotated[
     str | None, typer.Option("--dtype", help="Cast floating tensors to bf16, fp16 or fp32.", metavar="DTYPE")
 ]
@@ -103,14 +132,13 @@ WorkersOpt = Annotated[
 ]
 
 
-def _workers_and_buffer(workers: int | None, max_memory: str) -> tuple[int, int]:
-    """Worker threads (one per core by default) and each one's buffer under ``--max-memory``."""
+def _budget(workers: int | None, max_memory: str) -> Budget:
+    """Worker threads (one per core by default) and each one's buffers under ``--max-memory``."""
+    from .budget import budget_for, default_workers
     from .convert import parse_size
-    from .execute import buffer_for, default_workers
 
-    budget = parse_size(max_memory, option="--max-memory")
-    n = workers if workers is not None else default_workers()
-    return n, buffer_for(budget, n)
+    total = parse_size(max_memory, option="--max-memory")
+    return budget_for(total, workers if workers is not None else default_workers())
 
 
 IncludeOpt = Annotated[
@@ -133,7 +161,7 @@ ExcludeOpt = Annotated[
 
 def _source(
     path: str,
-    from_: InFormat | None,
+    from_: str | None,
     layout: str | None,
     mesh: str | None,
     include: list[str] | None = None,
@@ -141,26 +169,34 @@ def _source(
 ) -> SourceSpec:
     from .convert import SourceSpec
 
-    return SourceSpec(
-        path, from_.value if from_ else None, layout, mesh, tuple(include or ()), tuple(exclude or ())
-    )
+    return SourceSpec(path, from_, layout, mesh, tuple(include or ()), tuple(exclude or ()))
 
 
 def _target(
     layout: str | None,
     mesh: str | None,
-    to: OutFormat | None,
+    to: str | None,
     consolidate: bool,
     dtype: str | None,
     max_shard_size: str,
 ) -> TargetSpec:
     from .convert import TargetSpec
 
-    return TargetSpec(layout, mesh, to.value if to else None, consolidate, dtype, max_shard_size)
+    return TargetSpec(layout, mesh, to, consolidate, dtype, max_shard_size)
 
 
 MaxMemoryOpt = Annotated[
-    str, typer.Option("--max-memory", help="Bound on in-flight buffers (per worker share).", metavar="SIZE")
+    str,
+    typer.Option(
+        "--max-memory",
+        help="Bound on reshard's buffers and mapped source pages, shared by the workers. Each worker's "
+        "share S = SIZE/workers holds a write buffer B = S/32 (4 KiB to 256 KiB), a row cache of 8 B, "
+        "and at most S - 9 B (up to 8 MiB) of mapped source pages before they are released; held "
+        "exactly once S >= 36 KiB. Not counted: the interpreter (~36 MiB), torch for casts and "
+        "Partial reductions (~224 MiB), one more B per Partial group or cast, output headers "
+        "(`reshard plan` estimates the total).",
+        metavar="SIZE",
+    ),
 ]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint in a non-empty DST.")]
 ResumeOpt = Annotated[
@@ -273,7 +309,7 @@ def convert(
     from .convert import convert as run
 
     with _errors(json_):
-        n, buf = _workers_and_buffer(workers, max_memory)
+        budget = _budget(workers, max_memory)
         with _progress(_show_progress(json_, quiet), "converting") as prog:
 
             def on_plan(plan: Any) -> None:
@@ -284,27 +320,32 @@ def convert(
                 _source(src, from_, source_layout, source_mesh, include, exclude),
                 dst,
                 _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size),
-                workers=n,
-                buffer_size=buf,
+                workers=budget.workers,
+                buffer_size=budget.buffer,
+                window=budget.window,
                 overwrite=overwrite,
                 resume=resume,
                 progress=prog,
                 on_plan=on_plan,
             )
-        from .dist import coordinator
+        _report_convert(result, json_, quiet)
 
-        if not coordinator().is_main:
-            return  # under torchrun, rank 0 reports for everyone
-        for w in result["warnings"]:
-            console().print(f"warning: {w}")
-        if json_:
-            _emit({"ok": True, "command": "convert", **result})
-        elif not quiet:
-            d = result["destination"]
-            console().print(
-                f"wrote {len(result['files'])} {d['format']} file(s), "
-                f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
-            )
+
+def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
+    from .dist import coordinator
+
+    if not coordinator().is_main:
+        return  # under torchrun, rank 0 reports for everyone
+    for w in result["warnings"]:
+        console().print(f"warning: {w}")
+    if json_:
+        _emit({"ok": True, "command": "convert", **result})
+    elif not quiet:
+        d = result["destination"]
+        console().print(
+            f"wrote {len(result['files'])} {d['format']} file(s), "
+            f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
+        )
 
 
 @app.command()
@@ -341,7 +382,7 @@ def inspect(
     with _errors(json_):
         ck = open_source(_source(ckpt, from_, layout, mesh, include, exclude))
         doc = inspect_report(ck)
-        problems: list[dict[str, Any]] = []
+        problems: list[Problem] = []
         if check:
             from .check import check_checkpoint
 
@@ -394,13 +435,13 @@ def plan(
     from .report import plan_report, render_plan
 
     with _errors(json_):
-        n, buf = _workers_and_buffer(workers, max_memory)
+        budget = _budget(workers, max_memory)
         ck = open_source(_source(src, from_, source_layout, source_mesh, include, exclude))
         p = build_plan(
             ck,
             resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
         )
-        doc = plan_report(p, workers=n, buffer_size=buf)
+        doc = plan_report(p, budget)
         if json_:
             _emit({"ok": True, "command": "plan", **doc})
         elif not quiet:

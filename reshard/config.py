@@ -38,7 +38,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TypeAlias, TypedDict
 
 import yaml
 
@@ -49,6 +49,7 @@ from .placements import Placement, Replicate, StridedShard, parse_placement
 __all__ = [
     "Rule",
     "RuleSpec",
+    "LayoutJson",
     "LayoutConfig",
     "load_layout",
     "parse_layout_text",
@@ -58,6 +59,14 @@ __all__ = [
 ]
 
 REGEX_PREFIX = "re:"
+
+
+class LayoutJson(TypedDict):
+    """A layout as JSON (``reshard.json``'s ``mesh`` and ``rules``)."""
+
+    mesh: dict[str, list[object]]
+    rules: list[list[object]]
+
 
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
@@ -110,30 +119,7 @@ class Rule:
         for entry in spec:
             if not isinstance(entry[1], Placement):
                 raise ConfigError(f"rule spec entries must be (dim name or None, placement), got {entry!r}")
-        names = [name for name, _ in spec]
-        if self.kind == "named":
-            if not spec:
-                raise ConfigError(
-                    "the {dim: placement} mapping is empty; "
-                    "name at least one mesh dim, e.g. {tp: S(0)}, "
-                    "or write R to replicate"
-                )
-            for name in names:
-                if not isinstance(name, str) or not _NAME.match(name):
-                    raise ConfigError(
-                        f"mesh dim name {name!r} is not an identifier; use a dim name from mesh:, "
-                        "or a list [R, S(0)] to give placements by position"
-                    )
-            dups = sorted({n for n in names if names.count(n) > 1 and n is not None})
-            if dups:
-                raise ConfigError(f"mesh dim {dups[0]!r} is given twice; give each dim one placement")
-        else:
-            if any(name is not None for name in names):
-                raise ConfigError(f"a {self.kind} rule has no dim names, got {names!r}")
-            if self.kind == "all" and len(spec) != 1:
-                raise ConfigError(f"an 'all' rule holds exactly one placement, got {len(spec)}")
-            if self.kind == "positional" and not spec:
-                raise ConfigError("the placement list is empty; give one placement per mesh dim")
+        _check_spec_names(self.kind, spec)
         object.__setattr__(self, "_regex", _compile(self.pattern))
 
     @classmethod
@@ -253,6 +239,11 @@ class LayoutConfig:
     mesh: Mesh
     rules: tuple[Rule, ...]
     source: str = "<layout>"
+    # Matching index, derived from rules: a self-describing checkpoint brings one
+    # exact-name rule per tensor, and trying every rule on every name is quadratic.
+    # Literal patterns map name -> first rule index; the rest are tried in order.
+    _exact: dict[str, int] = field(init=False, repr=False, compare=False)
+    _patterns: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -272,6 +263,16 @@ class LayoutConfig:
                 )
             seen[rule.pattern] = rule
             self._placements(rule, self.mesh, None)
+        exact: dict[str, int] = {}
+        patterns: list[int] = []
+        for i, rule in enumerate(self.rules):
+            literal = _literal(rule.pattern)
+            if literal is None:
+                patterns.append(i)
+            else:
+                exact.setdefault(literal, i)
+        object.__setattr__(self, "_exact", exact)
+        object.__setattr__(self, "_patterns", tuple(patterns))
 
     def _where(self, rule: Rule) -> str:
         line = f":{rule.line}" if rule.line else ""
@@ -284,10 +285,14 @@ class LayoutConfig:
             raise ConfigError(f"{self._where(rule)}{e.message}", path=self.source, tensor=tensor) from None
 
     def _first(self, name: str) -> int | None:
-        for i, rule in enumerate(self.rules):
-            if rule.matches(name):
+        """Index of the first rule matching ``name``: the exact hit unless an earlier pattern matches."""
+        hit = self._exact.get(name)
+        for i in self._patterns:
+            if hit is not None and i > hit:
+                break
+            if self.rules[i].matches(name):
                 return i
-        return None
+        return hit
 
     def match(self, name: str) -> Rule:
         """The first rule whose pattern matches ``name``.
@@ -295,9 +300,9 @@ class LayoutConfig:
         Raises:
             LayoutError: no rule matches.
         """
-        for rule in self.rules:
-            if rule.matches(name):
-                return rule
+        i = self._first(name)
+        if i is not None:
+            return self.rules[i]
         raise LayoutError(
             f'tensor "{name}" matches no rule in {self.source}; add a rule for it, '
             f'or "*": R to replicate everything else',
@@ -336,7 +341,7 @@ class LayoutConfig:
                     break
         return [r for i, r in enumerate(self.rules) if i not in used]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LayoutJson:
         """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``."""
         return {
             "mesh": self.mesh.to_json(),
@@ -359,23 +364,8 @@ class LayoutConfig:
                 f"{pre}layout must be an object with mesh and rules, got {type(data).__name__}",
                 path=source,
             )
-        mesh_data = data.get("mesh")
         try:
-            if isinstance(mesh_data, Mapping) and set(mesh_data) == {"names", "shape"}:
-                names, shape = mesh_data["names"], mesh_data["shape"]
-                if (
-                    not isinstance(names, list)
-                    or not isinstance(shape, list)
-                    or not all(isinstance(n, str) for n in names)
-                ):
-                    raise ConfigError(
-                        f"mesh names must be a list of strings and shape a list, got {mesh_data!r}"
-                    )
-                mesh = Mesh(tuple(names), tuple(shape))
-            elif isinstance(mesh_data, Mapping) and mesh_data and all(isinstance(n, str) for n in mesh_data):
-                mesh = Mesh(tuple(mesh_data), tuple(mesh_data.values()))
-            else:
-                raise ConfigError(f'mesh must be {{"names": [...], "shape": [...]}}, got {mesh_data!r}')
+            mesh = _mesh_from_json(data.get("mesh"))
         except ConfigError as e:
             raise ConfigError(f"{pre}{e.message}", path=source) from None
         rules_data = data.get("rules")
@@ -388,17 +378,7 @@ class LayoutConfig:
                 f"{pre}rules must be a list of [pattern, placements] pairs, got {rules_data!r}",
                 path=source,
             )
-        rules: list[Rule] = []
-        for pair in pairs:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[0], str):
-                raise ConfigError(
-                    f"{pre}each rule must be a [pattern, placements] pair, got {pair!r}",
-                    path=source,
-                )
-            try:
-                rules.append(Rule.from_json(pair[0], pair[1]))
-            except ConfigError as e:
-                raise ConfigError(f"{pre}rule {pair[0]!r}: {e.message}", path=source) from None
+        rules = [_rule_from_json(pair, pre, source) for pair in pairs]
         return cls(mesh, tuple(rules), source)
 
 
@@ -419,6 +399,23 @@ def _compile(pattern: str) -> re.Pattern[str]:
             ) from None
     # fnmatch.translate gives fnmatchcase semantics: `*` crosses dots, [..] classes.
     return re.compile(fnmatch.translate(pattern))
+
+
+def _literal(pattern: str) -> str | None:
+    r"""The one name ``pattern`` matches, if it is a literal; else None.
+
+    A glob without ``*?[`` is literal (:func:`fnmatch.translate` escapes the
+    rest). A ``re:`` pattern is literal when it is exactly ``re.escape`` of its
+    unescaped text, as the exact-name rules of self-describing checkpoints are.
+
+    >>> _literal("model.norm.weight"), _literal("*.weight"), _literal("re:a\\.b"), _literal("re:a.b")
+    ('model.norm.weight', None, 'a.b', None)
+    """
+    if not pattern.startswith(REGEX_PREFIX):
+        return None if any(c in pattern for c in "*?[") else pattern
+    body = pattern[len(REGEX_PREFIX) :]
+    text = re.sub(r"\\(.)", r"\1", body, flags=re.DOTALL)
+    return text if re.escape(text) == body else None
 
 
 def _parse_value(value: object) -> Placement:
@@ -666,8 +663,9 @@ def load_layout(path: str | os.PathLike[str]) -> LayoutConfig:
 
 
 def _preset_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return [d for d in (here.parent / "configs", here / "configs") if d.is_dir()]
+    """Where presets live: ``reshard/configs`` (package data; the checkout's ``configs/`` links there)."""
+    here = Path(__file__).resolve().parent / "configs"
+    return [here] if here.is_dir() else []
 
 
 def list_presets() -> list[str]:
@@ -713,3 +711,60 @@ def resolve_preset(name_or_path: str) -> Path:
         f"or one of the presets: {presets}",
         path=name_or_path,
     )
+
+
+# -- JSON forms of rules and meshes ----------------------------------------------
+
+
+def _check_spec_names(kind: str, spec: RuleSpec) -> None:
+    """A rule's dim names fit its kind: identifiers given once (named), none otherwise."""
+    names = [name for name, _ in spec]
+    if kind == "named":
+        if not spec:
+            raise ConfigError(
+                "the {dim: placement} mapping is empty; "
+                "name at least one mesh dim, e.g. {tp: S(0)}, "
+                "or write R to replicate"
+            )
+        for name in names:
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise ConfigError(
+                    f"mesh dim name {name!r} is not an identifier; use a dim name from mesh:, "
+                    "or a list [R, S(0)] to give placements by position"
+                )
+        dups = sorted({n for n in names if names.count(n) > 1 and n is not None})
+        if dups:
+            raise ConfigError(f"mesh dim {dups[0]!r} is given twice; give each dim one placement")
+        return
+    if any(name is not None for name in names):
+        raise ConfigError(f"a {kind} rule has no dim names, got {names!r}")
+    if kind == "all" and len(spec) != 1:
+        raise ConfigError(f"an 'all' rule holds exactly one placement, got {len(spec)}")
+    if kind == "positional" and not spec:
+        raise ConfigError("the placement list is empty; give one placement per mesh dim")
+
+
+def _mesh_from_json(mesh_data: object) -> Mesh:
+    """``{"names": [...], "shape": [...]}`` or an ordered ``{name: size}`` mapping."""
+    if isinstance(mesh_data, Mapping) and set(mesh_data) == {"names", "shape"}:
+        names, shape = mesh_data["names"], mesh_data["shape"]
+        if (
+            not isinstance(names, list)
+            or not isinstance(shape, list)
+            or not all(isinstance(n, str) for n in names)
+        ):
+            raise ConfigError(f"mesh names must be a list of strings and shape a list, got {mesh_data!r}")
+        return Mesh(tuple(names), tuple(shape))
+    if isinstance(mesh_data, Mapping) and mesh_data and all(isinstance(n, str) for n in mesh_data):
+        return Mesh(tuple(mesh_data), tuple(mesh_data.values()))
+    raise ConfigError(f'mesh must be {{"names": [...], "shape": [...]}}, got {mesh_data!r}')
+
+
+def _rule_from_json(pair: object, pre: str, source: str) -> Rule:
+    """One ``[pattern, placements]`` pair of a layout's JSON form."""
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[0], str):
+        raise ConfigError(f"{pre}each rule must be a [pattern, placements] pair, got {pair!r}", path=source)
+    try:
+        return Rule.from_json(pair[0], pair[1])
+    except ConfigError as e:
+        raise ConfigError(f"{pre}rule {pair[0]!r}: {e.message}", path=source) from None

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .checkpoint import Checkpoint
+from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
+from .checkpoint import Checkpoint, CheckpointWarning
 from .config import LayoutConfig, load_layout, resolve_preset
+from .dist import Coordinator, coordinator
 from .errors import ConfigError, ReshardError, UsageError, WriteError
-from .execute import DEFAULT_BUFFER, FileResult, execute_plan
-from .formats import MANIFEST, open_checkpoint
-from .formats.hf import INDEX
+from .execute import ProgressFn, execute_plan
+from .formats import MANIFEST, open_checkpoint, writer, writers
+from .formats.base import Writer
+from .io.writer import FileResult
 from .mesh import Mesh, parse_mesh_spec
-from .plan import HF, PER_RANK, Plan, make_plan
+from .placements import Placement
+from .plan import Plan, WriteOptions, make_plan
+from .resume import JOURNAL, finished_files, record_finished
 
 __all__ = [
     "SourceSpec",
@@ -29,8 +32,14 @@ __all__ = [
     "convert",
     "parse_size",
     "DTYPES",
-    "manifest_for",
+    "CONSOLIDATED",
+    "SHARDED",
 ]
+
+CONSOLIDATED = "hf"
+"""The writer ``--consolidate`` means, and the default for a one-rank target."""
+SHARDED = "per-rank"
+"""The default writer for a multi-rank target."""
 
 DTYPES = {
     "bf16": "BF16",
@@ -114,40 +123,30 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     return ckpt
 
 
-def merge_mesh(base: Mesh, sizes: dict[str, int]) -> Mesh:
-    """``base`` with the named dims resized; new dims go before the first base dim named after them.
-
-    >>> str(merge_mesh(Mesh(("tp",), (4,)), {"fsdp": 2, "tp": 4}))
-    'fsdp=2,tp=4'
-    >>> str(merge_mesh(Mesh(("fsdp", "tp"), (2, 4)), {"tp": 8}))
-    'fsdp=2,tp=8'
-    """
-    names = list(base.names)
-    shape = list(base.shape)
-    pending: list[tuple[str, int]] = []
-    for name, size in sizes.items():
-        if name in names:
-            i = names.index(name)
-            shape[i] = size
-            for n, s in reversed(pending):
-                names.insert(i, n)
-                shape.insert(i, s)
-            pending = []
-        else:
-            pending.append((name, size))
-    for n, s in pending:
-        names.append(n)
-        shape.append(s)
-    return Mesh(tuple(names), tuple(shape))
+def _not_converted(ckpt: Checkpoint) -> None:
+    """Warn that non-tensor items are left out (``inspect`` lists them itself, so only convert warns)."""
+    if ckpt.non_tensors:
+        names = ", ".join(n.name for n in ckpt.non_tensors[:3]) + (
+            " ..." if len(ckpt.non_tensors) > 3 else ""
+        )
+        ckpt.warnings.append(
+            CheckpointWarning(
+                f"{ckpt.path}: {len(ckpt.non_tensors)} non-tensor item(s) ({names}) are not converted"
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    fmt: str
+    writer: Writer
     mesh: Mesh
     rules: LayoutConfig | None
     dtype: str | None
-    max_shard_size: int
+    options: WriteOptions
+
+    @property
+    def fmt(self) -> str:
+        return self.writer.name
 
 
 def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
@@ -156,35 +155,51 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
     Raises:
         UsageError: the options contradict each other or say nothing about the target.
     """
-    dtype = None
-    if spec.dtype is not None:
-        dtype = DTYPES.get(spec.dtype.lower())
-        if dtype is None:
-            raise UsageError(f"--dtype {spec.dtype!r}: use bf16, fp16 or fp32")
-    max_shard = parse_size(spec.max_shard_size)
-    to = spec.to
-    if to is not None and to not in (PER_RANK, HF):
-        raise UsageError(f"--to {to!r}: use per-rank or hf")
+    dtype = _target_dtype(spec.dtype)
+    options = WriteOptions(max_shard_size=parse_size(spec.max_shard_size))
+    to = writer(spec.to) if spec.to is not None else None
     if spec.consolidate:
-        if to == PER_RANK:
-            raise UsageError("--consolidate writes hf files; it cannot be combined with --to per-rank")
-        to = HF
+        if to is not None and not to.consolidated:
+            raise UsageError(
+                f"--consolidate writes {CONSOLIDATED} files; it cannot be combined with --to {to.name}"
+            )
+        to = writer(CONSOLIDATED)
     sizes = parse_mesh_spec(spec.mesh, option="--target-mesh") if spec.mesh else None
-    if to == HF and (spec.layout or sizes):
+    if to is not None and to.consolidated and (spec.layout or sizes):
         if sizes and all(v == 1 for v in sizes.values()) and not spec.layout:
             sizes = None
         else:
             raise UsageError(
-                "hf output is one consolidated checkpoint; drop --target-layout/--target-mesh, "
-                "or write --to per-rank"
+                f"{to.name} output is one consolidated checkpoint; drop --target-layout/--target-mesh, "
+                f"or write --to {SHARDED}"
             )
-    if to == HF:
-        return Target(HF, Mesh.single(), None, dtype, max_shard)
-    if spec.layout:
-        cfg = _load_layout(spec.layout)
-        mesh = merge_mesh(cfg.mesh, sizes) if sizes else cfg.mesh
-        rules = cfg.with_mesh(mesh)
-    elif sizes:
+    if to is not None and to.consolidated:
+        return Target(to, Mesh.single(), None, dtype, options)
+    mesh, rules = _target_rules(source, spec.layout, sizes)
+    w = to or writer(SHARDED if mesh.size > 1 else CONSOLIDATED)
+    if w.consolidated:
+        return Target(w, Mesh.single(), None, dtype, options)
+    return Target(w, mesh, rules, dtype, options)
+
+
+def _target_dtype(text: str | None) -> str | None:
+    if text is None:
+        return None
+    dtype = DTYPES.get(text.lower())
+    if dtype is None:
+        raise UsageError(f"--dtype {text!r}: use bf16, fp16 or fp32")
+    return dtype
+
+
+def _target_rules(
+    source: Checkpoint, layout: str | None, sizes: dict[str, int] | None
+) -> tuple[Mesh, LayoutConfig]:
+    """The target mesh and rules: ``--target-layout``, else the source's rules on ``--target-mesh``."""
+    if layout:
+        cfg = _load_layout(layout)
+        mesh = cfg.mesh.with_sizes(sizes) if sizes else cfg.mesh
+        return mesh, cfg.with_mesh(mesh)
+    if sizes:
         base = source.layout
         if base is None:
             raise UsageError(
@@ -192,20 +207,18 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
                 "give --target-layout FILE (or --consolidate)",
                 path=source.path,
             )
-        mesh = merge_mesh(base.mesh, sizes)
-        rules = base.with_mesh(mesh)
-    else:
-        raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
-    fmt = to or (PER_RANK if mesh.size > 1 else HF)
-    if fmt == HF:
-        return Target(HF, Mesh.single(), None, dtype, max_shard)
-    return Target(PER_RANK, mesh, rules, dtype, max_shard)
+        mesh = base.mesh.with_sizes(sizes)
+        return mesh, base.with_mesh(mesh)
+    raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
 
 
-def rule_warnings(cfg: LayoutConfig, names: Any) -> list[str]:
+def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWarning]:
     """SPEC §2: a rule that matches nothing is a warning."""
     return [
-        f"{cfg.source}{':' + str(r.line) if r.line else ''}: rule {r.pattern!r} matches no tensor"
+        CheckpointWarning(
+            f"{cfg.source}{':' + str(r.line) if r.line else ''}: rule {r.pattern!r} matches no tensor",
+            path=cfg.source,
+        )
         for r in cfg.unused_rules(names)
     ]
 
@@ -217,7 +230,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             if w not in source.warnings:
                 source.warnings.append(w)
 
-    def placements_for(name: str) -> Any:
+    def placements_for(name: str) -> Sequence[Placement]:
         assert rules is not None
         return rules.placements_for(name)
 
@@ -225,27 +238,11 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         source,
         target.mesh,
         placements_for,
-        fmt=target.fmt,
+        writer=target.writer,
         dtype=target.dtype,
-        max_shard_size=target.max_shard_size,
+        options=target.options,
         rules=rules,
     )
-
-
-def manifest_for(plan: Plan, results: list[FileResult]) -> dict[str, Any]:
-    """The ``reshard.json`` of a finished conversion."""
-    rules = plan.rules.to_json()["rules"] if plan.rules is not None else [["*", "R"]]
-    return {
-        "reshard": {"format_version": 1, "version": __version__},
-        "format": plan.format,
-        "mesh": plan.mesh.to_json(),
-        "rules": rules,
-        "tensors": {
-            t.name: {"dtype": t.dtype, "shape": list(t.shape), "placements": t.layout.placement_strs()}
-            for t in plan.tensors
-        },
-        "files": {r.name: {"size": r.size, "checksum": r.checksum} for r in results},
-    }
 
 
 def _is_within(child: Path, parent: Path) -> bool:
@@ -276,19 +273,21 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = F
         )
 
 
-_OURS = (".safetensors", ".safetensors.tmp", MANIFEST, INDEX, ".tmp", ".reshard-progress.jsonl")
+def _owned(name: str) -> bool:
+    """Whether ``--overwrite`` (and a failed run's cleanup) may remove a file of this name."""
+    if name in (MANIFEST, JOURNAL) or name.endswith(".tmp") or name.startswith(JOURNAL):
+        return True
+    for w in writers():
+        for pattern in w.owns:
+            if name == pattern or (pattern.startswith(".") and name.endswith(pattern)):
+                return True
+    return False
 
 
 def _clear_outputs(dst: Path) -> None:
     for p in dst.iterdir():
-        if p.is_file() and (p.name.endswith(_OURS) or p.name in (MANIFEST, INDEX)):
+        if p.is_file() and _owned(p.name):
             p.unlink()
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def convert(
@@ -298,12 +297,17 @@ def convert(
     *,
     workers: int = 1,
     buffer_size: int = DEFAULT_BUFFER,
+    window: int = RELEASE_EVERY,
     overwrite: bool = False,
     resume: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressFn | None = None,
     on_plan: Callable[[Plan], None] | None = None,
 ) -> dict[str, Any]:
     """Convert ``source`` into ``dst``; returns the summary (the ``--json`` document body).
+
+    Args:
+        workers: writer threads; buffer_size, window: each one's write buffer and
+            mapped-page release window (:func:`reshard.budget.budget_for`).
 
     Raises:
         ReshardError: bad input (nothing written) or, as WriteError, a failure while writing
@@ -315,79 +319,13 @@ def convert(
         raise UsageError(f"{src_path}: no such file or directory", path=str(src_path))
     check_destination(src_path, dst_path, overwrite=overwrite, resume=resume)
     ckpt = open_source(source)
+    _not_converted(ckpt)
     tgt = resolve_target(ckpt, target)
     plan = build_plan(ckpt, tgt)
     if on_plan is not None:
         on_plan(plan)
-    from .dist import coordinator
-
-    # under torchrun every rank plans the same; each writes its share of the files
-    coord = coordinator()
-    created_dir = not dst_path.exists()
-    coord.barrier()  # every rank has checked DST before anyone writes into it
-    done: list[FileResult] = []
-    todo = list(plan.files)
-    try:
-        from .resume import JOURNAL, finished_files, record_finished
-
-        if coord.is_main:
-            dst_path.mkdir(parents=True, exist_ok=True)
-            (dst_path / MANIFEST).unlink(missing_ok=True)
-            if not resume:
-                _clear_outputs(dst_path)
-        coord.barrier()
-        mine = coord.share(todo)
-        if resume:
-            done, mine = finished_files(plan, dst_path, mine)
-        failure: BaseException | None = None
-        try:
-            results = execute_plan(
-                plan,
-                dst_path,
-                workers=workers,
-                buffer_size=buffer_size,
-                progress=progress,
-                files=mine,
-                on_file_done=lambda r: record_finished(dst_path, r, coord.rank),
-            )
-        except (ReshardError, OSError) as e:
-            if coord.world == 1:
-                raise
-            failure, results = e, []
-        # under torchrun a failure on one rank stops them all (nobody waits on a dead peer)
-        failures = coord.gather([(coord.rank, str(failure))] if failure is not None else [])
-        if failure is not None:
-            raise failure
-        if failures:
-            rank, message = failures[0]
-            raise WriteError(f"rank {rank} failed while writing: {message}; partial files were removed")
-        results = coord.gather(results)
-        done = coord.gather(done) if resume else done
-        by_name = {r.name: r for r in done + results}
-        ordered = [by_name[f.name] for f in plan.files]
-        if coord.is_main:
-            if plan.index is not None and len(plan.files) > 1:
-                _write_json(dst_path / INDEX, plan.index)
-            _write_json(dst_path / MANIFEST, manifest_for(plan, ordered))
-            for j in dst_path.glob(JOURNAL + "*"):
-                j.unlink(missing_ok=True)
-        coord.barrier()
-    except ReshardError:
-        _cleanup(dst_path, plan, created_dir, keep=resume)
-        raise
-    except OSError as e:
-        _cleanup(dst_path, plan, created_dir, keep=resume)
-        raise WriteError(
-            f"{dst_path}: writing failed ({e.strerror or e}); partial files were removed",
-            path=str(getattr(e, "filename", None) or dst_path),
-        ) from e
-    except KeyboardInterrupt:
-        # keep finished files and the journal: `--resume` picks up from here
-        _cleanup(dst_path, plan, created_dir, keep=True)
-        raise
-    except BaseException:
-        _cleanup(dst_path, plan, created_dir, keep=resume)
-        raise
+    run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
+    ordered, kept = run.guarded()
     return {
         "source": {
             "path": str(src_path),
@@ -400,26 +338,119 @@ def convert(
         "bytes_written": plan.bytes_written,
         "bytes_read": sum(r.bytes_read for r in ordered),
         "copies": sum(f.copies for f in plan.files),
-        "resumed_files": len(done),
-        "warnings": list(ckpt.warnings),
-        # non-tensor items (DCP BYTE_IO) cannot go into safetensors: listed, not copied
-        "not_converted": [{"name": o.name, "bytes": o.length} for o in ckpt.objects.values()],
+        "resumed_files": kept,
+        "warnings": [str(w) for w in ckpt.warnings],
+        # items that cannot go into safetensors (DCP BYTE_IO): listed, not copied
+        "not_converted": [{"name": n.name, "size": n.size, "kind": n.kind} for n in ckpt.non_tensors],
     }
 
 
-def _cleanup(dst: Path, plan: Plan, created_dir: bool, *, keep: bool) -> None:
-    """Remove what this run wrote (with --resume, keep finished files for the next try)."""
-    if not dst.exists():
-        return
-    for f in plan.files:
-        (dst / (f.name + ".tmp")).unlink(missing_ok=True)
-        if not keep:
-            (dst / f.name).unlink(missing_ok=True)
-    if not keep:
-        from .resume import JOURNAL
+class _Run:
+    """One conversion's writing: every file, then the writer's ``complete``; cleanup on failure.
 
+    Under torchrun every rank plans the same and writes its share of the files; rank 0
+    completes the directory.
+    """
+
+    def __init__(
+        self, plan: Plan, w: Writer, dst: Path, budget: Budget, progress: ProgressFn | None, resume: bool
+    ) -> None:
+        self.plan = plan
+        self.writer = w
+        self.dst = dst
+        self.budget = budget
+        self.progress = progress
+        self.resume = resume
+        self.coord: Coordinator = coordinator()
+        self.created_dir = not dst.exists()
+
+    def guarded(self) -> tuple[list[FileResult], int]:
+        """Write everything; on failure remove what this run wrote. Returns results and files kept."""
+        self.coord.barrier()  # every rank has checked DST before anyone writes into it
+        try:
+            return self._write()
+        except ReshardError:
+            self._cleanup(keep=self.resume)
+            raise
+        except OSError as e:
+            self._cleanup(keep=self.resume)
+            raise WriteError(
+                f"{self.dst}: writing failed ({e.strerror or e}); partial files were removed",
+                path=str(getattr(e, "filename", None) or self.dst),
+            ) from e
+        except KeyboardInterrupt:
+            # keep finished files and the journal: `--resume` picks up from here
+            self._cleanup(keep=True)
+            raise
+        except BaseException:
+            self._cleanup(keep=self.resume)
+            raise
+
+    def _write(self) -> tuple[list[FileResult], int]:
+        coord, dst, plan = self.coord, self.dst, self.plan
+        if coord.is_main:
+            dst.mkdir(parents=True, exist_ok=True)
+            (dst / MANIFEST).unlink(missing_ok=True)
+            if not self.resume:
+                _clear_outputs(dst)
+        coord.barrier()
+        done: list[FileResult] = []
+        mine = coord.share(list(plan.files))
+        if self.resume:
+            done, mine = finished_files(plan, dst, mine)
+        results = coord.gather(self._execute(mine))
+        done = coord.gather(done) if self.resume else done
+        by_name = {r.name: r for r in done + results}
+        ordered = [by_name[f.name] for f in plan.files]
+        if coord.is_main:
+            self.writer.complete(dst, plan, ordered)
+            for j in dst.glob(JOURNAL + "*"):
+                j.unlink(missing_ok=True)
+        coord.barrier()
+        return ordered, len(done)
+
+    def _execute(self, mine: Sequence[Any]) -> list[FileResult]:
+        """This rank's files; under torchrun a failure on one rank stops them all."""
+        coord = self.coord
+        failure: BaseException | None = None
+        try:
+            results = execute_plan(
+                self.plan,
+                self.dst,
+                workers=self.budget.workers,
+                buffer_size=self.budget.buffer,
+                window=self.budget.window,
+                progress=self.progress,
+                files=mine,
+                on_file_done=lambda r: record_finished(self.dst, r, coord.rank),
+            )
+        except (ReshardError, OSError) as e:
+            if coord.world == 1:
+                raise
+            failure, results = e, []
+        failures = coord.gather([(coord.rank, str(failure))] if failure is not None else [])
+        if failure is not None:
+            raise failure
+        if failures:
+            rank, message = failures[0]
+            raise WriteError(f"rank {rank} failed while writing: {message}; partial files were removed")
+        return results
+
+    def _cleanup(self, *, keep: bool) -> None:
+        """Remove what this run wrote (with --resume, keep finished files for the next try)."""
+        dst = self.dst
+        if not dst.exists():
+            return
+        for f in self.plan.files:
+            (dst / (f.name + ".tmp")).unlink(missing_ok=True)
+            if not keep:
+                (dst / f.name).unlink(missing_ok=True)
+        if keep:
+            return
         (dst / JOURNAL).unlink(missing_ok=True)
-        (dst / INDEX).unlink(missing_ok=True)
+        for name in self.writer.owns:
+            if not name.startswith("."):  # exact names: what complete() writes (an index)
+                (dst / name).unlink(missing_ok=True)
         (dst / MANIFEST).unlink(missing_ok=True)
-        if created_dir:
+        if self.created_dir:
             shutil.rmtree(dst, ignore_errors=True)

@@ -17,21 +17,27 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
-from . import __version__
-from .checkpoint import TensorSource
+from .budget import RELEASE_EVERY
+from .checkpoint import Checkpoint, TensorSource
+from .config import LayoutConfig, load_layout, resolve_preset
+from .dtypes import DTYPE_SIZES
 from .errors import ConfigError, LayoutError, ReshardError, UsageError, WriteError
-from .execute import SourceFiles, file_checksum
-from .formats import MANIFEST
-from .formats.per_rank import RANK_FILE
+from .formats import open_checkpoint
+from .formats.manifest import MANIFEST, TensorInfo, manifest, write_manifest
+from .formats.per_rank import RANK_FILE, rank_file_name, rank_metadata, tensors_text
 from .intervals import Block, block_shape, block_volume, row_major_strides
-from .io.header import DTYPE_SIZES, encode_header
+from .io.checksum import file_checksum
+from .io.header import encode_header
+from .io.pages import PageWindow, SourceFiles
+from .io.reader import Piece, read_box, uint_dtype
 from .layout import TensorLayout
 from .mesh import Mesh
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
-from .plan import PER_RANK, copy_boxes, match_blocks, natural_key, rank_file_name
+from .plan import copy_boxes, match_blocks, natural_key
 
 __all__ = ["Coordinator", "coordinator", "share_by_bytes", "load_dtensors", "save_dtensors"]
 
@@ -230,11 +236,15 @@ def _reshard_placement(p: Any, tensor: str) -> Placement:
     )
 
 
-def _resolve_layout(layout: Any, ckpt: Any, device_mesh: Any) -> tuple[Mesh, Any]:
-    """The reshard mesh of ``device_mesh`` and the rules to place tensors on it (None: Replicate)."""
-    from .config import LayoutConfig, load_layout, resolve_preset
+LayoutArg = Union["LayoutConfig", str, "os.PathLike[str]", None]
+"""``layout=`` of :func:`load_dtensors`: rules, a layout file or preset name, or None."""
 
-    cfg: Any
+
+def _resolve_layout(
+    layout: LayoutArg, ckpt: Checkpoint, device_mesh: Any
+) -> tuple[Mesh, LayoutConfig | None]:
+    """The reshard mesh of ``device_mesh`` and the rules to place tensors on it (None: Replicate)."""
+    cfg: LayoutConfig | None
     if layout is None:
         cfg = ckpt.layout
     elif isinstance(layout, LayoutConfig):
@@ -261,7 +271,7 @@ def _resolve_layout(layout: Any, ckpt: Any, device_mesh: Any) -> tuple[Mesh, Any
     return mesh, cfg
 
 
-def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: Any = None) -> dict[str, Any]:
+def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: LayoutArg = None) -> dict[str, Any]:
     """Read a checkpoint into DTensors on ``mesh``; each rank reads only its own slices.
 
     Run under torchrun (the default process group is initialised with gloo if it is
@@ -293,11 +303,7 @@ def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: Any = None) -
         ReshardError: the checkpoint, the layout or the mesh do not fit together (a tensor
             no rule matches, a Partial target placement, holes in the source, ...).
     """
-    import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from .formats import open_checkpoint
 
     if dist.is_available() and not dist.is_initialized():
         _init_gloo()
@@ -308,24 +314,35 @@ def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: Any = None) -
         raise UsageError(f"this rank is not part of the DeviceMesh {rmesh}; load_dtensors needs it")
     coord = tuple(int(c) for c in coord)
     sources = SourceFiles(ckpt.files)
-    out: dict[str, Any] = {}
     try:
-        for name, src in ckpt.tensors.items():
-            pls = cfg.placements_for(name) if cfg is not None else ["R"] * rmesh.ndim
-            lay = TensorLayout.for_tensor(name, src.shape, rmesh, pls)
-            tpls = _torch_placements(lay.placements, name)
-            local = _read_block(sources, src, lay.block(coord))
-            out[name] = DTensor.from_local(
-                local,
-                mesh,
-                tpls,
-                run_check=False,
-                shape=torch.Size(src.shape),
-                stride=row_major_strides(src.shape),
-            )
+        return {name: _load_one(sources, src, cfg, rmesh, mesh, coord) for name, src in ckpt.tensors.items()}
     finally:
         sources.close()
-    return out
+
+
+def _load_one(
+    sources: SourceFiles,
+    src: TensorSource,
+    cfg: LayoutConfig | None,
+    rmesh: Mesh,
+    mesh: Any,
+    coord: tuple[int, ...],
+) -> Any:
+    """One tensor as a DTensor on ``mesh``: this rank's block, read from the source pieces."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    pls: Sequence[Placement | str] = cfg.placements_for(src.name) if cfg is not None else ["R"] * rmesh.ndim
+    lay = TensorLayout.for_tensor(src.name, src.shape, rmesh, pls)
+    local = _read_block(sources, src, lay.block(coord))
+    return DTensor.from_local(
+        local,
+        mesh,
+        _torch_placements(lay.placements, src.name),
+        run_check=False,
+        shape=torch.Size(src.shape),
+        stride=row_major_strides(src.shape),
+    )
 
 
 def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
@@ -336,8 +353,7 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
     from .torch_ops import cast_reduce, torch_dtype
 
     shape = block_shape(block)
-    isz = DTYPE_SIZES[src.dtype]
-    npt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]
+    npt = uint_dtype(DTYPE_SIZES[src.dtype])
     local = torch.empty(shape, dtype=torch_dtype(src.dtype))
     n = block_volume(block)
     if n == 0:
@@ -346,26 +362,15 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
     # raw items of the local tensor; bool and fp8 go through uint8 like every 1-byte dtype
     dst = local.reshape(-1).view(torch.uint8).numpy().view(npt).reshape(shape)
     bufs = [dst] if groups == 1 else [np.empty(shape, dtype=npt) for _ in range(groups)]
-    arrays: dict[int, Any] = {}
+    pages = PageWindow(sources, RELEASE_EVERY)
     for c in copies:
-        arr = arrays.get(c.piece)
-        if arr is None:
-            arr = np.frombuffer(
-                sources.map(src.piece_files[c.piece]),
-                dtype=npt,
-                count=src.piece_numel(c.piece),
-                offset=src.piece_offsets[c.piece],
-            ).reshape(src.piece_shape(c.piece))
-            arrays[c.piece] = arr
+        piece = Piece.of(sources, src, c.piece)
         view = bufs[c.group]
         for s_st, d_st, sz in copy_boxes(c):
-            view[tuple(slice(d, d + z) for d, z in zip(d_st, sz))] = arr[
-                tuple(slice(s, s + z) for s, z in zip(s_st, sz))
-            ]
-    arrays.clear()
-    arr = None  # no view of a mapped file may outlive this function (SourceFiles.close)
-    for fi in {src.piece_files[c.piece] for c in copies}:
-        sources.release(fi)
+            key = tuple(slice(s, s + z) for s, z in zip(s_st, sz))
+            view[tuple(slice(d, d + z) for d, z in zip(d_st, sz)) or ...] = read_box(pages, piece, key)
+        del piece  # no view of a mapped file may outlive this function (SourceFiles.close)
+    pages.release()
     if groups > 1:
         reduced = cast_reduce(bufs, src.dtype, src.dtype, src.reduce_op, n)
         dst.reshape(-1).view(np.uint8)[:] = reduced
@@ -373,9 +378,10 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
 
 
 def _safetensors_dtype(dtype: Any, tensor: str) -> str:
-    from .torch_ops import _TORCH_NAMES, torch_dtype
+    from .dtypes import TORCH_NAMES
+    from .torch_ops import torch_dtype
 
-    for st_name in _TORCH_NAMES:
+    for st_name in TORCH_NAMES:
         try:
             if torch_dtype(st_name) == dtype:
                 return st_name
@@ -452,7 +458,42 @@ def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -
     """
     coord = _live_coordinator()
     out = Path(path)
-    prepared: tuple[str, bytes, list[Any], dict[str, Any], Mesh] | None = None
+    prep = _agreed_save(state_dict, coord)
+    # every rank runs the same collectives whatever fails where: the gathers in _agree
+    # are the barriers (rank 0 prepares the directory before anyone writes into it)
+    error: ReshardError | None = None
+    if coord.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            _clear_stale(out, prep.mesh.size)
+        except OSError as e:
+            error = WriteError(f"{out}: cannot prepare the directory ({e.strerror or e})", path=str(out))
+    _agree(coord, error, "preparing the output directory", WriteError)
+    results = coord.gather([_write_own_file(out, prep, coord)])
+    error = None
+    if coord.is_main:
+        try:
+            _write_manifest(out, prep.mesh, prep.info, results)
+        except OSError as e:
+            where = out / MANIFEST
+            error = WriteError(f"{where}: writing failed ({e.strerror or e})", path=str(where))
+    _agree(coord, error, "writing reshard.json", WriteError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Save:
+    """This rank's part of a save: its file name, header prefix and tensors (file order), and the table."""
+
+    fname: str
+    prefix: bytes
+    datas: list[Any]
+    info: dict[str, TensorInfo]
+    mesh: Mesh
+
+
+def _agreed_save(state_dict: Mapping[str, Any], coord: Coordinator) -> _Save:
+    """Prepare this rank's file; raise on every rank if any rank cannot, or if ranks disagree."""
+    prepared: _Save | None = None
     error: ReshardError | None = None
     try:
         prepared = _prepare_save(state_dict, coord)
@@ -460,68 +501,43 @@ def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -
         error = e
     _agree(coord, error, "save_dtensors")
     assert prepared is not None
-    fname, prefix, datas, info, mesh = prepared
     # every rank must describe the same checkpoint: compare the tensor table
-    digest = json.dumps([mesh.to_json(), info], sort_keys=True)
-    digests = coord.gather([digest])
+    digests = coord.gather([json.dumps([prepared.mesh.to_json(), prepared.info], sort_keys=True)])
     if len(set(digests)) != 1:
         bad = next(r for r, d in enumerate(digests) if d != digests[0])
         raise LayoutError(
             f"save_dtensors: rank {bad}'s state dict differs from rank 0's (tensor names, "
             "dtypes, global shapes, placements or mesh); every rank must save the same tensors"
         )
-    # every rank runs the same collectives whatever fails where: the gathers in _agree
-    # are the barriers (rank 0 prepares the directory before anyone writes into it)
-    error = None
-    if coord.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            _clear_stale(out, mesh.size)
-        except OSError as e:
-            error = WriteError(f"{out}: cannot prepare the directory ({e.strerror or e})", path=str(out))
-    _agree(coord, error, "preparing the output directory", WriteError)
+    return prepared
+
+
+def _write_own_file(out: Path, prep: _Save, coord: Coordinator) -> tuple[str, int, str] | None:
+    """Write this rank's file; if any rank failed, remove it and raise on every rank."""
     result: tuple[str, int, str] | None = None
+    error: ReshardError | None = None
     try:
         out.mkdir(parents=True, exist_ok=True)  # a node that does not share rank 0's disk
-        result = _write_rank_file(out, fname, prefix, datas)
+        result = _write_rank_file(out, prep.fname, prep.prefix, prep.datas)
     except OSError as e:
-        error = WriteError(f"{out / fname}: writing failed ({e.strerror or e})", path=str(out / fname))
+        where = out / prep.fname
+        error = WriteError(f"{where}: writing failed ({e.strerror or e})", path=str(where))
     try:
         _agree(coord, error, "writing the per-rank files", WriteError)
     except WriteError:
         if result is not None:  # no partial checkpoint is left behind
-            (out / fname).unlink(missing_ok=True)
+            (out / prep.fname).unlink(missing_ok=True)
         raise
-    results = coord.gather([result])
-    error = None
-    if coord.is_main:
-        try:
-            _write_manifest(out, mesh, info, results)
-        except OSError as e:
-            where = out / MANIFEST
-            error = WriteError(f"{where}: writing failed ({e.strerror or e})", path=str(where))
-    _agree(coord, error, "writing reshard.json", WriteError)
+    return result
 
 
 def _write_manifest(
-    out: Path, mesh: Mesh, info: dict[str, Any], results: Sequence[tuple[str, int, str] | None]
+    out: Path, mesh: Mesh, info: dict[str, TensorInfo], results: Sequence[tuple[str, int, str] | None]
 ) -> None:
-    """``reshard.json`` (as ``convert.manifest_for`` writes it), atomically."""
-    files = {
-        name: {"size": size, "checksum": cs}
-        for name, size, cs in sorted((r for r in results if r is not None), key=lambda r: r[0])
-    }
-    manifest = {
-        "reshard": {"format_version": 1, "version": __version__},
-        "format": PER_RANK,
-        "mesh": mesh.to_json(),
-        "rules": [["re:" + re.escape(n), t["placements"]] for n, t in info.items()],
-        "tensors": info,
-        "files": files,
-    }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    """``reshard.json``, as a converted per-rank checkpoint has it, atomically."""
+    rules: list[list[object]] = [["re:" + re.escape(n), t["placements"]] for n, t in info.items()]
+    files = sorted((r for r in results if r is not None), key=lambda r: r[0])
+    write_manifest(out, manifest("per-rank", mesh, rules, info, files))
 
 
 def _clear_stale(out: Path, world: int) -> None:
@@ -534,12 +550,39 @@ def _clear_stale(out: Path, world: int) -> None:
             p.unlink()
 
 
-def _prepare_save(
-    state_dict: Mapping[str, Any], coord: Coordinator
-) -> tuple[str, bytes, list[Any], dict[str, Any], Mesh]:
+def _prepare_save(state_dict: Mapping[str, Any], coord: Coordinator) -> _Save:
     """This rank's file name, header prefix, tensor bytes (in file order), tensor table, mesh."""
+    _check_state_dict(state_dict)
+    world_mesh, mesh, coordinate = _save_mesh(state_dict, coord)
+    rank = mesh.rank(coordinate)
+    info: dict[str, TensorInfo] = {}
+    locals_: dict[str, Any] = {}
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    for name in sorted(state_dict, key=natural_key):
+        value = state_dict[name]
+        local, lay = _local_layout(name, value, world_mesh, mesh)
+        want = lay.local_shape(coordinate)
+        if tuple(local.shape) != want:
+            raise LayoutError(
+                f'tensor "{name}": rank {coord.rank} holds a local tensor of shape {list(local.shape)}, '
+                f"but {list(lay.shape)} with {lay.placement_strs()} on mesh {mesh} gives coordinate "
+                f"{list(coordinate)} {list(want)} (torch.chunk rule); reshard stores only "
+                "DTensors laid out as distribute_tensor lays them out",
+                tensor=name,
+            )
+        dtype = _safetensors_dtype(local.dtype, name)
+        info[name] = {"dtype": dtype, "shape": list(lay.shape), "placements": lay.placement_strs()}
+        locals_[name] = local
+        specs.append((name, dtype, want))
+    # the same metadata the per-rank writer writes, so a saved file equals a converted one
+    text = tensors_text((n, t["shape"], t["placements"]) for n, t in info.items())
+    prefix, header = encode_header(specs, rank_metadata(mesh, rank, text))
+    datas = [locals_[e.name] for e in header.entries]
+    return _Save(rank_file_name(rank, mesh.size), prefix, datas, info, mesh)
+
+
+def _check_state_dict(state_dict: Mapping[str, Any]) -> None:
     import torch
-    from torch.distributed.tensor import DTensor
 
     if not isinstance(state_dict, Mapping):
         raise UsageError(f"save_dtensors takes a mapping of name -> tensor, got {type(state_dict).__name__}")
@@ -552,6 +595,12 @@ def _prepare_save(
                 "save only tensors (keep other state elsewhere)",
                 tensor=name,
             )
+
+
+def _save_mesh(state_dict: Mapping[str, Any], coord: Coordinator) -> tuple[Any, Mesh, tuple[int, ...]]:
+    """The DeviceMesh with the most dims (None without DTensors), its reshard Mesh, this rank's coordinate."""
+    from torch.distributed.tensor import DTensor
+
     dts = [v for v in state_dict.values() if isinstance(v, DTensor)]
     if dts:
         world_mesh = max((d.device_mesh for d in dts), key=lambda m: m.ndim)
@@ -570,62 +619,37 @@ def _prepare_save(
             f"{coord.world}; save from a mesh spanning every rank (one checkpoint per pipeline "
             "stage is not supported)"
         )
-    rank = mesh.rank(coordinate)
-    info: dict[str, Any] = {}
-    locals_: dict[str, Any] = {}
-    specs: list[tuple[str, str, tuple[int, ...]]] = []
-    for name in sorted(state_dict, key=natural_key):
-        value = state_dict[name]
-        if isinstance(value, DTensor):
-            pls = [_reshard_placement(p, name) for p in value.placements]
-            if value.device_mesh != world_mesh:
-                dims = _is_submesh(value.device_mesh, world_mesh)
-                if dims is None:
-                    raise LayoutError(
-                        f'tensor "{name}": its DeviceMesh {_reshard_mesh(value.device_mesh)} is not an '
-                        f"ordered sub-mesh of {mesh} (the largest mesh in the state dict); "
-                        "redistribute it onto that mesh first",
-                        tensor=name,
-                    )
-                full: list[Placement] = [Replicate()] * mesh.ndim
-                for d, p in zip(dims, pls):
-                    full[d] = p
-                pls = full
-            local = value.to_local()
-        else:
-            pls = [Replicate()] * mesh.ndim
-            local = value
-        shape = tuple(int(s) for s in value.shape)
-        try:
-            lay = TensorLayout.make(shape, mesh, pls)
-        except ReshardError as e:
-            raise LayoutError(f'tensor "{name}" of shape {list(shape)}: {e.message}', tensor=name) from None
-        want = lay.local_shape(coordinate)
-        if tuple(local.shape) != want:
-            raise LayoutError(
-                f'tensor "{name}": rank {coord.rank} holds a local tensor of shape {list(local.shape)}, '
-                f"but {list(shape)} with {lay.placement_strs()} on mesh {mesh} gives coordinate "
-                f"{list(coordinate)} {list(want)} (torch.chunk rule); reshard stores only "
-                "DTensors laid out as distribute_tensor lays them out",
-                tensor=name,
-            )
-        dtype = _safetensors_dtype(local.dtype, name)
-        info[name] = {"dtype": dtype, "shape": list(shape), "placements": lay.placement_strs()}
-        locals_[name] = local
-        specs.append((name, dtype, want))
-    tensors_json = json.dumps(
-        {n: {"shape": t["shape"], "placements": t["placements"]} for n, t in info.items()},
-        separators=(",", ":"),
-    )
-    # the same text make_plan writes, so a saved file equals a converted one byte for byte
-    meta = (
-        f'{{"format_version":1,"mesh":{json.dumps(mesh.to_json(), separators=(",", ":"))},'
-        f'"rank":{rank},"coordinate":{json.dumps(list(coordinate), separators=(",", ":"))},'
-        f'"tensors":{tensors_json}}}'
-    )
-    prefix, header = encode_header(specs, {"reshard": meta})
-    datas = [locals_[e.name] for e in header.entries]
-    return rank_file_name(rank, mesh.size), prefix, datas, info, mesh
+    return world_mesh, mesh, coordinate
+
+
+def _local_layout(name: str, value: Any, world_mesh: Any, mesh: Mesh) -> tuple[Any, TensorLayout]:
+    """The local tensor and the layout (placements on the whole mesh) of one state-dict value."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        pls = [_reshard_placement(p, name) for p in value.placements]
+        if value.device_mesh != world_mesh:
+            dims = _is_submesh(value.device_mesh, world_mesh)
+            if dims is None:
+                raise LayoutError(
+                    f'tensor "{name}": its DeviceMesh {_reshard_mesh(value.device_mesh)} is not an '
+                    f"ordered sub-mesh of {mesh} (the largest mesh in the state dict); "
+                    "redistribute it onto that mesh first",
+                    tensor=name,
+                )
+            full: list[Placement] = [Replicate()] * mesh.ndim
+            for d, p in zip(dims, pls):
+                full[d] = p
+            pls = full
+        local = value.to_local()
+    else:
+        pls = [Replicate()] * mesh.ndim
+        local = value
+    shape = tuple(int(s) for s in value.shape)
+    try:
+        return local, TensorLayout.make(shape, mesh, pls)
+    except ReshardError as e:
+        raise LayoutError(f'tensor "{name}" of shape {list(shape)}: {e.message}', tensor=name) from None
 
 
 def _write_rank_file(out: Path, fname: str, prefix: bytes, datas: Sequence[Any]) -> tuple[str, int, str]:

@@ -29,6 +29,11 @@ __all__ = [
     "row_major_strides",
     "clip_box",
     "box_span",
+    "slabs",
+    "global_index",
+    "coverage_holes",
+    "overlapping_pairs",
+    "format_box",
 ]
 
 
@@ -275,3 +280,157 @@ def box_span(strides: Sequence[int], starts: Sequence[int], sizes: Sequence[int]
     first = sum(a * st for a, st in zip(starts, strides))
     last = sum((a + z - 1) * st for a, z, st in zip(starts, sizes, strides))
     return first, last + 1
+
+
+def slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Contiguous pieces of a row-major array, each at most ``budget`` bytes (at least one row)."""
+    nd = len(shape)
+    if nd == 0:
+        yield ()
+        return
+    if any(s == 0 for s in shape):
+        return
+    inner = itemsize
+    j = nd - 1
+    while j > 0 and inner * shape[j] <= budget:
+        inner *= shape[j]
+        j -= 1
+    # dims > j are whole; take `rows` indices of dim j per slab
+    if inner * shape[j] <= budget:
+        rows = shape[j]
+    else:
+        rows = max(1, budget // inner)
+
+    def rec(d: int, prefix: tuple[tuple[int, int], ...]) -> Iterator[tuple[tuple[int, int], ...]]:
+        if d == j:
+            tail = tuple((0, shape[k]) for k in range(j + 1, nd))
+            for a in range(0, shape[j], rows):
+                yield prefix + ((a, min(a + rows, shape[j])),) + tail
+            return
+        for i in range(shape[d]):
+            yield from rec(d + 1, prefix + ((i, i + 1),))
+
+    yield from rec(0, ())
+
+
+def global_index(block: Block, local: Sequence[int]) -> list[int]:
+    """Global index of the element at local position ``local`` of a block.
+
+    >>> from reshard.intervals import Interval
+    >>> global_index(((Interval(0, 2), Interval(6, 8)), (Interval(0, 3),)), (3, 1))
+    [7, 1]
+    """
+    out = []
+    for ilist, p in zip(block, local, strict=True):
+        for iv in ilist:
+            if p < iv.size:
+                out.append(iv.start + p)
+                break
+            p -= iv.size
+        else:
+            raise AssertionError(f"local index {list(local)} outside block {block}")
+    return out
+
+
+def coverage_holes(shape: Sequence[int], blocks: Sequence[Block]) -> list[Box]:
+    """Disjoint boxes of a tensor of ``shape`` that none of ``blocks`` covers.
+
+    A sweep along each dim in turn: the elementary intervals between the
+    blocks' boundaries, merged where the same blocks cover them, recursing into
+    the blocks covering each; the recursion is memoized on the set of remaining
+    per-dim index lists, so regular layouts cost about one pass over their blocks.
+
+    >>> I = Interval
+    >>> coverage_holes((6, 4), [((I(0, 2),), (I(0, 4),)), ((I(4, 6),), (I(0, 4),))])
+    [(Interval(start=2, stop=4), Interval(start=0, stop=4))]
+    >>> coverage_holes((6, 4), [((I(0, 6),), (I(0, 4),))])
+    []
+    """
+    ndim = len(shape)
+    if any(n == 0 for n in shape):
+        return []
+    memo: dict[tuple[int, frozenset[Block]], list[Box]] = {}
+
+    def rec(d: int, tails: frozenset[Block]) -> list[Box]:
+        if d == ndim:
+            return [] if tails else [()]
+        key = (d, tails)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        n = shape[d]
+        events: dict[int, list[tuple[Block, int]]] = {0: [], n: []}
+        for t in tails:
+            for iv in t[0]:
+                lo, hi = min(iv.start, n), min(iv.stop, n)
+                if lo < hi:
+                    events.setdefault(lo, []).append((t[1:], 1))
+                    events.setdefault(hi, []).append((t[1:], -1))
+        active: dict[Block, int] = {}
+        runs: list[tuple[int, int, frozenset[Block]]] = []
+        cuts = sorted(events)
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            for tail, step in events[lo]:
+                c = active.get(tail, 0) + step
+                if c:
+                    active[tail] = c
+                else:
+                    del active[tail]
+            cover = frozenset(active)
+            if runs and runs[-1][2] == cover:
+                runs[-1] = (runs[-1][0], hi, cover)
+            else:
+                runs.append((lo, hi, cover))
+        out: list[Box] = []
+        for lo, hi, cover in runs:
+            for h in rec(d + 1, cover):
+                out.append((Interval(lo, hi),) + h)
+        memo[key] = out
+        return out
+
+    return rec(0, frozenset(blocks))
+
+
+def overlapping_pairs(blocks: Sequence[Block]) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)``, ``i < j``, of blocks that share an element without being equal.
+
+    Equal blocks are replicas and empty blocks hold nothing: neither is reported.
+    A sweep along the dim whose block starts differ most, comparing only blocks
+    whose hulls meet, so blocks that tile a tensor cost about ``n log n``.
+
+    >>> iv = Interval
+    >>> overlapping_pairs([((iv(0, 4),),), ((iv(2, 6),),), ((iv(4, 8),),), ((iv(0, 4),),)])
+    [(0, 1), (1, 2), (1, 3)]
+    >>> overlapping_pairs([((iv(0, 2),), (iv(0, 3),)), ((iv(2, 4),), (iv(0, 3),)), ((), (iv(0, 3),))])
+    []
+    """
+    live = [i for i, b in enumerate(blocks) if b and all(b)]
+    if len(live) < 2:
+        return []
+    ndim = len(blocks[live[0]])
+    hull = {i: [(blocks[i][d][0].start, blocks[i][d][-1].stop) for d in range(ndim)] for i in live}
+    d0 = max(range(ndim), key=lambda d: len({h[d][0] for h in hull.values()}))
+    order = sorted(live, key=lambda i: hull[i][d0])
+    pairs: list[tuple[int, int]] = []
+    for x, i in enumerate(order):
+        hi, bi = hull[i], blocks[i]
+        for j in order[x + 1 :]:
+            hj, bj = hull[j], blocks[j]
+            if hj[d0][0] >= hi[d0][1]:
+                break
+            if bi == bj or not all(hi[d][0] < hj[d][1] and hj[d][0] < hi[d][1] for d in range(ndim)):
+                continue
+            if all(overlap_segments(bi[d], bj[d]) for d in range(ndim)):
+                pairs.append((min(i, j), max(i, j)))
+    return sorted(pairs)
+
+
+def format_box(box: Box) -> str:
+    """The one human form of a box: half-open intervals per dim, joined by ``x``.
+
+    >>> format_box((Interval(0, 4), Interval(2, 3)))
+    '[0:4)x[2:3)'
+    >>> format_box(())
+    '(scalar)'
+    """
+    return "x".join(str(iv) for iv in box) if box else "(scalar)"

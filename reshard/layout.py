@@ -11,7 +11,7 @@ from .intervals import Block, IndexList, Interval, block_shape, normalize
 from .mesh import Mesh
 from .placements import Partial, Placement, Shard, StridedShard, parse_placement
 
-__all__ = ["TensorLayout", "layout_blocks", "placements_str", "infer_global_shape"]
+__all__ = ["TensorLayout", "layout_blocks", "infer_global_shape"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +150,6 @@ def layout_blocks(
         coord.reverse()
         out.append(tuple(per_dim[d][tuple(coord[m] for m in sharding[d])] for d in range(ndim)))
     return tuple(out)
-
-
-def placements_str(placements: Sequence[Placement]) -> str:
-    return "(" + ", ".join(str(p) for p in placements) + ")"
 
 
 def infer_global_shape(

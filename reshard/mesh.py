@@ -55,12 +55,6 @@ class Mesh:
             n *= s
         return n
 
-    def dim_size(self, name: str) -> int:
-        try:
-            return self.shape[self.names.index(name)]
-        except ValueError:
-            raise ConfigError(f"mesh has no dim named {name!r} (dims: {', '.join(self.names)})") from None
-
     def coordinate(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} out of range for mesh of {self.size}")
@@ -83,16 +77,45 @@ class Mesh:
             yield self.coordinate(r)
 
     def with_sizes(self, sizes: Mapping[str, int]) -> Mesh:
-        """This mesh with some dims resized; a new name is appended as an inner dim."""
-        names = list(self.names)
-        shape = list(self.shape)
-        for name, size in sizes.items():
-            if name in names:
-                shape[names.index(name)] = size
-            else:
-                names.append(name)
-                shape.append(size)
-        return Mesh(tuple(names), tuple(shape))
+        """This mesh overridden by ``sizes`` (``--source-mesh`` and ``--target-mesh`` alike).
+
+        One rule for both options, so the same text gives the same rank numbering
+        whether it describes the source or the target:
+
+        - a dim ``sizes`` does not name keeps its size and its position;
+        - the positions of the dims it names are refilled with them in the order
+          written in ``sizes``, with their new sizes;
+        - a dim new to this mesh goes just before the next dim of this mesh written
+          after it in ``sizes`` (just after the last one if none follows); if
+          ``sizes`` names no dim of this mesh, its dims are appended innermost.
+
+        So ``sizes`` naming every dim gives exactly its written order.
+
+        >>> str(Mesh(("tp", "fsdp"), (4, 2)).with_sizes({"fsdp": 2, "tp": 4}))
+        'fsdp=2,tp=4'
+        >>> str(Mesh(("fsdp", "tp"), (2, 4)).with_sizes({"tp": 8}))
+        'fsdp=2,tp=8'
+        >>> str(Mesh(("pp", "tp"), (2, 4)).with_sizes({"fsdp": 2, "tp": 4}))
+        'pp=2,fsdp=2,tp=4'
+        >>> str(Mesh(("tp",), (4,)).with_sizes({"ep": 2}))
+        'tp=4,ep=2'
+        """
+        groups: list[list[str]] = [[]]  # each named dim of this mesh, with the new dims before it
+        for name in sizes:
+            groups[-1].append(name)
+            if name in self.names:
+                groups.append([])
+        tail = groups.pop()
+        if groups:
+            groups[-1].extend(tail)
+        refill = iter(groups)
+        names: list[str] = []
+        for name in self.names:
+            names.extend(next(refill) if name in sizes else (name,))
+        if not groups:
+            names.extend(tail)
+        own = dict(zip(self.names, self.shape, strict=True))
+        return Mesh(tuple(names), tuple(sizes[n] if n in sizes else own[n] for n in names))
 
     def to_json(self) -> dict[str, list[object]]:
         return {"names": list(self.names), "shape": list(self.shape)}

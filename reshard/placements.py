@@ -210,8 +210,13 @@ def parse_placement(text: object) -> Placement:
             f"unknown placement {text!r}: use R, S(d), _S(d, sf), P(sum) or their long forms "
             "Replicate(), Shard(d), _StridedShard(d, sf=N), Partial(sum)"
         )
-    raw_args = m.group(2)
-    args = [a.strip() for a in raw_args.split(",")] if raw_args and raw_args.strip() else []
+    pos, kw = _arguments(m.group(2), text)
+    return _BUILD[kind](pos, kw, text)
+
+
+def _arguments(raw: str | None, text: str) -> tuple[list[str], dict[str, str]]:
+    """Positional and keyword arguments of a placement call (``0, sf=tp``)."""
+    args = [a.strip() for a in raw.split(",")] if raw and raw.strip() else []
     pos: list[str] = []
     kw: dict[str, str] = {}
     for a in args:
@@ -222,24 +227,48 @@ def parse_placement(text: object) -> Placement:
             if kw:
                 raise ConfigError(f"placement {text!r}: positional argument after keyword")
             pos.append(a)
-    if kind == "R":
-        if pos or kw:
-            raise ConfigError(f"placement {text!r}: Replicate takes no arguments")
-        return Replicate()
-    if kind == "P":
-        op = kw.pop("reduce_op", None) or (pos.pop(0) if pos else "sum")
-        if pos or kw:
-            raise ConfigError(f"placement {text!r}: Partial takes one reduce op (sum, avg, max, min)")
-        return Partial(op.strip("'\""))
-    dim_text = kw.pop("dim", None) or (pos.pop(0) if pos else None)
+    return pos, kw
+
+
+def _arg(pos: list[str], kw: dict[str, str], *names: str) -> str | None:
+    """Take an argument by any of its keyword names, else the next positional one."""
+    for n in names:
+        value = kw.pop(n, None)
+        if value:
+            return value
+    return pos.pop(0) if pos else None
+
+
+def _replicate(pos: list[str], kw: dict[str, str], text: str) -> Placement:
+    if pos or kw:
+        raise ConfigError(f"placement {text!r}: Replicate takes no arguments")
+    return Replicate()
+
+
+def _partial(pos: list[str], kw: dict[str, str], text: str) -> Placement:
+    op = _arg(pos, kw, "reduce_op") or "sum"
+    if pos or kw:
+        raise ConfigError(f"placement {text!r}: Partial takes one reduce op (sum, avg, max, min)")
+    return Partial(op.strip("'\""))
+
+
+def _dim(pos: list[str], kw: dict[str, str], text: str) -> int:
+    dim_text = _arg(pos, kw, "dim")
     if dim_text is None:
         raise ConfigError(f"placement {text!r}: missing the tensor dim, e.g. S(0)")
-    dim = _int(dim_text, "the dim", text)
-    if kind == "S":
-        if pos or kw:
-            raise ConfigError(f"placement {text!r}: Shard takes one dim")
-        return Shard(dim)
-    sf_text = kw.pop("sf", None) or kw.pop("split_factor", None) or (pos.pop(0) if pos else None)
+    return _int(dim_text, "the dim", text)
+
+
+def _shard(pos: list[str], kw: dict[str, str], text: str) -> Placement:
+    dim = _dim(pos, kw, text)
+    if pos or kw:
+        raise ConfigError(f"placement {text!r}: Shard takes one dim")
+    return Shard(dim)
+
+
+def _strided(pos: list[str], kw: dict[str, str], text: str) -> Placement:
+    dim = _dim(pos, kw, text)
+    sf_text = _arg(pos, kw, "sf", "split_factor")
     if sf_text is None:
         raise ConfigError(f"placement {text!r}: missing the split factor, e.g. _S(0, 2) or _S(0, sf=tp)")
     if pos or kw:
@@ -247,3 +276,6 @@ def parse_placement(text: object) -> Placement:
     sf_text = sf_text.strip("'\"")
     sf: int | str = int(sf_text) if sf_text.lstrip("-").isdigit() else sf_text
     return StridedShard(dim, sf)
+
+
+_BUILD = {"R": _replicate, "P": _partial, "S": _shard, "SS": _strided}

@@ -9,21 +9,23 @@ target local tensor. Work is shared between tensors of the same geometry
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from .checkpoint import Checkpoint, TensorSource
+from .dtypes import DTYPE_SIZES, FLOAT_DTYPES
 from .errors import PlanError
-from .intervals import Block, IndexList, Segment, block_shape, block_volume, overlap_segments
-from .io.header import DTYPE_RANK, DTYPE_SIZES, FLOAT_DTYPES
+from .intervals import Block, IndexList, Segment, block_volume, overlap_segments
 from .layout import TensorLayout
 from .mesh import Mesh
 from .placements import Placement
+
+if TYPE_CHECKING:
+    from .config import LayoutConfig
 
 __all__ = [
     "Copy",
@@ -32,13 +34,14 @@ __all__ = [
     "plan_tensor",
     "copy_boxes",
     "natural_key",
+    "WriteOptions",
     "OutEntry",
+    "FileLayout",
     "OutFile",
+    "OutputFormat",
+    "local_nbytes",
     "Plan",
     "make_plan",
-    "rank_file_name",
-    "PER_RANK",
-    "HF",
 ]
 
 
@@ -207,8 +210,16 @@ def natural_key(name: str) -> tuple[object, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class WriteOptions:
+    """Target options a writer may use to lay out its files."""
+
+    max_shard_size: int = 5 * 10**9
+    """Split a rank's (or the consolidated) output into files of at most this many bytes."""
+
+
+@dataclass(frozen=True, slots=True)
 class OutEntry:
-    """One tensor in one output file: target rank ``rank``'s block, at absolute ``start``."""
+    """One tensor in one output file: target rank ``rank``'s block, ``nbytes`` at absolute ``start``."""
 
     tensor: TargetTensor
     rank: int
@@ -216,97 +227,114 @@ class OutEntry:
     nbytes: int
 
 
-class OutFile:
-    """One output file: target rank ``rank``'s blocks of ``tensors``.
+@dataclass(frozen=True, slots=True)
+class FileLayout:
+    """Where every byte of one output file comes from.
 
-    The header bytes and tensor offsets are laid out on first use, not at
-    planning time: a checkpoint of 100k tensors planned for 64 ranks has 6.4M
-    file entries, and each worker lays out only the files it writes.
+    ``fixed`` are the bytes known before any tensor data is written (headers, and
+    for container formats the records between entries), as ``(offset, bytes)`` in
+    increasing offset order, never overlapping an entry. ``entries`` are the tensor
+    data runs in increasing ``start`` order. Every byte of ``[0, size)`` is in one
+    of them (or is a zero gap the file system gives for free).
     """
 
-    __slots__ = ("name", "rank", "tensors", "_meta", "_layout")
+    fixed: tuple[tuple[int, bytes], ...]
+    entries: tuple[OutEntry, ...]
+    size: int
 
-    def __init__(self, name: str, rank: int | None, tensors: Sequence[TargetTensor], meta: str) -> None:
+
+class OutFile:
+    """One output file of a writer: target rank ``rank``'s blocks of ``tensors`` (the writer interface).
+
+    A writer subclasses this and implements :meth:`lay_out`. The layout is computed
+    on first use, not at planning time: a checkpoint of 100k tensors planned for 64
+    ranks has 6.4M file entries, and each worker lays out only the files it writes.
+
+    Formats whose bytes depend on the data (zip archives with CRC32 fields) set
+    ``needs_crc32``: the executor then computes ``zlib.crc32`` of each entry's bytes
+    as it writes them and calls :meth:`finish` with them; the ``(offset, bytes)``
+    patches it returns are written before the file is checksummed and renamed.
+    """
+
+    __slots__ = ("name", "rank", "tensors", "_layout")
+
+    needs_crc32: bool = False
+
+    def __init__(self, name: str, rank: int | None, tensors: Sequence[TargetTensor]) -> None:
         self.name = name
-        self.rank = rank
-        self.tensors = tensors  # in header order (dtype rank descending, then name)
-        self._meta = meta  # the JSON text of __metadata__
-        self._layout: tuple[bytes, tuple[OutEntry, ...], int] | None = None
+        self.rank = rank  # the target rank whose blocks the file holds; None: consolidated (rank 0)
+        self.tensors = tensors
+        self._layout: FileLayout | None = None
 
-    def _lay_out(self) -> tuple[bytes, tuple[OutEntry, ...], int]:
+    def lay_out(self) -> FileLayout:
+        """Compute the file's layout (called once, lazily)."""
+        raise NotImplementedError
+
+    def finish(self, crc32s: Sequence[int]) -> Sequence[tuple[int, bytes]]:
+        """Bytes to write once all data is written, from the entries' CRC32s (in entry order)."""
+        return ()
+
+    @property
+    def layout(self) -> FileLayout:
         if self._layout is None:
-            r = 0 if self.rank is None else self.rank
-            parts = ['"__metadata__":' + self._meta]
-            spans = []
-            offset = 0
-            for t in self.tensors:
-                shape_text, nbytes = _local_text(t, r)
-                stop = offset + nbytes
-                parts.append(
-                    f'{_quoted(t.name)}:{{"dtype":"{t.dtype}","shape":[{shape_text}],'
-                    f'"data_offsets":[{offset},{stop}]}}'
-                )
-                spans.append((offset, nbytes))
-                offset = stop
-            body = ("{" + ",".join(parts) + "}").encode("utf-8")
-            body += b" " * (-len(body) % 8)
-            prefix = len(body).to_bytes(8, "little") + body
-            base = len(prefix)
-            entries = tuple(OutEntry(t, r, base + a, n) for t, (a, n) in zip(self.tensors, spans))
-            self._layout = (prefix, entries, base + offset)
+            self._layout = self.lay_out()
         return self._layout
 
     @property
     def prefix(self) -> bytes:
-        return self._lay_out()[0]
+        """The fixed bytes at offset 0 (the header), or empty."""
+        fixed = self.layout.fixed
+        return fixed[0][1] if fixed and fixed[0][0] == 0 else b""
 
     @property
     def entries(self) -> tuple[OutEntry, ...]:
-        return self._lay_out()[1]
+        return self.layout.entries
 
     @property
     def size(self) -> int:
-        return self._lay_out()[2]
+        return self.layout.size
+
+    @property
+    def local_rank(self) -> int:
+        """The target rank whose blocks this file holds (0 for a consolidated file)."""
+        return 0 if self.rank is None else self.rank
 
     @property
     def copies(self) -> int:
-        r = 0 if self.rank is None else self.rank
+        r = self.local_rank
         return sum(len(t.copies[r]) for t in self.tensors)
 
 
-_QUOTED: dict[str, str] = {}
+class OutputFormat(Protocol):
+    """What the planner needs of a writer (``reshard.formats.base.Writer`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def consolidated(self) -> bool:
+        """Every tensor whole (all placements Replicate on a one-rank mesh)."""
+        ...
+
+    @property
+    def lockstep(self) -> bool:
+        """The files are sibling ranks holding the same tensors cut differently (they share reads)."""
+        ...
+
+    def files(self, tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
+        """The output files for planned tensors (in natural name order) on the target mesh."""
+        ...
 
 
-def _quoted(name: str) -> str:
-    q = _QUOTED.get(name)
-    if q is None:
-        q = json.dumps(name, ensure_ascii=False)
-        if len(_QUOTED) < 1_000_000:
-            _QUOTED[name] = q
-    return q
+def local_nbytes(t: TargetTensor, rank: int) -> int:
+    """Bytes of target rank ``rank``'s block of ``t``."""
+    return _local_nbytes(t.layout, t.dtype)[rank]
 
 
 @lru_cache(maxsize=65536)
-def _local_texts(layout: TensorLayout, dtype: str) -> tuple[tuple[str, int], ...]:
-    """Per rank: the local shape as header text, and the local bytes (shared by equal layouts)."""
+def _local_nbytes(layout: TensorLayout, dtype: str) -> tuple[int, ...]:
     isz = DTYPE_SIZES[dtype]
-    out = []
-    for blk in layout.blocks():
-        shp = block_shape(blk)
-        n = isz
-        for x in shp:
-            n *= x
-        out.append((",".join(map(str, shp)), n))
-    return tuple(out)
-
-
-def _local_text(t: TargetTensor, rank: int) -> tuple[str, int]:
-    return _local_texts(t.layout, t.dtype)[rank]
-
-
-def _header_order(tensors: Sequence[TargetTensor]) -> list[TargetTensor]:
-    """The reference writer's order: dtype rank (Rust enum) descending, then name."""
-    return sorted(tensors, key=lambda t: (-DTYPE_RANK[t.dtype], t.name))
+    return tuple(isz * block_volume(blk) for blk in layout.blocks())
 
 
 @dataclass(slots=True)
@@ -314,12 +342,15 @@ class Plan:
     """Everything a conversion does, decided before a byte is written."""
 
     source: Checkpoint
-    format: str
+    writer: OutputFormat
     mesh: Mesh
     tensors: list[TargetTensor]
     files: list[OutFile]
-    rules: Any = None  # config.LayoutConfig of the target, when there is one
-    index: dict[str, Any] | None = None  # model.safetensors.index.json for hf output
+    rules: LayoutConfig | None = None  # the target's layout rules, when there are any
+
+    @property
+    def format(self) -> str:
+        return self.writer.name
 
     @property
     def bytes_written(self) -> int:
@@ -341,34 +372,26 @@ class Plan:
         return sum(sum(self.file_reads(f).values()) for f in self.files)
 
 
-PER_RANK = "per-rank"
-HF = "hf"
-
-
-def rank_file_name(rank: int, world: int) -> str:
-    """``rank-00003-of-00008.safetensors``."""
-    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
-
-
 def make_plan(
     source: Checkpoint,
     mesh: Mesh,
     placements_for: Callable[[str], Sequence[Placement | str]],
     *,
-    fmt: str = PER_RANK,
+    writer: OutputFormat,
     dtype: str | None = None,
-    max_shard_size: int = 5 * 10**9,
-    rules: Any = None,
+    options: WriteOptions = WriteOptions(),
+    rules: LayoutConfig | None = None,
 ) -> Plan:
     """Plan a conversion of ``source`` to ``mesh`` with the placements ``placements_for(name)``.
 
     Args:
         source: the opened source checkpoint.
-        mesh: the target mesh (a one-rank mesh for ``hf``).
-        placements_for: target placements for a tensor name, one per mesh dim.
-        fmt: ``per-rank`` or ``hf``.
+        mesh: the target mesh (a one-rank mesh for a consolidated writer).
+        placements_for: target placements for a tensor name, one per mesh dim
+            (not called for a consolidated writer: every tensor is whole).
+        writer: lays out the output files (``reshard.formats.writer(name)``).
         dtype: cast floating tensors to this safetensors dtype (``BF16``, ``F16``, ``F32``).
-        max_shard_size: split ``hf`` output files at this many bytes.
+        options: what the writer may use (``max_shard_size``).
         rules: the target layout rules, recorded in the output.
 
     Raises:
@@ -377,69 +400,14 @@ def make_plan(
     """
     names = sorted(source.tensors, key=natural_key)
     tensors: list[TargetTensor] = []
+    whole = writer.consolidated
     for name in names:
         src = source.tensors[name]
         out_dtype = src.dtype
-        if dtype is not None and src.dtype != dtype:
-            if src.dtype in FLOAT_DTYPES:
-                out_dtype = dtype
-        pl = placements_for(name) if fmt == PER_RANK else ["R"] * mesh.ndim
+        if dtype is not None and src.dtype != dtype and src.dtype in FLOAT_DTYPES:
+            out_dtype = dtype
+        pl = ["R"] * mesh.ndim if whole else placements_for(name)
         layout = TensorLayout.for_tensor(name, src.shape, mesh, pl)
         tensors.append(plan_tensor(src, layout, out_dtype))
-    if fmt == PER_RANK:
-        files = _per_rank_files(tensors, mesh)
-        index = None
-    elif fmt == HF:
-        files, index = _hf_files(tensors, max_shard_size)
-    else:
-        raise PlanError(f"unknown output format {fmt!r} (use per-rank or hf)")
-    return Plan(source, fmt, mesh, tensors, files, rules=rules, index=index)
-
-
-def _per_rank_files(tensors: Sequence[TargetTensor], mesh: Mesh) -> list[OutFile]:
-    tensors_json = json.dumps(
-        {t.name: {"shape": list(t.shape), "placements": t.layout.placement_strs()} for t in tensors},
-        separators=(",", ":"),
-    )
-    mesh_json = json.dumps(mesh.to_json(), separators=(",", ":"))
-    ordered = _header_order(tensors)
-    files = []
-    for rank in range(mesh.size):
-        coord = list(mesh.coordinate(rank))
-        meta = (
-            f'{{"format_version":1,"mesh":{mesh_json},"rank":{rank},'
-            f'"coordinate":{json.dumps(coord, separators=(",", ":"))},"tensors":{tensors_json}}}'
-        )
-        files.append(
-            OutFile(
-                rank_file_name(rank, mesh.size),
-                rank,
-                ordered,
-                json.dumps({"reshard": meta}, ensure_ascii=False, separators=(",", ":")),
-            )
-        )
-    return files
-
-
-def _hf_files(tensors: Sequence[TargetTensor], max_shard_size: int) -> tuple[list[OutFile], dict[str, Any]]:
-    groups: list[list[TargetTensor]] = [[]]
-    acc = 0
-    for t in tensors:
-        n = _local_text(t, 0)[1]
-        if groups[-1] and acc + n > max_shard_size:
-            groups.append([])
-            acc = 0
-        groups[-1].append(t)
-        acc += n
-    total = len(groups)
-    files = []
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for i, group in enumerate(groups):
-        name = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        files.append(OutFile(name, None, _header_order(group), '{"format":"pt"}'))
-        for t in group:
-            weight_map[t.name] = name
-            total_size += _local_text(t, 0)[1]
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    return files, index
+    files = writer.files(tensors, mesh, options)
+    return Plan(source, writer, mesh, tensors, files, rules=rules)

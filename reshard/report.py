@@ -7,9 +7,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
-from .intervals import block_shape, box_span, row_major_strides
-from .io.header import DTYPE_SIZES
+from .dtypes import DTYPE_SIZES
+from .intervals import Block, block_shape, box_span, format_box, row_major_strides
 from .plan import Plan, copy_boxes
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
@@ -62,7 +63,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
                 "bytes": nbytes,
             }
         )
-    return {
+    doc: dict[str, Any] = {
         "path": ck.path,
         "format": ck.format,
         "mesh": ck.mesh.to_json() if ck.mesh is not None else None,
@@ -70,22 +71,30 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "file_bytes": ck.total_bytes,
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
-        "warnings": list(ck.warnings),
-        "objects": [
-            {"name": o.name, "file": os.path.basename(ck.files[o.file]), "bytes": o.length}
-            for o in ck.objects.values()
-        ],
+        "warnings": [str(w) for w in ck.warnings],
         **({"note": _DCP_NOTE} if ck.format == "dcp" else {}),
     }
+    if ck.non_tensors:  # only formats that have them (DCP, torch.save) add the key
+        doc["non_tensors"] = [
+            {
+                "name": n.name,
+                "size": n.size,
+                "kind": n.kind,
+                "file": os.path.basename(ck.files[n.file]) if n.file is not None else None,
+            }
+            for n in ck.non_tensors
+        ]
+    return doc
 
 
 _DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
 
 
-def _block_text(block: Any) -> str:
-    """A piece's global indices, ``[0:4)x[2:3)``; ``[]`` for an empty chunk, ``()`` for a scalar."""
+def _block_text(block: Block) -> str:
+    """A piece's global indices, ``[0:4)x[2:3)`` as :func:`~reshard.intervals.format_box` shows
+    a box; ``[]`` for an empty dim (an empty chunk)."""
     if not block:
-        return "()"
+        return format_box(())
     return "x".join(",".join(str(iv) for iv in ilist) or "[]" for ilist in block)
 
 
@@ -185,10 +194,11 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
     if doc.get("note"):
         console.print(doc["note"])
-    if doc["objects"]:
-        console.print(f"{len(doc['objects'])} non-tensor item(s) (not converted to safetensors):")
-        for o in doc["objects"]:
-            console.print(f"  {o['name']}  {o['file']}  {human(o['bytes'])}", soft_wrap=True)
+    for n in doc.get("non_tensors", ()):
+        where = f" in {n['file']}" if n["file"] else ""
+        console.print(
+            f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
+        )
     for w in doc["warnings"]:
         console.print(f"warning: {w}")
 
@@ -219,10 +229,8 @@ def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
     return out
 
 
-def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]:
+def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
     """What convert would do: per output file, what it reads and writes, and the peak memory."""
-    from .execute import memory_estimate
-
     files = []
     total_read = 0
     total_copies = 0
@@ -267,9 +275,9 @@ def plan_report(plan: Plan, *, workers: int, buffer_size: int) -> dict[str, Any]
             "copies": total_copies,
             "read_amplification": round(total_read / written, 4) if written else 0.0,
         },
-        "workers": workers,
-        "buffer_size": buffer_size,
-        "peak_memory_estimate": memory_estimate(plan, workers=workers, buffer_size=buffer_size),
+        "workers": budget.workers,
+        "buffer_size": budget.buffer,
+        "peak_memory_estimate": memory_estimate(plan, budget),
     }
 
 

@@ -13,7 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from .execute import FileResult, file_checksum
+from .io.checksum import file_checksum
+from .io.writer import FileResult
 from .plan import OutFile, Plan
 
 __all__ = ["JOURNAL", "record_finished", "finished_files"]

@@ -20,7 +20,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointWarning
 from .config import _compile
 from .errors import ConfigError, UsageError
 
@@ -59,13 +59,13 @@ def selected(
     return kept, [u for u in unused if u not in used]
 
 
-def _unmatched(unused: Sequence[tuple[str, str]], where: str) -> list[str]:
-    return [f'{opt} "{p}" matches nothing in {where}' for opt, p in unused]
+def _unmatched(unused: Sequence[tuple[str, str]], where: str) -> list[CheckpointWarning]:
+    return [CheckpointWarning(f'{opt} "{p}" matches nothing in {where}') for opt, p in unused]
 
 
 def select_checkpoint(
     ckpt: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
-) -> tuple[Checkpoint, list[str]]:
+) -> tuple[Checkpoint, list[CheckpointWarning]]:
     """``ckpt`` with only the tensors and non-tensor items the patterns keep.
 
     Returns:
@@ -84,7 +84,7 @@ def select_checkpoint(
 
 def select_pair(
     a: Checkpoint, b: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
-) -> tuple[Checkpoint, Checkpoint, list[str]]:
+) -> tuple[Checkpoint, Checkpoint, list[CheckpointWarning]]:
     """Both checkpoints filtered alike (``verify``); a pattern warns only when it matches in neither.
 
     Raises:
@@ -100,23 +100,18 @@ def _select(
 ) -> tuple[Checkpoint, list[tuple[str, str]]]:
     if not include and not exclude:
         return ckpt, []
-    kept, unused = selected([*ckpt.tensors, *ckpt.objects], include, exclude)
+    kept, unused = selected([*ckpt.tensors, *(n.name for n in ckpt.non_tensors)], include, exclude)
     keep = set(kept)
-    objects = {k: v for k, v in ckpt.objects.items() if k in keep}
-    old = list(ckpt.warnings)
-    if len(objects) != len(ckpt.objects):
-        from .formats.dcp import objects_warning
-
-        stale = objects_warning(ckpt.objects) if ckpt.objects else None
-        old = [w for w in old if w != stale] + ([objects_warning(objects)] if objects else [])
     manifest = ckpt.manifest
     if manifest is not None and isinstance(manifest.get("tensors"), dict):
-        manifest = {**manifest, "tensors": {k: v for k, v in manifest["tensors"].items() if k in keep}}
+        listed = manifest["tensors"]
+        assert isinstance(listed, dict)
+        manifest = {**manifest, "tensors": {k: v for k, v in listed.items() if k in keep}}
     out = dataclasses.replace(
         ckpt,
         tensors={k: v for k, v in ckpt.tensors.items() if k in keep},
-        objects=objects,
+        non_tensors=tuple(n for n in ckpt.non_tensors if n.name in keep),
         manifest=manifest,
-        warnings=old,
+        warnings=list(ckpt.warnings),
     )
     return out, unused

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .io.header import TORCH_NAMES
+from .dtypes import TORCH_NAMES
 
 __all__ = ["torch_dtype", "cast_reduce"]
-
-_TORCH_NAMES = TORCH_NAMES  # dist.py's name for it
 
 
 def torch_dtype(name: str) -> Any:

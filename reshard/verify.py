@@ -16,31 +16,28 @@ and the reduced values are compared.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from functools import cache
-from typing import Any
+from typing import Any, TypedDict
 
+from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
+from .dtypes import DTYPE_SIZES
 from .errors import PlanError
-from .execute import PageWindow, SourceFiles, slabs
-from .intervals import Block, block_shape, block_volume, clip_box, row_major_strides
-from .io.header import DTYPE_SIZES
+from .intervals import (
+    Block,
+    block_shape,
+    block_volume,
+    clip_box,
+    coverage_holes,
+    global_index,
+    row_major_strides,
+    slabs,
+)
+from .io.reader import MappedFiles, Piece, read_box, uint_dtype
 from .plan import Copy, copy_boxes, match_blocks, natural_key
 
-__all__ = ["verify_checkpoints", "MappedFiles", "global_index", "DEFAULT_MAX_BYTES"]
-
-#: Default bound on the comparison buffers, in bytes.
-DEFAULT_MAX_BYTES = 64 << 20
-
-_MIN_RELEASE = 1 << 20
-
-
-@cache
-def _np_uint(itemsize: int) -> Any:
-    import numpy as np
-
-    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+__all__ = ["verify_checkpoints", "Verdict", "Difference"]
 
 
 def _prod(xs: Sequence[int]) -> int:
@@ -50,87 +47,40 @@ def _prod(xs: Sequence[int]) -> int:
     return n
 
 
-def global_index(block: Block, local: Sequence[int]) -> list[int]:
-    """Global index of the element at local position ``local`` of a block.
-
-    >>> from reshard.intervals import Interval
-    >>> global_index(((Interval(0, 2), Interval(6, 8)), (Interval(0, 3),)), (3, 1))
-    [7, 1]
-    """
-    out = []
-    for ilist, p in zip(block, local, strict=True):
-        for iv in ilist:
-            if p < iv.size:
-                out.append(iv.start + p)
-                break
-            p -= iv.size
-        else:
-            raise AssertionError(f"local index {list(local)} outside block {block}")
-    return out
-
-
-class MappedFiles(PageWindow):
-    """Read-only maps of a checkpoint's files whose touched pages are released as we go.
-
-    Pages read through the maps stay counted in this process's RSS until
-    released; :meth:`touch` records what was read and drops it (``MADV_DONTNEED``;
-    the page cache keeps the data) once ``release_every`` bytes have accumulated.
-
-    Args:
-        files: the checkpoint's file paths.
-        release_every: bytes of touched pages to hold before releasing them.
-    """
-
-    def __init__(self, files: Sequence[str], release_every: int) -> None:
-        super().__init__(SourceFiles(files), max(_MIN_RELEASE, release_every))
-
-    def array(self, src: TensorSource, k: int, shape: tuple[int, ...] | None = None) -> Any:
-        """Piece ``k`` of ``src``: a read-only numpy array of unsigned items, in its local shape.
-
-        Args:
-            src: the tensor.
-            k: the piece.
-            shape: the piece's local shape, when the caller already has it.
-        """
-        import numpy as np
-
-        if shape is None:
-            shape = src.piece_shape(k)
-        mm = self.sources.map(src.piece_files[k])
-        npt = _np_uint(DTYPE_SIZES[src.dtype])
-        arr = np.frombuffer(mm, dtype=npt, count=_prod(shape), offset=src.piece_offsets[k])
-        return arr.reshape(shape)
-
-    def raw(self, fi: int, offset: int, count: int) -> Any:
-        """``count`` bytes of file ``fi`` at ``offset`` as a read-only uint8 numpy array."""
-        import numpy as np
-
-        arr = np.frombuffer(self.sources.map(fi), dtype=np.uint8, count=count, offset=offset)
-        self.touch_range(fi, offset, offset + count)
-        return arr
-
-    def touch(self, src: TensorSource, k: int, key: tuple[slice, ...]) -> None:
-        """Record that the slices ``key`` of piece ``k`` were read."""
-        strides = row_major_strides(src.piece_shape(k))
-        self.touch_slices(src.piece_files[k], src.piece_offsets[k], strides, DTYPE_SIZES[src.dtype], key)
-
-    def close(self) -> None:
-        """Release pages and close maps and file descriptors."""
-        self.release()
-        self.sources.close()
-
-
 _Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """A source piece as read: file, byte offset, element strides and a numpy view."""
+class _DifferenceCore(TypedDict):
+    tensor: str
+    kind: str
+    message: str
 
-    fi: int
-    base: int
-    strides: tuple[int, ...]
-    arr: Any
+
+class Difference(_DifferenceCore, total=False):
+    """One difference found, as JSON: ``dtype``/``shape`` add ``a`` and ``b``; ``values`` adds
+    ``index`` (the smallest differing global index) and ``a_bits``/``b_bits`` (hex)."""
+
+    a: str | list[int]
+    b: str | list[int]
+    index: list[int]
+    a_bits: str
+    b_bits: str
+
+
+class Side(TypedDict):
+    path: str
+    format: str
+
+
+class Verdict(TypedDict):
+    """What :func:`verify_checkpoints` returns (the ``verify --json`` document body)."""
+
+    equal: bool
+    tensors: int
+    bytes_compared: int
+    differences: list[Difference]
+    a: Side
+    b: Side
 
 
 class _Region:
@@ -150,18 +100,12 @@ class _Region:
         self.groups = groups
         self.bufs = bufs
         self.isz = DTYPE_SIZES[src.dtype]
-        self.npt = _np_uint(self.isz)
+        self.npt = uint_dtype(self.isz)
         # One copy, one segment per dim, one group: the region is a view of one piece.
-        self.view: tuple[_Piece, tuple[int, ...]] | None = None
-        self.plans: list[tuple[int, _Piece, list[_Box]]] = []
+        self.view: tuple[Piece, tuple[int, ...]] | None = None
+        self.plans: list[tuple[int, Piece, list[_Box]]] = []
         for c in copies:
-            shape, strides = geometry[c.piece]
-            piece = _Piece(
-                src.piece_files[c.piece],
-                src.piece_offsets[c.piece],
-                strides,
-                files.array(src, c.piece, shape),
-            )
+            piece = files.piece(src, c.piece, geometry[c.piece][0])
             if groups == 1 and len(copies) == 1 and all(len(s) == 1 for s in c.segments):
                 self.view = (piece, tuple(s[0][0] for s in c.segments))
             else:
@@ -174,8 +118,7 @@ class _Region:
         if self.view is not None:
             p, starts = self.view
             key = tuple(slice(s + a, s + b) for s, (a, b) in zip(starts, slab, strict=True))
-            self.files.touch_slices(p.fi, p.base, p.strides, self.isz, key)
-            return p.arr[key] if key else p.arr[...]
+            return read_box(self.files, p, key)
         while len(self.bufs) < self.groups:
             self.bufs.append(bytearray())
         isz = DTYPE_SIZES[self.src.dtype]
@@ -189,8 +132,7 @@ class _Region:
                 clipped = clip_box(slab, s_st, d_st, sz)
                 if clipped is not None:
                     src_sl, dst_sl = clipped
-                    views[g][dst_sl or ...] = p.arr[src_sl or ...]
-                    self.files.touch_slices(p.fi, p.base, p.strides, isz, src_sl)
+                    views[g][dst_sl or ...] = read_box(self.files, p, src_sl)
         if self.groups == 1:
             return views[0]
         from .torch_ops import cast_reduce
@@ -243,8 +185,6 @@ def _self_copies(b: TensorSource, regions: tuple[Block, ...]) -> tuple[tuple[Cop
     Volumes adding up to the tensor's with no hole mean the blocks are
     disjoint; then the quadratic matching is not needed.
     """
-    from .check import coverage_holes  # check builds on this module
-
     if b.piece_partials is not None and len(set(b.piece_partials)) > 1:
         return None
     if sum(block_volume(r) for r in regions) != b.numel or coverage_holes(b.shape, regions):
@@ -341,11 +281,11 @@ def _first_difference(
     return compared, best
 
 
-def _describe(c: Checkpoint) -> dict[str, Any]:
+def _describe(c: Checkpoint) -> Side:
     return {"path": c.path, "format": c.format}
 
 
-def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
+def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Verdict:
     """Compare two checkpoints: tensor names, dtypes, global shapes and values bit for bit.
 
     Args:
@@ -365,49 +305,23 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
         PlanError: a checkpoint's pieces leave holes or overlap without being replicas.
     """
     names = sorted(set(a.tensors) | set(b.tensors), key=natural_key)
-    diffs: list[dict[str, Any]] = []
+    diffs: list[Difference] = []
     compared_tensors = 0
     total = 0
     fa = MappedFiles(a.files, max_bytes // 4)
     fb = MappedFiles(b.files, max_bytes // 4)
     bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
-    matches: dict[tuple[Any, ...], _Match] = {}
+    matches: dict[tuple[Hashable, ...], _Match] = {}
     try:
         for name in names:
-            ta = a.tensors.get(name)
-            tb = b.tensors.get(name)
-            q = f'tensor "{name}"'
-            if tb is None:
-                msg = f"{q} is in A but missing in B"
-                diffs.append({"tensor": name, "kind": "missing", "message": msg})
+            ta, tb = a.tensors.get(name), b.tensors.get(name)
+            diff = _metadata_difference(name, ta, tb)
+            if ta is not None and tb is not None:
+                compared_tensors += 1
+            if diff is not None:
+                diffs.append(diff)
                 continue
-            if ta is None:
-                msg = f"{q} is in B but not in A"
-                diffs.append({"tensor": name, "kind": "extra", "message": msg})
-                continue
-            compared_tensors += 1
-            if ta.dtype != tb.dtype:
-                diffs.append(
-                    {
-                        "tensor": name,
-                        "kind": "dtype",
-                        "a": ta.dtype,
-                        "b": tb.dtype,
-                        "message": f"{q}: dtype {ta.dtype} in A, {tb.dtype} in B",
-                    }
-                )
-                continue
-            if ta.shape != tb.shape:
-                diffs.append(
-                    {
-                        "tensor": name,
-                        "kind": "shape",
-                        "a": list(ta.shape),
-                        "b": list(tb.shape),
-                        "message": f"{q}: shape {list(ta.shape)} in A, {list(tb.shape)} in B",
-                    }
-                )
-                continue
+            assert ta is not None and tb is not None
             if ta.numel == 0:
                 continue
             key = (ta.signature, tb.signature, ta.shape)
@@ -418,20 +332,7 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
             n, first = _first_difference(fa, fb, ta, tb, m, max_bytes, bufs)
             total += n
             if first is not None:
-                idx, bits_a, bits_b = first
-                w = 2 * DTYPE_SIZES[ta.dtype]
-                ha, hb = f"0x{bits_a:0{w}x}", f"0x{bits_b:0{w}x}"
-                diffs.append(
-                    {
-                        "tensor": name,
-                        "kind": "values",
-                        "index": idx,
-                        "a_bits": ha,
-                        "b_bits": hb,
-                        "message": f"{q}: values differ, first at index {idx} "
-                        f"({ta.dtype} bits {ha} in A, {hb} in B)",
-                    }
-                )
+                diffs.append(_values_difference(name, ta.dtype, *first))
     finally:
         del bufs
         fa.close()
@@ -443,4 +344,34 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
         "differences": diffs,
         "a": _describe(a),
         "b": _describe(b),
+    }
+
+
+def _metadata_difference(name: str, ta: TensorSource | None, tb: TensorSource | None) -> Difference | None:
+    """A tensor missing on one side, or of another dtype or shape; None when they match."""
+    q = f'tensor "{name}"'
+    if tb is None:
+        return {"tensor": name, "kind": "missing", "message": f"{q} is in A but missing in B"}
+    if ta is None:
+        return {"tensor": name, "kind": "extra", "message": f"{q} is in B but not in A"}
+    if ta.dtype != tb.dtype:
+        msg = f"{q}: dtype {ta.dtype} in A, {tb.dtype} in B"
+        return {"tensor": name, "kind": "dtype", "a": ta.dtype, "b": tb.dtype, "message": msg}
+    if ta.shape != tb.shape:
+        msg = f"{q}: shape {list(ta.shape)} in A, {list(tb.shape)} in B"
+        return {"tensor": name, "kind": "shape", "a": list(ta.shape), "b": list(tb.shape), "message": msg}
+    return None
+
+
+def _values_difference(name: str, dtype: str, idx: list[int], bits_a: int, bits_b: int) -> Difference:
+    w = 2 * DTYPE_SIZES[dtype]
+    ha, hb = f"0x{bits_a:0{w}x}", f"0x{bits_b:0{w}x}"
+    q = f'tensor "{name}"'
+    return {
+        "tensor": name,
+        "kind": "values",
+        "index": idx,
+        "a_bits": ha,
+        "b_bits": hb,
+        "message": f"{q}: values differ, first at index {idx} ({dtype} bits {ha} in A, {hb} in B)",
     }

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reshard.checkpoint import Checkpoint, TensorSource  # noqa: E402
+from reshard.formats import writer  # noqa: E402
 from reshard.layout import TensorLayout  # noqa: E402
 from reshard.mesh import Mesh  # noqa: E402
 from reshard.plan import make_plan  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> int:
     ck = Checkpoint("synthetic", "per-rank", tuple(f"r{r}" for r in range(src_mesh.size)),
                     (0,) * src_mesh.size, tensors, mesh=src_mesh)
     t1 = time.perf_counter()
-    plan = make_plan(ck, Mesh(("tp",), (args.target_tp,)), rule.__getitem__)
+    plan = make_plan(ck, Mesh(("tp",), (args.target_tp,)), rule.__getitem__, writer=writer("per-rank"))
     t2 = time.perf_counter()
     copies = sum(len(c) for t in plan.tensors for c in t.copies)
     entries = len(plan.tensors) * len(plan.files)

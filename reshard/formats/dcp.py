@@ -38,8 +38,9 @@ What the format does not say, and how it is handled:
   axes give chunks whose ``offsets`` have more dims than their ``sizes``; the
   missing leading sizes are 1.
 - **Non-tensor items** (optimizer ``param_groups``, ``lr_scheduler``, ...) cannot
-  go into safetensors: they are listed in :attr:`Checkpoint.objects` (name,
-  file, offset, size) and in a warning, never decoded.
+  go into safetensors: they are listed in :attr:`Checkpoint.non_tensors` (name,
+  size, file; kind ``object`` for a ``torch.save``'d value, ``bytes`` for raw
+  ``io.BytesIO`` contents, unknown when compressed), never decoded.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..checkpoint import Checkpoint, StoredObject, TensorSource
+from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, TensorSource
+from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, UsageError
-from ..intervals import Block, Box
-from ..io.header import DTYPE_SIZES, MAX_HEADER_SIZE, Header, decode_header
+from ..intervals import Block, overlapping_pairs
+from ..io.header import MAX_HEADER_SIZE, Header, decode_header
 from ..io.torchzip import STORED, TorchZip, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
@@ -66,16 +68,16 @@ from ..io.unpickle import (
     load_dcp_metadata,
     load_stored_tensor,
 )
-from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning, overlapping_pairs
+from .base import NO, YES, Probe, Reader, ReadOptions
+from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning
 
 __all__ = [
     "METADATA",
     "RANK_METADATA",
     "ZSTD_DESCRIPTOR",
     "metadata_files",
-    "is_dcp",
     "open_dcp",
-    "objects_warning",
+    "READER",
 ]
 
 #: The global metadata file.
@@ -89,7 +91,6 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _SPOOL_BLOCK = 1 << 20
 _SPOOL_TILE = 8 << 20
 _MAX_OPEN = 64
-_MAX_LISTED = 5
 
 
 def metadata_files(directory: Path) -> list[Path]:
@@ -103,11 +104,6 @@ def metadata_files(directory: Path) -> list[Path]:
         if m and p.is_file():
             ranks.append((int(m.group(1)), p))
     return [p for _, p in sorted(ranks)]
-
-
-def is_dcp(directory: Path) -> bool:
-    """Whether a directory holds a DCP checkpoint (``.metadata`` or ``__{rank}.metadata``)."""
-    return directory.is_dir() and bool(metadata_files(directory))
 
 
 # --------------------------------------------------------------------------- files and spool
@@ -445,8 +441,8 @@ class _Reader:
         self.files = _Files(root)
         self.meta: dict[str, TensorMeta] = {}
         self.pieces: dict[str, list[_Piece]] = {}
-        self.objects: dict[str, StoredObject] = {}
-        self.warnings: list[str] = []
+        self.non_tensors: dict[str, NonTensor] = {}
+        self.warnings: list[CheckpointWarning] = []
         self.blobs: dict[Any, Header] = {}
 
     def read(self, mpath: Path) -> None:
@@ -472,7 +468,12 @@ class _Reader:
                     tensor=e.fqn,
                 )
             if not isinstance(m, TensorMeta):
-                self.objects.setdefault(e.fqn, StoredObject(e.fqn, fi, info.offset, info.length))
+                if e.fqn not in self.non_tensors:
+                    kind = ""  # compressed: unknown without decompressing
+                    if not info.transform_descriptors:
+                        zipped = os.pread(self.files.fd(fi), 4, info.offset) == _ZIP_MAGIC
+                        kind = "object" if zipped else "bytes"
+                    self.non_tensors[e.fqn] = NonTensor(e.fqn, info.length, fi, kind)
                 continue
             self.pieces.setdefault(e.fqn, []).append(self._piece(e.fqn, m, e.offset, fi, where, info))
             stored.add((e.fqn, e.offset))
@@ -480,11 +481,12 @@ class _Reader:
             if isinstance(m, TensorMeta):
                 lost = [c for c in m.chunks if (fqn, c.offsets) not in stored]
                 if lost:
-                    self.warnings.append(
-                        f'problem: {mpath}: tensor "{fqn}" chunk at offsets {list(lost[0].offsets)}'
+                    msg = (
+                        f'{mpath}: tensor "{fqn}" chunk at offsets {list(lost[0].offsets)}'
                         + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
                         + " has no storage entry, so its data is missing"
                     )
+                    self.warnings.append(CheckpointWarning(msg, True, str(mpath), fqn))
 
     def _merge_meta(self, md: DcpMetadata, mpath: Path) -> None:
         for fqn, m in md.entries.items():
@@ -542,9 +544,8 @@ class _Reader:
             stored.crc is not None
             and crc32_range(self.files.fd(fi), stored.start, nbytes, where) != stored.crc
         ):
-            self.warnings.append(
-                f'problem: {where}: tensor "{fqn}" chunk bytes fail their CRC32 check; the file is damaged'
-            )
+            msg = f'{where}: tensor "{fqn}" chunk bytes fail their CRC32 check; the file is damaged'
+            self.warnings.append(CheckpointWarning(msg, True, str(self.files.paths[fi]), fqn))
         return self.files.permute(fi, stored.start, stored.size, stored.order, stored.itemsize)
 
     def tensors(self) -> dict[str, TensorSource]:
@@ -555,11 +556,10 @@ class _Reader:
             ps = self.pieces.get(name, [])
             cs = [p.chunk for p in ps]
             shape = _global_shape(name, cs, paths) if cs else m.size
-            boxes: tuple[Box, ...] = tuple(c.box for c in cs)
-            pairs = overlapping_pairs(boxes)
+            blocks: tuple[Block, ...] = tuple(c.block for c in cs)
+            pairs = overlapping_pairs(blocks)
             if pairs:
                 self.warnings.append(_overlap_warning(name, cs, pairs, shape, paths))
-            blocks: tuple[Block, ...] = tuple(c.block for c in cs)
             out[name] = TensorSource(
                 name=name,
                 dtype=SAFETENSORS_DTYPES[m.dtype],
@@ -568,21 +568,9 @@ class _Reader:
                 piece_offsets=tuple(c.start for c in cs),
                 piece_blocks=blocks,
                 signature=("boxes", shape, blocks),
-                piece_crcs=tuple(p.crc for p in ps),
+                piece_crc32=tuple(p.crc for p in ps),
             )
         return out
-
-
-def objects_warning(objects: dict[str, StoredObject]) -> str:
-    """The warning that lists the non-tensor items a conversion leaves out."""
-    names = sorted(objects)
-    shown = ", ".join(names[:_MAX_LISTED]) + (
-        f" (and {len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
-    )
-    return (
-        f"{len(names)} non-tensor item(s) cannot go into safetensors and are not converted: {shown}; "
-        "`reshard inspect` lists them all"
-    )
 
 
 def open_dcp(path: Path) -> Checkpoint:
@@ -599,7 +587,7 @@ def open_dcp(path: Path) -> Checkpoint:
 
     Returns:
         A :class:`Checkpoint` of format ``dcp``: tensors in name order, no mesh
-        or layout, non-tensor items in ``objects``.
+        or layout, non-tensor items in ``non_tensors``.
 
     Raises:
         HeaderError: no metadata; a pickle that refers to a class DCP does not
@@ -623,8 +611,6 @@ def open_dcp(path: Path) -> Checkpoint:
         sizes = tuple(r.files.size(i) for i in range(len(r.files.paths)))
     finally:
         r.files.close()
-    if r.objects:
-        r.warnings.append(objects_warning(r.objects))
     return Checkpoint(
         path=str(root),
         format="dcp",
@@ -632,5 +618,25 @@ def open_dcp(path: Path) -> Checkpoint:
         file_sizes=sizes,
         tensors=tensors,
         warnings=r.warnings,
-        objects=dict(sorted(r.objects.items())),
+        non_tensors=tuple(r.non_tensors[k] for k in sorted(r.non_tensors)),
     )
+
+
+def _detect(probe: Probe) -> int:
+    """A directory holding ``.metadata`` or ``__{rank}.metadata`` is DCP."""
+    if probe.is_file:
+        return NO
+    return YES if any(n == METADATA or RANK_METADATA.match(n) for n in probe.names) else NO
+
+
+def _open(path: Path, options: ReadOptions) -> Checkpoint:
+    return open_dcp(path)
+
+
+READER = Reader(
+    name="dcp",
+    help="torch Distributed Checkpoint: .metadata (or __{r}.metadata per rank) with *.distcp, "
+    "read without torch",
+    detect=_detect,
+    open=_open,
+)

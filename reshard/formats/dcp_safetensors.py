@@ -41,12 +41,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ..checkpoint import Checkpoint, TensorSource
+from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, LayoutError
-from ..intervals import Block, Box, Interval, normalize
+from ..intervals import Block, Box, Interval, format_box, normalize, overlapping_pairs
 from ..io.header import Header, read_header
+from .base import NO, YES, Probe, Reader, ReadOptions
 
 __all__ = [
     "DCP_FILE",
@@ -55,9 +55,8 @@ __all__ = [
     "StoredChunk",
     "dcp_files",
     "read_sharding_info",
-    "overlapping_pairs",
-    "format_box",
     "open_dcp_safetensors",
+    "READER",
 ]
 
 #: File names torch's writer gives with ``save_distributed=True``.
@@ -103,18 +102,7 @@ class StoredChunk:
         return tuple(normalize([iv]) for iv in self.box)
 
 
-def format_box(box: Box) -> str:
-    """Human form of a box.
-
-    >>> format_box((Interval(0, 4), Interval(2, 3)))
-    '[0:4)x[2:3)'
-    >>> format_box(())
-    '(scalar)'
-    """
-    return "x".join(str(iv) for iv in box) if box else "(scalar)"
-
-
-def dcp_files(directory: Path) -> tuple[list[Path], list[str]]:
+def dcp_files(directory: Path) -> tuple[list[Path], list[CheckpointWarning]]:
     """The ``shard-*-model-*-of-*.safetensors`` files of a directory, in (rank, file) order.
 
     Returns:
@@ -157,7 +145,12 @@ def dcp_files(directory: Path) -> tuple[list[Path], list[str]]:
             path=str(directory),
         )
     found.sort(key=lambda t: (t[0], t[1], t[2].name))
-    warnings = [f"{directory / n}: not a shard-*-model-*-of-*.safetensors file; ignored" for n in others]
+    warnings = [
+        CheckpointWarning(
+            f"{directory / n}: not a shard-*-model-*-of-*.safetensors file; ignored", path=str(directory / n)
+        )
+        for n in others
+    ]
     return [p for _, _, p in found], warnings
 
 
@@ -172,7 +165,7 @@ def _int_list(value: object) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, Any]]:
+def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, object]]:
     """The parsed ``DCP_SHARDING_INFO`` of one file: tensor name -> its info object.
 
     Raises:
@@ -208,7 +201,7 @@ def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, Any]]:
     return info
 
 
-def _chunk(name: str, info: dict[str, Any], header: Header, path: Path, file_index: int) -> StoredChunk:
+def _chunk(name: str, info: dict[str, object], header: Header, path: Path, file_index: int) -> StoredChunk:
     entry = header.entry(name)
     where = f'{path}: tensor "{name}"'
     if SAVED_OFFSETS_KEY not in info:
@@ -310,59 +303,93 @@ def _global_shape(name: str, chunks: Sequence[StoredChunk], files: Sequence[Path
     return shape
 
 
-def _overlaps(a: Box, b: Box) -> bool:
-    return all(max(x.start, y.start) < min(x.stop, y.stop) for x, y in zip(a, b, strict=True))
-
-
-def overlapping_pairs(boxes: Sequence[Box]) -> list[tuple[int, int]]:
-    """Pairs ``(i, j)``, ``i < j``, of non-empty boxes that overlap without being equal.
-
-    Equal boxes are replicas; a partial overlap means the stored boxes do not say
-    where their elements belong. Sweeps along dim 0, so boxes that tile a tensor
-    cost about ``n log n``.
-
-    >>> iv = Interval
-    >>> overlapping_pairs([(iv(0, 4),), (iv(2, 6),), (iv(4, 8),), (iv(0, 4),)])
-    [(0, 1), (1, 2), (1, 3)]
-    >>> overlapping_pairs([(iv(0, 2), iv(0, 3)), (iv(2, 4), iv(0, 3)), (iv(4, 4), iv(0, 3))])
-    []
-    """
-    live = [i for i, b in enumerate(boxes) if b and all(iv.size > 0 for iv in b)]
-    if not live:
-        return []
-    live.sort(key=lambda i: (boxes[i][0].start, i))
-    out: list[tuple[int, int]] = []
-    active: list[int] = []
-    for i in live:
-        start = boxes[i][0].start
-        active = [j for j in active if boxes[j][0].stop > start]
-        for j in active:
-            if boxes[i] != boxes[j] and _overlaps(boxes[i], boxes[j]):
-                out.append((min(i, j), max(i, j)))
-        active.append(i)
-    return sorted(out)
-
-
 def _overlap_warning(
     name: str,
     chunks: Sequence[StoredChunk],
     pairs: Sequence[tuple[int, int]],
     shape: tuple[int, ...],
     files: Sequence[Path],
-) -> str:
+) -> CheckpointWarning:
     i, j = pairs[0]
     a, b = chunks[i], chunks[j]
     more = f" (and {len(pairs) - 1} more overlapping pair(s))" if len(pairs) > 1 else ""
-    return (
-        "problem: "  # check.PROBLEM_PREFIX: inspect --check reports it as a data problem
+    return CheckpointWarning(
         f'tensor "{name}": stored boxes {format_box(a.box)} ({files[a.file].name}) and '
         f"{format_box(b.box)} ({files[b.file].name}) overlap{more}. torch saves a "
         "_StridedShard (or any non-contiguous) local tensor as one box at its first global "
         "offset, so these chunks do not say where their elements belong, and the derived "
         f"global shape {list(shape)} may be wrong; converting this tensor fails. Re-save it "
         "with placements whose local blocks are contiguous (e.g. redistribute to Shard), or "
-        "save it as a per-rank checkpoint (reshard.save_dtensors)."
+        "save it as a per-rank checkpoint (reshard.save_dtensors).",
+        problem=True,
+        path=str(files[b.file]),
+        tensor=name,
     )
+
+
+def _read_chunks(files: Sequence[Path], warnings: list[CheckpointWarning]) -> dict[str, list[StoredChunk]]:
+    """Every stored chunk, per tensor name, from the files' headers and sharding info."""
+    chunks: dict[str, list[StoredChunk]] = {}
+    headers = [read_header(f) for f in files]
+    for fi, (f, h) in enumerate(zip(files, headers, strict=True)):
+        info = read_sharding_info(h, f)
+        version = (h.metadata or {}).get(_VERSION_KEY)
+        if version is not None and version.split(".")[0] != "1":
+            warnings.append(
+                CheckpointWarning(
+                    f"{f.name}: {_VERSION_KEY} {version!r} is newer than the 1.x this reader knows; "
+                    "reading it as 1.0",
+                    path=str(f),
+                )
+            )
+        for name in h.names:
+            if name not in info:
+                raise HeaderError(
+                    f'{f}: tensor "{name}" has no entry in {SHARDING_INFO_KEY}, so its global '
+                    "offset is unknown",
+                    path=str(f),
+                    tensor=name,
+                )
+            chunks.setdefault(name, []).append(_chunk(name, info[name], h, f, fi))
+        stray = [n for n in info if n not in set(h.names)]
+        if stray:
+            warnings.append(
+                CheckpointWarning(
+                    f'{f.name}: {SHARDING_INFO_KEY} lists tensor "{stray[0]}"'
+                    + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
+                    + " but the file does not hold it; ignored",
+                    path=str(f),
+                )
+            )
+    return chunks
+
+
+def _tensors(
+    chunks: dict[str, list[StoredChunk]], files: Sequence[Path], warnings: list[CheckpointWarning]
+) -> dict[str, TensorSource]:
+    """One tensor per name: a piece per chunk; overlapping chunks are reported as a problem."""
+    tensors: dict[str, TensorSource] = {}
+    overlap_cache: dict[tuple[Block, ...], list[tuple[int, int]]] = {}
+    for name in sorted(chunks):
+        cs = chunks[name]
+        shape = _global_shape(name, cs, files)
+        blocks = tuple(c.block for c in cs)
+        pairs = overlap_cache.get(blocks)
+        if pairs is None:
+            pairs = overlapping_pairs(blocks)
+            overlap_cache[blocks] = pairs
+        if pairs:
+            warnings.append(_overlap_warning(name, cs, pairs, shape, files))
+        tensors[name] = TensorSource(
+            name=name,
+            dtype=cs[0].dtype,
+            shape=shape,
+            piece_files=tuple(c.file for c in cs),
+            piece_offsets=tuple(c.start for c in cs),
+            piece_blocks=blocks,
+            signature=("boxes", shape, blocks),
+        )
+    return tensors
 
 
 def open_dcp_safetensors(path: Path) -> Checkpoint:
@@ -387,67 +414,34 @@ def open_dcp_safetensors(path: Path) -> Checkpoint:
         LayoutError: chunks of one tensor with different dtypes or ranks, or a
             box outside the tensor's global shape.
     """
-    warnings: list[str] = []
+    warnings: list[CheckpointWarning] = []
     if path.is_file():
         files = [path]
-        root = path
     else:
         files, warnings = dcp_files(path)
-        root = path
-    headers = [read_header(f) for f in files]
-    chunks: dict[str, list[StoredChunk]] = {}
-    for fi, (f, h) in enumerate(zip(files, headers, strict=True)):
-        info = read_sharding_info(h, f)
-        version = (h.metadata or {}).get(_VERSION_KEY)
-        if version is not None and version.split(".")[0] != "1":
-            warnings.append(
-                f"{f.name}: {_VERSION_KEY} {version!r} is newer than the 1.x this reader knows; "
-                "reading it as 1.0"
-            )
-        for name in h.names:
-            if name not in info:
-                raise HeaderError(
-                    f'{f}: tensor "{name}" has no entry in {SHARDING_INFO_KEY}, so its global '
-                    "offset is unknown",
-                    path=str(f),
-                    tensor=name,
-                )
-            chunks.setdefault(name, []).append(_chunk(name, info[name], h, f, fi))
-        held = set(h.names)
-        stray = [n for n in info if n not in held]
-        if stray:
-            warnings.append(
-                f'{f.name}: {SHARDING_INFO_KEY} lists tensor "{stray[0]}"'
-                + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
-                + " but the file does not hold it; ignored"
-            )
-    tensors: dict[str, TensorSource] = {}
-    overlap_cache: dict[tuple[Box, ...], list[tuple[int, int]]] = {}
-    for name in sorted(chunks):
-        cs = chunks[name]
-        shape = _global_shape(name, cs, files)
-        boxes = tuple(c.box for c in cs)
-        pairs = overlap_cache.get(boxes)
-        if pairs is None:
-            pairs = overlapping_pairs(boxes)
-            overlap_cache[boxes] = pairs
-        if pairs:
-            warnings.append(_overlap_warning(name, cs, pairs, shape, files))
-        blocks = tuple(c.block for c in cs)
-        tensors[name] = TensorSource(
-            name=name,
-            dtype=cs[0].dtype,
-            shape=shape,
-            piece_files=tuple(c.file for c in cs),
-            piece_offsets=tuple(c.start for c in cs),
-            piece_blocks=blocks,
-            signature=("boxes", shape, blocks),
-        )
+    tensors = _tensors(_read_chunks(files, warnings), files, warnings)
     return Checkpoint(
-        path=str(root),
+        path=str(path),
         format="dcp-safetensors",
         files=tuple(str(f) for f in files),
         file_sizes=tuple(f.stat().st_size for f in files),
         tensors=tensors,
         warnings=warnings,
     )
+
+
+def _detect(probe: Probe) -> int:
+    return YES if not probe.is_file and any(DCP_FILE.match(n) for n in probe.names) else NO
+
+
+def _open(path: Path, options: ReadOptions) -> Checkpoint:
+    return open_dcp_safetensors(path)
+
+
+READER = Reader(
+    name="dcp-safetensors",
+    help="torch HuggingFaceStorageWriter(save_distributed=True) output: "
+    "shard-*-model-*-of-*.safetensors with DCP_SHARDING_INFO",
+    detect=_detect,
+    open=_open,
+)

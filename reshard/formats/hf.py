@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
-from ..checkpoint import Checkpoint, TensorSource
+from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, TensorNotFoundError
 from ..intervals import full_block
 from ..io.header import Header, read_header
+from ..io.writer import FileResult, write_json
+from ..mesh import Mesh
+from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
+from .base import MAYBE, NO, YES, Probe, Reader, Writer
+from .manifest import manifest_for, write_manifest
+from .safetensors import SafetensorsFile, header_order
 
-__all__ = ["INDEX", "SINGLE", "open_hf"]
+__all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -36,44 +43,9 @@ def open_hf(path: Path) -> Checkpoint:
         HeaderError: unreadable index or headers, a shard named by the index missing.
         TensorNotFoundError: the index names a tensor its shard does not hold.
     """
-    warnings: list[str] = []
-    if path.is_file():
-        files = [path]
-        weight_map = None
-        root = path.parent
-    else:
-        root = path
-        index = path / INDEX
-        if index.exists():
-            try:
-                data = json.loads(index.read_text())
-                weight_map = data["weight_map"]
-                if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-                ):
-                    raise TypeError("weight_map must map tensor names to file names")
-            except (ValueError, KeyError, TypeError) as e:
-                raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
-            names = sorted(set(weight_map.values()))
-            for n in names:
-                if "/" in n or n.startswith("."):
-                    raise HeaderError(
-                        f"{index}: shard name {n!r} points outside the checkpoint", path=str(index)
-                    )
-            files = [path / n for n in names]
-            for f in files:
-                if not f.exists():
-                    raise HeaderError(f"{f}: listed in {INDEX} but missing", path=str(f))
-        elif (path / SINGLE).exists():
-            files = [path / SINGLE]
-            weight_map = None
-        else:
-            cands = sorted(p for p in path.glob("*.safetensors"))
-            if len(cands) != 1:
-                raise HeaderError(f"{path}: no {SINGLE} or {INDEX} found", path=str(path))
-            files = cands
-            weight_map = None
+    files, weight_map = _hf_files(path)
     headers = [read_header(f) for f in files]
+    warnings: list[CheckpointWarning] = []
     tensors: dict[str, TensorSource] = {}
     if weight_map is None:
         for name in headers[0].names:
@@ -93,12 +65,110 @@ def open_hf(path: Path) -> Checkpoint:
         for f, h in zip(files, headers):
             extra = [n for n in h.names if n not in weight_map]
             if extra:
-                warnings.append(f'{f.name}: tensor "{extra[0]}" is not in {INDEX}; ignored')
+                msg = f'{f.name}: tensor "{extra[0]}" is not in {INDEX}; ignored'
+                warnings.append(CheckpointWarning(msg, path=str(f)))
     return Checkpoint(
-        path=str(root if path.is_dir() else path),
+        path=str(path),
         format="hf",
         files=tuple(str(f) for f in files),
         file_sizes=tuple(f.stat().st_size for f in files),
         tensors=dict(sorted(tensors.items())),
         warnings=warnings,
     )
+
+
+def _hf_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The shard files and, for a sharded checkpoint, the index's tensor -> file map."""
+    if path.is_file():
+        return [path], None
+    if (path / INDEX).exists():
+        weight_map = _read_index(path / INDEX)
+        names = sorted(set(weight_map.values()))
+        for n in names:
+            if "/" in n or n.startswith("."):
+                raise HeaderError(
+                    f"{path / INDEX}: shard name {n!r} points outside the checkpoint", path=str(path / INDEX)
+                )
+        files = [path / n for n in names]
+        for f in files:
+            if not f.exists():
+                raise HeaderError(f"{f}: listed in {INDEX} but missing", path=str(f))
+        return files, weight_map
+    if (path / SINGLE).exists():
+        return [path / SINGLE], None
+    cands = sorted(p for p in path.glob("*.safetensors"))
+    if len(cands) != 1:
+        raise HeaderError(f"{path}: no {SINGLE} or {INDEX} found", path=str(path))
+    return cands, None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
+    return weight_map
+
+
+def _detect(probe: Probe) -> int:
+    if probe.is_file:
+        return YES if probe.path.name.endswith(".safetensors") else NO
+    if INDEX in probe.names or SINGLE in probe.names:
+        return YES
+    return MAYBE if len(probe.with_suffix(".safetensors")) == 1 else NO
+
+
+READER = Reader(
+    name="hf",
+    help=f"{SINGLE}, or model-*-of-*.safetensors with {INDEX}, or one .safetensors file",
+    detect=_detect,
+    open=lambda path, options: open_hf(path),
+)
+
+
+def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
+    """Consolidated tensors in natural order, split into files of at most ``max_shard_size``."""
+    groups: list[list[TargetTensor]] = [[]]
+    acc = 0
+    for t in tensors:
+        n = local_nbytes(t, 0)
+        if groups[-1] and acc + n > options.max_shard_size:
+            groups.append([])
+            acc = 0
+        groups[-1].append(t)
+        acc += n
+    total = len(groups)
+    return [
+        SafetensorsFile(
+            SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors",
+            None,
+            header_order(group),
+            '{"format":"pt"}',
+        )
+        for i, group in enumerate(groups)
+    ]
+
+
+def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
+    """The index (for more than one file), then ``reshard.json``."""
+    if len(plan.files) > 1:
+        where = {t.name: f.name for f in plan.files for t in f.tensors}
+        total = sum(local_nbytes(t, 0) for t in plan.tensors)
+        weight_map = {t.name: where[t.name] for t in plan.tensors}
+        write_json(dst / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_manifest(dst, manifest_for(plan, results))
+
+
+WRITER = Writer(
+    name="hf",
+    help="consolidated Hugging Face safetensors, split at --max-shard-size, with the index",
+    files=_files,
+    complete=_complete,
+    consolidated=True,
+    owns=(".safetensors", INDEX),
+)

@@ -4,18 +4,37 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from ..checkpoint import Checkpoint, TensorSource
-from ..errors import HeaderError, LayoutError, ReshardError, TensorNotFoundError
-from ..io.header import Header, read_header
+from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
+from ..io.header import Header, TensorEntry, read_header
+from ..io.writer import FileResult
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh
 from ..placements import Placement
+from ..plan import OutFile, Plan, TargetTensor, WriteOptions
+from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
+from .manifest import MANIFEST, manifest_for, read_manifest, write_manifest
+from .safetensors import SafetensorsFile, header_order, metadata_text
 
-__all__ = ["RANK_FILE", "rank_files", "open_per_rank", "self_description"]
+if TYPE_CHECKING:
+    from ..config import LayoutConfig
+
+__all__ = [
+    "RANK_FILE",
+    "READER",
+    "WRITER",
+    "rank_files",
+    "rank_file_name",
+    "rank_metadata",
+    "tensors_text",
+    "open_per_rank",
+    "self_description",
+    "RankMetadata",
+]
 
 RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
 _DIGITS = re.compile(r"\d+")
@@ -63,7 +82,22 @@ def rank_files(directory: Path, *, strict: bool) -> dict[int, Path]:
     return out
 
 
-def self_description(header: Header, path: Path) -> dict[str, Any] | None:
+class TensorDescription(TypedDict):
+    shape: list[int]
+    placements: list[str]
+
+
+class RankMetadata(TypedDict):
+    """``__metadata__["reshard"]`` of a per-rank file written by reshard (:func:`rank_metadata`)."""
+
+    format_version: int
+    mesh: dict[str, list[Any]]
+    rank: int
+    coordinate: list[int]
+    tensors: dict[str, TensorDescription]
+
+
+def self_description(header: Header, path: Path) -> RankMetadata | None:
     """The ``reshard`` metadata a per-rank file written by reshard carries, or None."""
     meta = header.metadata or {}
     raw = meta.get("reshard")
@@ -79,7 +113,7 @@ def self_description(header: Header, path: Path) -> dict[str, Any] | None:
             raise ValueError("tensors is not an object")
     except (ValueError, KeyError, TypeError) as e:
         raise HeaderError(f"{path}: invalid reshard metadata ({e})", path=str(path)) from None
-    return data
+    return cast(RankMetadata, data)  # the fields used are checked above
 
 
 def open_per_rank(
@@ -100,120 +134,29 @@ def open_per_rank(
         LayoutError: local shapes inconsistent with the placements, rank count != mesh size.
         TensorNotFoundError: a tensor missing on some rank.
     """
-    files = rank_files(directory, strict=placements_for is None)
-    if not files:
-        raise HeaderError(f"{directory}: no rank files found", path=str(directory))
-    world = max(files) + 1
-    missing = [r for r in range(world) if r not in files]
-    if missing:
-        raise HeaderError(f"{directory}: no file for rank(s) {missing[:8]}", path=str(directory))
-    paths = [files[r] for r in range(world)]
+    paths = _rank_paths(directory, strict=placements_for is None)
     headers = [read_header(p) for p in paths]
-    desc0 = self_description(headers[0], paths[0])
-
-    if placements_for is None:
-        if desc0 is None:
-            raise LayoutError(
-                f"{paths[0]}: this per-rank checkpoint does not describe its layout; "
-                "pass --source-layout FILE (a YAML layout, see configs/)",
-                path=str(paths[0]),
-            )
-        if mesh is None:
-            mesh = Mesh(tuple(desc0["mesh"]["names"]), tuple(desc0["mesh"]["shape"]))
-    if mesh is None:
-        raise LayoutError(f"{directory}: no mesh given", path=str(directory))
-    if mesh.size != world:
-        raise LayoutError(
-            f"{directory}: {world} rank files but the mesh {mesh} has {mesh.size} ranks; "
-            "fix --source-mesh or the layout's mesh",
-            path=str(directory),
-        )
-    for r, (p, h) in enumerate(zip(paths, headers)):
-        if placements_for is None:
-            d = self_description(h, p)
-            if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"]:  # type: ignore[index]
-                raise HeaderError(
-                    f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
-                )
-
-    names = list(headers[0].names)
-    name_set = set(names)
-    for p, h in zip(paths[1:], headers[1:]):
-        extra = [n for n in h.names if n not in name_set]
-        if extra:
-            raise TensorNotFoundError(
-                f'{p}: tensor "{extra[0]}" is not in {paths[0].name}; every rank file must '
-                "hold every tensor (an empty shard has a 0-size dim)",
-                path=str(p),
-                tensor=extra[0],
-            )
+    mesh, desc0 = _rank_mesh(directory, paths, headers, mesh, described=placements_for is None)
     coords = list(mesh.coordinates())
     tensors: dict[str, TensorSource] = {}
-    for name in names:
-        entries = []
-        for p, h in zip(paths, headers):
-            try:
-                entries.append(h.entry(name))
-            except TensorNotFoundError:
-                raise TensorNotFoundError(
-                    f'{p}: tensor "{name}" is missing (it is in {paths[0].name})',
-                    path=str(p),
-                    tensor=name,
-                ) from None
-        dtype = entries[0].dtype
-        for p, en in zip(paths, entries):
-            if en.dtype != dtype:
-                raise LayoutError(
-                    f'{p}: tensor "{name}" is {en.dtype} but {dtype} in {paths[0].name}; '
-                    "all ranks must hold the same dtype",
-                    path=str(p),
-                    tensor=name,
-                )
+    for name in _common_names(paths, headers):
+        entries = _entries(name, paths, headers)
         if placements_for is not None:
             pls = placements_for(name)
-            local_shapes = [en.shape for en in entries]
-            try:
-                shape = infer_global_shape(local_shapes, mesh, list(pls))
-            except ReshardError as e:  # a placement that cannot apply to this tensor at all
-                raise LayoutError(
-                    f'tensor "{name}" (local shape {list(local_shapes[0])} in {paths[0].name}): '
-                    f"{e.message}, from {layout_source}. Check the rule that matches it.",
-                    path=str(paths[0]),
-                    tensor=name,
-                ) from None
-            if shape is None:
-                _raise_bad_local(name, local_shapes, mesh, pls, paths, layout_source)
-            assert shape is not None
+            shape = _derived_shape(name, [en.shape for en in entries], mesh, pls, paths, layout_source)
         else:
-            info = desc0["tensors"].get(name)  # type: ignore[index]
-            if info is None:
-                raise HeaderError(
-                    f'{paths[0]}: tensor "{name}" is not described in the reshard metadata',
-                    path=str(paths[0]),
-                    tensor=name,
-                )
-            shape = tuple(int(x) for x in info["shape"])
-            pls = info["placements"]
+            assert desc0 is not None
+            shape, pls = _described(name, desc0, paths[0])
         layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
-        blocks = layout.blocks()
-        for r, (p, en) in enumerate(zip(paths, entries)):
-            want = layout.local_shape(coords[r])
-            if en.shape != want:
-                raise LayoutError(
-                    f'{p.name}: tensor "{name}" has shape {list(en.shape)}, but the global shape '
-                    f"{list(shape)} with {layout.placement_strs()} on mesh {mesh} gives rank {r} "
-                    f"{list(want)}. Check that the layout names the one this checkpoint was saved with.",
-                    path=str(p),
-                    tensor=name,
-                )
+        _check_local_shapes(name, layout, coords, paths, entries)
         partial_op = layout.partial_op
         tensors[name] = TensorSource(
             name=name,
-            dtype=dtype,
+            dtype=entries[0].dtype,
             shape=shape,
-            piece_files=tuple(range(world)),
+            piece_files=tuple(range(len(paths))),
             piece_offsets=tuple(h.data_start + en.start for h, en in zip(headers, entries)),
-            piece_blocks=blocks,
+            piece_blocks=layout.blocks(),
             signature=("layout", shape, mesh.shape, layout.placements),
             piece_partials=tuple(layout.partial_index(c) for c in coords) if partial_op else None,
             reduce_op=partial_op,
@@ -227,6 +170,142 @@ def open_per_rank(
         tensors=tensors,
         mesh=mesh,
     )
+
+
+def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
+    """The rank files in rank order; every rank from 0 to the highest has one."""
+    files = rank_files(directory, strict=strict)
+    if not files:
+        raise HeaderError(f"{directory}: no rank files found", path=str(directory))
+    world = max(files) + 1
+    missing = [r for r in range(world) if r not in files]
+    if missing:
+        raise HeaderError(f"{directory}: no file for rank(s) {missing[:8]}", path=str(directory))
+    return [files[r] for r in range(world)]
+
+
+def _rank_mesh(
+    directory: Path, paths: Sequence[Path], headers: Sequence[Header], mesh: Mesh | None, *, described: bool
+) -> tuple[Mesh, RankMetadata | None]:
+    """The mesh (given, or from the self-description every file must agree on) and rank 0's description."""
+    desc0 = self_description(headers[0], paths[0])
+    if described:
+        if desc0 is None:
+            raise LayoutError(
+                f"{paths[0]}: this per-rank checkpoint does not describe its layout; "
+                "pass --source-layout FILE (a YAML layout, see configs/)",
+                path=str(paths[0]),
+            )
+        if mesh is None:
+            mesh = Mesh(tuple(desc0["mesh"]["names"]), tuple(desc0["mesh"]["shape"]))
+    if mesh is None:
+        raise LayoutError(f"{directory}: no mesh given", path=str(directory))
+    if mesh.size != len(paths):
+        raise LayoutError(
+            f"{directory}: {len(paths)} rank files but the mesh {mesh} has {mesh.size} ranks; "
+            "fix --source-mesh or the layout's mesh",
+            path=str(directory),
+        )
+    if described:
+        assert desc0 is not None
+        for r, (p, h) in enumerate(zip(paths, headers)):
+            d = self_description(h, p)
+            if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"]:
+                raise HeaderError(
+                    f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
+                )
+    return mesh, desc0
+
+
+def _common_names(paths: Sequence[Path], headers: Sequence[Header]) -> list[str]:
+    """Rank 0's tensor names; no other rank may hold a tensor rank 0 does not."""
+    names = list(headers[0].names)
+    name_set = set(names)
+    for p, h in zip(paths[1:], headers[1:]):
+        extra = [n for n in h.names if n not in name_set]
+        if extra:
+            raise TensorNotFoundError(
+                f'{p}: tensor "{extra[0]}" is not in {paths[0].name}; every rank file must '
+                "hold every tensor (an empty shard has a 0-size dim)",
+                path=str(p),
+                tensor=extra[0],
+            )
+    return names
+
+
+def _entries(name: str, paths: Sequence[Path], headers: Sequence[Header]) -> list[TensorEntry]:
+    """The tensor's header entry in every rank file, all of one dtype."""
+    entries = []
+    for p, h in zip(paths, headers):
+        try:
+            entries.append(h.entry(name))
+        except TensorNotFoundError:
+            raise TensorNotFoundError(
+                f'{p}: tensor "{name}" is missing (it is in {paths[0].name})', path=str(p), tensor=name
+            ) from None
+    dtype = entries[0].dtype
+    for p, en in zip(paths, entries):
+        if en.dtype != dtype:
+            raise LayoutError(
+                f'{p}: tensor "{name}" is {en.dtype} but {dtype} in {paths[0].name}; '
+                "all ranks must hold the same dtype",
+                path=str(p),
+                tensor=name,
+            )
+    return entries
+
+
+def _derived_shape(
+    name: str,
+    local_shapes: Sequence[tuple[int, ...]],
+    mesh: Mesh,
+    pls: Sequence[Placement | str],
+    paths: Sequence[Path],
+    layout_source: str,
+) -> tuple[int, ...]:
+    """The global shape the local shapes imply under the layout's placements."""
+    try:
+        shape = infer_global_shape(local_shapes, mesh, list(pls))
+    except ReshardError as e:  # a placement that cannot apply to this tensor at all
+        raise LayoutError(
+            f'tensor "{name}" (local shape {list(local_shapes[0])} in {paths[0].name}): '
+            f"{e.message}, from {layout_source}. Check the rule that matches it.",
+            path=str(paths[0]),
+            tensor=name,
+        ) from None
+    if shape is None:
+        _raise_bad_local(name, local_shapes, mesh, pls, paths, layout_source)
+    assert shape is not None
+    return shape
+
+
+def _described(name: str, desc0: RankMetadata, path: Path) -> tuple[tuple[int, ...], list[str]]:
+    """Global shape and placements from rank 0's reshard metadata."""
+    info = desc0["tensors"].get(name)
+    if info is None:
+        raise HeaderError(
+            f'{path}: tensor "{name}" is not described in the reshard metadata', path=str(path), tensor=name
+        )
+    return tuple(int(x) for x in info["shape"]), list(info["placements"])
+
+
+def _check_local_shapes(
+    name: str,
+    layout: TensorLayout,
+    coords: Sequence[tuple[int, ...]],
+    paths: Sequence[Path],
+    entries: Sequence[TensorEntry],
+) -> None:
+    for r, (p, en) in enumerate(zip(paths, entries)):
+        want = layout.local_shape(coords[r])
+        if en.shape != want:
+            raise LayoutError(
+                f'{p.name}: tensor "{name}" has shape {list(en.shape)}, but the global shape '
+                f"{list(layout.shape)} with {layout.placement_strs()} on mesh {layout.mesh} gives rank {r} "
+                f"{list(want)}. Check that the layout names the one this checkpoint was saved with.",
+                path=str(p),
+                tensor=name,
+            )
 
 
 def _raise_bad_local(
@@ -246,3 +325,132 @@ def _raise_bad_local(
         tensor=name,
         path=str(paths[0].parent),
     )
+
+
+# --------------------------------------------------------------------------- reader
+
+
+def _detect(probe: Probe) -> int:
+    if probe.is_file:
+        return NO
+    st = probe.with_suffix(".safetensors")
+    if any(RANK_FILE.match(n) for n in st):
+        return YES
+    return MAYBE if len(st) > 1 else NO
+
+
+def _source_layout(options: ReadOptions) -> LayoutConfig | None:
+    """``--source-layout`` on the mesh ``--source-mesh`` resizes."""
+    cfg = options.layout
+    if cfg is None:
+        if options.mesh_sizes:
+            raise ConfigError(
+                "--source-mesh needs --source-layout (or a self-describing checkpoint has its mesh)"
+            )
+        return None
+    mesh = cfg.mesh.with_sizes(options.mesh_sizes) if options.mesh_sizes else cfg.mesh
+    return cfg.with_mesh(mesh)
+
+
+def _open(path: Path, options: ReadOptions) -> Checkpoint:
+    """Open a per-rank directory; its layout rules: the given layout, ``reshard.json``'s, or exact names."""
+    if not path.is_dir():
+        raise UsageError(f"{path}: a per-rank checkpoint is a directory", path=str(path))
+    cfg = _source_layout(options)
+    ckpt = open_per_rank(
+        path,
+        mesh=cfg.mesh if cfg is not None else None,
+        placements_for=cfg.placements_for if cfg is not None else None,
+        layout_source=cfg.source if cfg is not None else "the layout",
+    )
+    manifest = read_manifest(path)
+    ckpt.manifest = manifest
+    from ..config import LayoutConfig  # YAML is not needed to list formats (reshard --help)
+
+    if cfg is None and manifest is not None and "rules" in manifest:
+        try:
+            cfg = LayoutConfig.from_json(
+                {"mesh": manifest["mesh"], "rules": manifest["rules"]}, source=str(path / MANIFEST)
+            )
+        except (ConfigError, KeyError, TypeError) as e:
+            raise LayoutError(
+                f"{path / MANIFEST}: invalid layout rules ({e})", path=str(path / MANIFEST)
+            ) from None
+    ckpt.layout = cfg if cfg is not None else _exact_rules(ckpt)
+    return ckpt
+
+
+def _exact_rules(ckpt: Checkpoint) -> LayoutConfig:
+    """One exact-name rule per tensor, from a self-described checkpoint's placements."""
+    from ..config import LayoutConfig
+
+    assert ckpt.mesh is not None
+    rules = [
+        ["re:" + re.escape(t.name), [str(p) for p in (t.placements or ())]] for t in ckpt.tensors.values()
+    ]
+    return LayoutConfig.from_json(
+        {"mesh": ckpt.mesh.to_json(), "rules": rules}, source=f"{ckpt.path} (file metadata)"
+    )
+
+
+READER = Reader(
+    name="per-rank",
+    help="rank-{r:05d}-of-{W:05d}.safetensors, one per rank (self-described, or with --source-layout)",
+    detect=_detect,
+    open=_open,
+)
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def rank_file_name(rank: int, world: int) -> str:
+    """``rank-00003-of-00008.safetensors``."""
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def tensors_text(tensors: Iterable[tuple[str, Sequence[int], Sequence[str]]]) -> str:
+    """The ``tensors`` member of the per-rank metadata: name -> global shape and placements."""
+    return json.dumps(
+        {name: {"shape": list(shape), "placements": list(pls)} for name, shape, pls in tensors},
+        separators=(",", ":"),
+    )
+
+
+def rank_metadata(mesh: Mesh, rank: int, tensors: str) -> dict[str, str]:
+    """The ``__metadata__`` of rank ``rank``'s file (``tensors`` from :func:`tensors_text`).
+
+    The one place it is made: converted files and :func:`reshard.dist.save_dtensors`'
+    files are byte-identical.
+    """
+    compact = (",", ":")
+    meta = (
+        f'{{"format_version":1,"mesh":{json.dumps(mesh.to_json(), separators=compact)},"rank":{rank},'
+        f'"coordinate":{json.dumps(list(mesh.coordinate(rank)), separators=compact)},"tensors":{tensors}}}'
+    )
+    return {"reshard": meta}
+
+
+def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
+    text = tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in tensors)
+    ordered = header_order(tensors)
+    return [
+        SafetensorsFile(
+            rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))
+        )
+        for rank in range(mesh.size)
+    ]
+
+
+def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
+    write_manifest(dst, manifest_for(plan, results))
+
+
+WRITER = Writer(
+    name="per-rank",
+    help="one self-described safetensors file per target rank",
+    files=_files,
+    complete=_complete,
+    lockstep=True,
+    owns=(".safetensors",),
+)

@@ -36,119 +36,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from reshard.dtypes import DTYPE_RANK, DTYPE_SIZES, FLOAT_DTYPES, SUBBYTE_DTYPES
 from reshard.errors import HeaderError, TensorNotFoundError
 
 __all__ = [
     "DTYPE_SIZES",
     "DTYPE_RANK",
     "FLOAT_DTYPES",
-    "TORCH_NAMES",
     "MAX_HEADER_SIZE",
     "TensorEntry",
     "Header",
     "decode_header",
     "read_header",
     "encode_header",
+    "header_prefix",
 ]
 
 #: Largest header the reference implementation accepts, in bytes.
 MAX_HEADER_SIZE = 100_000_000
 
-#: Every whole-byte safetensors dtype (safetensors 0.8) and its item size in bytes.
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "F8_E8M0": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2FNUZ": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-    "C64": 8,
-}
-
-#: safetensors dtype -> torch dtype name (``torch.<name>``).
-TORCH_NAMES: dict[str, str] = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-}
-
-#: The real floating-point dtypes (C64 is complex and not included).
-FLOAT_DTYPES: frozenset[str] = frozenset(
-    {
-        "F8_E5M2",
-        "F8_E4M3",
-        "F8_E8M0",
-        "F8_E4M3FNUZ",
-        "F8_E5M2FNUZ",
-        "F16",
-        "BF16",
-        "F32",
-        "F64",
-    }
-)
-
-# Sub-byte dtypes safetensors knows but this codec rejects: their byte size is
-# not ``numel * itemsize`` and slices need not fall on byte boundaries.
-_SUBBYTE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
-
-# Declaration order of the Rust ``safetensors::Dtype`` enum (derived ``Ord``).
-# The reference writer sorts tensors by this rank, descending, then by name.
-_RUST_DTYPE_ORDER = (
-    "BOOL",
-    "F4",
-    "F6_E2M3",
-    "F6_E3M2",
-    "U8",
-    "I8",
-    "F8_E5M2",
-    "F8_E4M3",
-    "F8_E8M0",
-    "F8_E4M3FNUZ",
-    "F8_E5M2FNUZ",
-    "I16",
-    "U16",
-    "F16",
-    "BF16",
-    "I32",
-    "U32",
-    "F32",
-    "C64",
-    "F64",
-    "I64",
-    "U64",
-)
-_RANK = {name: rank for rank, name in enumerate(_RUST_DTYPE_ORDER)}
-DTYPE_RANK = _RANK
-"""Position of each dtype in the Rust ``Dtype`` enum: the reference writer lays out
-tensors by this rank, descending, then by name."""
+_RANK = DTYPE_RANK
 
 _METADATA_KEY = "__metadata__"
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
@@ -321,10 +228,10 @@ def _layout_key(e: TensorEntry) -> tuple[int, int, int, str]:
 def _check_dtype(dtype: str, name: str, where: str, path: str | None) -> None:
     if dtype in DTYPE_SIZES:
         return
-    if dtype in _SUBBYTE_DTYPES:
+    if dtype in SUBBYTE_DTYPES:
         raise HeaderError(
             f"{where}tensor {_q(name)} has unsupported dtype {_q(dtype)}: "
-            f"sub-byte dtypes ({', '.join(_SUBBYTE_DTYPES)}) are not supported",
+            f"sub-byte dtypes ({', '.join(SUBBYTE_DTYPES)}) are not supported",
             path=path,
             tensor=name,
         )
@@ -458,37 +365,12 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
             path, the tensor when relevant, and what is wrong.
     """
     raw = bytes(raw)
-    if not raw:
-        raise HeaderError(f"{path}: header is empty", path=path)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise HeaderError(f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path) from None
-    try:
-        obj: object = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise HeaderError(
-            f"{path}: header is not valid JSON: {exc.msg} (char {exc.pos})", path=path
-        ) from None
-    except _DuplicateKeyError as exc:
-        raise HeaderError(f"{path}: duplicate key {_q(exc.key)} in header", path=path) from None
-    except _BadConstantError as exc:
-        raise HeaderError(
-            f"{path}: header is not valid JSON: non-standard constant {exc.constant}", path=path
-        ) from None
-    except RecursionError:
-        raise HeaderError(f"{path}: header is not valid JSON: nested too deeply", path=path) from None
-    if not isinstance(obj, dict):
-        raise HeaderError(f"{path}: header must be a JSON object, got {_json_type(obj)}", path=path)
-    if not text.startswith("{"):
-        raise HeaderError(f"{path}: header must start with '{{'", path=path)
-
+    obj = _header_object(raw, path)
     metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
     entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
     entries.sort(key=_layout_key)
     _check_layout(entries, path)
     header = Header(tuple(entries), metadata, 8 + len(raw))
-
     if file_size is not None:
         have = file_size - header.data_start
         if have < header.data_size:
@@ -504,6 +386,34 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
                 path=path,
             )
     return header
+
+
+def _header_object(raw: bytes, path: str) -> dict[str, object]:
+    """The header's JSON object: strict UTF-8 and JSON, no duplicate keys, starting with ``{``."""
+    if not raw:
+        raise HeaderError(f"{path}: header is empty", path=path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path) from None
+    try:
+        obj: object = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise HeaderError(
+            f"{path}: header is not valid JSON: {exc.msg} (char {exc.pos})", path=path
+        ) from None
+    except _DuplicateKeyError as exc:
+        raise HeaderError(f"{path}: duplicate key {_q(exc.key)} in header", path=path) from None
+    except _BadConstantError as exc:
+        msg = f"{path}: header is not valid JSON: non-standard constant {exc.constant}"
+        raise HeaderError(msg, path=path) from None
+    except RecursionError:
+        raise HeaderError(f"{path}: header is not valid JSON: nested too deeply", path=path) from None
+    if not isinstance(obj, dict):
+        raise HeaderError(f"{path}: header must be a JSON object, got {_json_type(obj)}", path=path)
+    if not text.startswith("{"):
+        raise HeaderError(f"{path}: header must start with '{{'", path=path)
+    return obj
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
@@ -588,6 +498,37 @@ def encode_header(
             non-string metadata, or a header over :data:`MAX_HEADER_SIZE`.
     """
     where = "cannot encode header: "
+    specs = _checked_specs(tensors, where)
+    meta = _checked_metadata(metadata, where)
+    specs.sort(key=lambda s: (-_RANK[s[1]], s[0]))
+    items = []
+    for name, dtype, shape_t in specs:
+        numel = 1
+        for dim in shape_t:
+            numel *= dim
+        items.append((_q(name), dtype, ",".join(map(str, shape_t)), numel * DTYPE_SIZES[dtype]))
+    meta_text = None if meta is None else json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
+    try:
+        prefix, starts = header_prefix(items, meta_text)
+    except UnicodeEncodeError as exc:
+        raise HeaderError(
+            f"{where}a tensor name or metadata string is not valid Unicode "
+            f"(unpaired surrogate {exc.object[exc.start : exc.end]!r})"
+        ) from None
+    if len(prefix) - 8 > MAX_HEADER_SIZE:
+        raise HeaderError(
+            f"{where}header would be {len(prefix) - 8} bytes, over the {MAX_HEADER_SIZE}-byte limit"
+        )
+    entries = [
+        TensorEntry(name, dtype, shape_t, a, a + it[3])
+        for (name, dtype, shape_t), it, a in zip(specs, items, starts)
+    ]
+    return prefix, Header(tuple(entries), meta, len(prefix))
+
+
+def _checked_specs(
+    tensors: Sequence[tuple[str, str, Sequence[int]]], where: str
+) -> list[tuple[str, str, tuple[int, ...]]]:
     specs: list[tuple[str, str, tuple[int, ...]]] = []
     seen: set[str] = set()
     for item in tensors:
@@ -602,61 +543,72 @@ def encode_header(
         if not isinstance(dtype, str):
             raise HeaderError(f"{where}tensor {_q(name)} has dtype {dtype!r}: must be a string", tensor=name)
         _check_dtype(dtype, name, where, None)
-        dims: list[int] = []
-        for d in shape:
-            try:
-                dim = -1 if isinstance(d, bool) else operator.index(d)
-            except TypeError:
-                dim = -1
-            if dim < 0:
-                raise HeaderError(
-                    f"{where}tensor {_q(name)} has invalid shape {list(shape)!r}: "
-                    "must be non-negative integers",
-                    tensor=name,
-                )
-            dims.append(dim)
-        specs.append((name, dtype, tuple(dims)))
+        specs.append((name, dtype, _checked_shape(shape, name, where)))
+    return specs
 
-    meta: dict[str, str] | None = None
-    if metadata is not None:
-        meta = {}
-        for key, value in metadata.items():
-            if not isinstance(key, str):
-                raise HeaderError(f"{where}metadata key {key!r} is not a string")
-            if not isinstance(value, str):
-                raise HeaderError(
-                    f"{where}metadata value for {_q(key)} must be a string, "
-                    f"got {type(value).__name__} {value!r}"
-                )
-            meta[key] = value
 
-    specs.sort(key=lambda s: (-_RANK[s[1]], s[0]))
-    entries: list[TensorEntry] = []
-    parts: list[str] = []
-    if meta is not None:
-        parts.append(f'"{_METADATA_KEY}":' + json.dumps(meta, ensure_ascii=False, separators=(",", ":")))
+def _checked_shape(shape: Sequence[int], name: str, where: str) -> tuple[int, ...]:
+    dims: list[int] = []
+    for d in shape:
+        try:
+            dim = -1 if isinstance(d, bool) else operator.index(d)
+        except TypeError:
+            dim = -1
+        if dim < 0:
+            raise HeaderError(
+                f"{where}tensor {_q(name)} has invalid shape {list(shape)!r}: must be non-negative integers",
+                tensor=name,
+            )
+        dims.append(dim)
+    return tuple(dims)
+
+
+def _checked_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    meta: dict[str, str] = {}
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise HeaderError(f"{where}metadata key {key!r} is not a string")
+        if not isinstance(value, str):
+            raise HeaderError(
+                f"{where}metadata value for {_q(key)} must be a string, got {type(value).__name__} {value!r}"
+            )
+        meta[key] = value
+    return meta
+
+
+def header_prefix(
+    tensors: Sequence[tuple[str, str, str, int]], metadata: str | None
+) -> tuple[bytes, list[int]]:
+    """The bytes before a safetensors file's data section: the one place they are made.
+
+    No validation and no sorting (callers pass checked values in file order), so
+    writers can lay out 100k-tensor files cheaply; :func:`encode_header` validates
+    first.
+
+    Args:
+        tensors: per tensor in file order: its JSON-quoted name, dtype, shape as text
+            (``"2,3"``; ``""`` for 0-d) and data bytes.
+        metadata: the JSON text of the ``__metadata__`` object, or None to omit it.
+
+    Returns:
+        The prefix (8-byte little-endian length, compact JSON, space-padded to a
+        multiple of 8) and each tensor's data offset relative to the data section.
+
+    Raises:
+        UnicodeEncodeError: a name or metadata text holds an unpaired surrogate.
+    """
+    parts = [] if metadata is None else [f'"{_METADATA_KEY}":' + metadata]
+    starts = []
     offset = 0
-    for name, dtype, shape_t in specs:
-        numel = 1
-        for dim in shape_t:
-            numel *= dim
-        stop = offset + numel * DTYPE_SIZES[dtype]
-        entries.append(TensorEntry(name, dtype, shape_t, offset, stop))
+    for quoted, dtype, shape_text, nbytes in tensors:
+        stop = offset + nbytes
         parts.append(
-            f'{_q(name)}:{{"dtype":"{dtype}","shape":[{",".join(map(str, shape_t))}],'
-            f'"data_offsets":[{offset},{stop}]}}'
+            f'{quoted}:{{"dtype":"{dtype}","shape":[{shape_text}],"data_offsets":[{offset},{stop}]}}'
         )
+        starts.append(offset)
         offset = stop
-
-    try:
-        body = ("{" + ",".join(parts) + "}").encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise HeaderError(
-            f"{where}a tensor name or metadata string is not valid Unicode "
-            f"(unpaired surrogate {exc.object[exc.start : exc.end]!r})"
-        ) from None
+    body = ("{" + ",".join(parts) + "}").encode("utf-8")
     body += b" " * (-len(body) % 8)
-    if len(body) > MAX_HEADER_SIZE:
-        raise HeaderError(f"{where}header would be {len(body)} bytes, over the {MAX_HEADER_SIZE}-byte limit")
-    prefix = struct.pack("<Q", len(body)) + body
-    return prefix, Header(tuple(entries), meta, len(prefix))
+    return struct.pack("<Q", len(body)) + body, starts

@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dtypes import DTYPE_SIZES, TORCH_NAMES
 from ..errors import HeaderError
-from .header import DTYPE_SIZES, TORCH_NAMES
 
 __all__ = [
     "UnsafePickleError",

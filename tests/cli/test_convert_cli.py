@@ -260,7 +260,7 @@ def test_resume_keeps_verified_files_and_redoes_the_rest(tp4: Path, tmp_path: Pa
     out.mkdir()
     import shutil
 
-    from reshard.execute import file_checksum
+    from reshard.io.checksum import file_checksum
 
     lines = []
     for r in (0, 1):

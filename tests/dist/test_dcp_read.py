@@ -88,7 +88,9 @@ def test_convert_to_hf_bit_exact(saved: Path, tmp_path: Path, name: str) -> None
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["source"]["format"] == "dcp"
-    assert {o["name"] for o in doc["not_converted"]} == set(open_checkpoint(src).objects)
+    items = open_checkpoint(src).non_tensors
+    assert doc["not_converted"] == [{"name": n.name, "size": n.size, "kind": n.kind} for n in items]
+    assert (not items) or any("not converted" in w for w in doc["warnings"])
     assert_same(st.load_file(str(out / "model.safetensors")), ref(saved, name))
     assert detect_format(out) == "hf"
     proc = run_cli("verify", src, out)
@@ -112,9 +114,13 @@ def test_fsdp_tp_optimizer_state(saved: Path) -> None:
     # FSDP2 over TP: _StridedShard(0, 2) x Shard(0) local tensors are one box each, on 4 ranks
     up = ck.tensors["model.up.weight"]
     assert sorted((b[0][0].start, b[0][0].stop) for b in up.piece_blocks) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert set(ck.objects) == {f"optimizer.param_groups.0.{k}" for k in PARAM_GROUPS}
-    assert any("12 non-tensor item(s)" in w for w in ck.warnings)
-    assert set(open_checkpoint(saved / "plain").objects) == {"extra.lr", "extra.name"}
+    assert {n.name for n in ck.non_tensors} == {f"optimizer.param_groups.0.{k}" for k in PARAM_GROUPS}
+    assert all(n.kind == "object" and n.size > 0 for n in ck.non_tensors)
+    plain = open_checkpoint(saved / "plain")
+    assert [(n.name, n.kind, plain.files[n.file or 0].endswith(".distcp")) for n in plain.non_tensors] == [
+        ("extra.lr", "object", True),
+        ("extra.name", "object", True),
+    ]
 
 
 @pytest.mark.dist
@@ -125,7 +131,7 @@ def test_few_open_files(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     want = open_checkpoint(saved / "fsdp_tp")
     monkeypatch.setattr(dcp_mod, "_MAX_OPEN", 1)
     got = open_checkpoint(saved / "fsdp_tp")
-    assert got.tensors == want.tensors and got.objects == want.objects and got.files == want.files
+    assert got.tensors == want.tensors and got.non_tensors == want.non_tensors and got.files == want.files
 
 
 @pytest.mark.dist
@@ -142,9 +148,13 @@ def test_inspect_json_lists_boxes_and_objects(saved: Path) -> None:
         "[2:3)x[0:2)",
         "[]x[0:2)",
     ]
-    assert by["optimizer.state.up.weight.step"]["chunks"][0]["box"] == "()"
-    assert {o["name"] for o in doc["objects"]} == {f"optimizer.param_groups.0.{k}" for k in PARAM_GROUPS}
-    assert all(o["bytes"] > 0 and o["file"].endswith(".distcp") for o in doc["objects"])
+    assert by["optimizer.state.up.weight.step"]["chunks"][0]["box"] == "(scalar)"
+    items = doc["non_tensors"]
+    assert {o["name"] for o in items} == {f"optimizer.param_groups.0.{k}" for k in PARAM_GROUPS}
+    assert all(o["size"] > 0 and o["file"].endswith(".distcp") for o in items)
+    text = run_cli("inspect", saved / "fsdp_tp").stderr
+    assert "no placements" in text
+    assert text.count("optimizer.param_groups.0.amsgrad") == 1, "each non-tensor item is listed once"
 
 
 @pytest.mark.dist
@@ -205,9 +215,8 @@ def test_select_model_only(saved: Path) -> None:
     ck = open_checkpoint(saved / "fsdp_tp")
     kept, warnings = select_checkpoint(ck, exclude=["optimizer.*", "lr_scheduler.*"])
     assert sorted(kept.tensors) == ["extra.uneven", "model.down.weight", "model.up.weight"]
-    assert kept.objects == {}
-    assert warnings == [f'--exclude "lr_scheduler.*" matches nothing in {ck.path}']
-    assert not any("non-tensor" in w for w in kept.warnings)
+    assert kept.non_tensors == ()
+    assert [str(w) for w in warnings] == [f'--exclude "lr_scheduler.*" matches nothing in {ck.path}']
     kept, warnings = select_checkpoint(ck, include=[r"re:optimizer\.state\..*\.step"])
     assert sorted(kept.tensors) == ["optimizer.state.down.weight.step", "optimizer.state.up.weight.step"]
     assert warnings == []
@@ -241,12 +250,12 @@ def test_permuted_chunks_tile_by_tile(saved: Path, monkeypatch: pytest.MonkeyPat
     for name in ("t", "p"):
         t = ck.tensors[name]
         assert t.piece_files == (len(ck.files) - 1,), "a spooled copy"
-        assert t.piece_crcs == (None,)
+        assert t.piece_crc32 == (None,)
         with open(ck.files[t.piece_files[0]], "rb") as f:
             f.seek(t.piece_offsets[0])
             assert f.read(len(raw(want[name]))) == raw(want[name]), name
     assert ck.tensors["col"].piece_files == (0,), "row-major already: read in place"
-    assert not any(w.startswith("problem:") for w in ck.warnings)
+    assert not any(w.problem for w in ck.warnings)
 
 
 class _Touch:
@@ -317,7 +326,7 @@ def test_crc_mismatch_caught_by_check(saved: Path, tmp_path: Path) -> None:
     proc = run_cli("inspect", ck, "--check", "--json")
     assert proc.returncode == 1, proc.stderr
     problems = json.loads(proc.stdout)["check"]["problems"]
-    assert [(p["kind"], p["tensor"]) for p in problems] == [("crc", "model.w")]
+    assert [(p["kind"], p["tensor"]) for p in problems] == [("crc32", "model.w")]
 
 
 @pytest.mark.dist

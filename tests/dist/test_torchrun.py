@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from reshard.dist import share_by_bytes  # noqa: E402
 from reshard.errors import UsageError  # noqa: E402
-from reshard.execute import file_checksum  # noqa: E402
+from reshard.io.checksum import file_checksum  # noqa: E402
 from reshard.layout import TensorLayout  # noqa: E402
 from reshard.mesh import Mesh  # noqa: E402
 from tests.dist.torchrun_scripts import load_world as L  # noqa: E402

@@ -20,12 +20,14 @@ from reshard.checkpoint import Checkpoint, TensorSource
 from reshard.cli import app
 from reshard.convert import SourceSpec, TargetSpec, convert
 from reshard.errors import PlanError
+from reshard.formats import writer
+from reshard.formats.per_rank import rank_file_name
 from reshard.intervals import block_shape, block_volume, full_block
 from reshard.io.header import DTYPE_SIZES
 from reshard.layout import TensorLayout
 from reshard.mesh import Mesh
 from reshard.placements import Partial, Placement, Replicate, Shard, StridedShard
-from reshard.plan import PER_RANK, copy_boxes, make_plan, match_blocks, rank_file_name
+from reshard.plan import copy_boxes, make_plan, match_blocks
 from tests.strategies import (
     examples,
     index_array,
@@ -162,7 +164,7 @@ def test_make_plan_lays_out_each_rank_file(case):
     ckpt = Checkpoint(
         path="mem", format="per-rank", files=(), file_sizes=(), tensors=tensors, mesh=la.mesh
     )
-    plan = make_plan(ckpt, lb.mesh, lambda name: lb.placements, fmt=PER_RANK)
+    plan = make_plan(ckpt, lb.mesh, lambda name: lb.placements, writer=writer("per-rank"))
     assert [f.name for f in plan.files] == [
         rank_file_name(r, lb.mesh.size) for r in range(lb.mesh.size)
     ]
@@ -544,4 +546,4 @@ def test_partial_target_is_refused_by_the_planner():
         path="mem", format="per-rank", files=(), file_sizes=(), tensors={"w": src}, mesh=lay.mesh
     )
     with pytest.raises(PlanError, match="Partial"):
-        make_plan(ckpt, Mesh(("tp",), (2,)), lambda name: ["P(sum)"], fmt=PER_RANK)
+        make_plan(ckpt, Mesh(("tp",), (2,)), lambda name: ["P(sum)"], writer=writer("per-rank"))

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import reshard.execute as ex
+import reshard.io.checksum as cs
 from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, resolve_target
 
 
@@ -16,7 +17,7 @@ from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, res
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_piecewise_checksum_matches_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int,
                                          workers: int) -> None:
-    monkeypatch.setattr(ex, "PIECE", piece)
+    monkeypatch.setattr(cs, "PIECE", piece)
     gen = torch.Generator().manual_seed(0)
     full = {f"l.{i}.w": torch.randn(37, 29, generator=gen) for i in range(12)}
     full.update({f"l.{i}.o": torch.randn(29, 41, generator=gen).to(torch.bfloat16) for i in range(12)})
@@ -29,17 +30,16 @@ def test_piecewise_checksum_matches_file(tmp_path: Path, monkeypatch: pytest.Mon
         out.mkdir()
         results = ex.execute_plan(plan, out, workers=workers, buffer_size=1000)
         for r in results:
-            assert r.checksum.startswith(ex.CHECKSUM_PREFIX)
-            assert r.checksum == ex.file_checksum(out / r.name)
+            assert r.checksum.startswith(cs.CHECKSUM_PREFIX)
+            assert r.checksum == cs.file_checksum(out / r.name)
         # the pieces really were hashed on the way: count the ones read back
         assert all((out / r.name).stat().st_size == r.size for r in results)
 
 
 def test_most_pieces_are_hashed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ex, "PIECE", 4096)
-    monkeypatch.setattr(ex, "COPY_MODE", "buffer")  # RESHARD_COPY=kernel reads every piece back by design
+    monkeypatch.setattr(cs, "PIECE", 4096)
     reads: list[int] = []
-    real = ex.piece_digest_of
+    real = cs.piece_digest_of
 
     def counting(path: object, index: int, chunk: int = 8 << 20) -> bytes:
         reads.append(index)
@@ -49,11 +49,11 @@ def test_most_pieces_are_hashed_while_writing(tmp_path: Path, monkeypatch: pytes
     save_file(full, str(tmp_path / "model.safetensors"))
     ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
     plan = build_plan(ck, resolve_target(ck, TargetSpec(consolidate=True)))
-    monkeypatch.setattr(ex, "piece_digest_of", counting)
+    monkeypatch.setattr(cs, "piece_digest_of", counting)
     out = tmp_path / "o"
     out.mkdir()
     (r,) = ex.execute_plan(plan, out, workers=2, buffer_size=4096)
     pieces = -(-r.size // 4096)
     assert len(reads) <= 2, (reads, pieces)  # only the pieces straddling the two writers' ranges
-    monkeypatch.setattr(ex, "piece_digest_of", real)
-    assert r.checksum == ex.file_checksum(out / r.name)
+    monkeypatch.setattr(cs, "piece_digest_of", real)
+    assert r.checksum == cs.file_checksum(out / r.name)

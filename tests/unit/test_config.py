@@ -92,7 +92,7 @@ def test_presets_listed() -> None:
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_loads_with_header_and_catch_all(name: str) -> None:
     path = resolve_preset(name)
-    assert path == REPO / "configs" / f"{name}.yaml"
+    assert path == REPO / "reshard" / "configs" / f"{name}.yaml"
     assert path.read_text(encoding="utf-8").startswith("#"), "presets start with a comment header"
     cfg = load_layout(path)
     assert cfg.source == str(path)
@@ -881,8 +881,8 @@ def test_parse_layout_text_default_source() -> None:
 
 
 def test_resolve_preset(tmp_path: Path) -> None:
-    assert resolve_preset("llama-tp") == REPO / "configs" / "llama-tp.yaml"
-    assert resolve_preset("llama-tp.yaml") == REPO / "configs" / "llama-tp.yaml"
+    assert resolve_preset("llama-tp") == REPO / "reshard" / "configs" / "llama-tp.yaml"
+    assert resolve_preset("llama-tp.yaml") == REPO / "reshard" / "configs" / "llama-tp.yaml"
     own = write(tmp_path, 'mesh: {tp: 2}\nplacements: {"*": R}\n', "llama-tp.yaml")
     assert resolve_preset(str(own)) == own  # an existing path wins
     with pytest.raises(ConfigError) as info:

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import reshard.execute as ex
 from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, resolve_target
+from reshard.io.reader import RowCache
 
 
 def _column_sharded_plan(tmp_path: Path, world: int = 8):
@@ -29,7 +30,6 @@ def _column_sharded_plan(tmp_path: Path, world: int = 8):
 def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: int) -> int:
     """Bytes read from the source by pread while executing ``plan`` (contiguous runs included)."""
     monkeypatch.setattr(ex, "GROUP_FILES", group)
-    monkeypatch.setattr(ex, "COPY_MODE", "buffer")
     read = [0]
     real = os.preadv
 
@@ -89,15 +89,15 @@ def test_read_window_hits_misses_and_limits(tmp_path: Path) -> None:
     p.write_bytes(data)
     fd = os.open(p, os.O_RDONLY)
     try:
-        b = ex._Buffers(64)  # scratch: 8 * 64 + 64 = 576 bytes
+        b = RowCache(8 * 64 + 64)  # a writer's row cache for a 64-byte buffer: 576 bytes
         at = b.read(fd, 0, 130, 140, 128, 256)  # miss: the whole window [128, 256) is read
         assert b.window == (0, 128, 256) and at == 2
-        assert bytes(b.scratch[at : at + 10]) == data[130:140]
+        assert bytes(b.buf[at : at + 10]) == data[130:140]
         assert b.read(fd, 0, 200, 256, 0, 0) == 72  # hit: inside the window, nothing read
         assert b.read(fd, 1, 200, 256, 200, 256) == 0 and b.window == (1, 200, 256)  # other file: miss
         # a window larger than the scratch falls back to the span itself
         at = b.read(fd, 0, 1000, 1500, 0, 4096)
-        assert b.window == (0, 1000, 1500) and bytes(b.scratch[at : at + 500]) == data[1000:1500]
+        assert b.window == (0, 1000, 1500) and bytes(b.buf[at : at + 500]) == data[1000:1500]
         assert b.read(fd, 0, 0, 4096, 0, 4096) is None  # even the span does not fit
     finally:
         os.close(fd)

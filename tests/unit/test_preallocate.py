@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import reshard.execute as ex
+import reshard.io.writer as ex
 from reshard.convert import SourceSpec, TargetSpec, convert
 from reshard.errors import WriteError
 

@@ -14,15 +14,15 @@ import torch
 from safetensors.torch import save_file
 
 from reshard import check as check_mod
-from reshard.check import check_checkpoint, coverage_holes
-from reshard.checkpoint import Checkpoint, TensorSource
+from reshard.check import check_checkpoint
+from reshard.checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from reshard.config import load_layout
 from reshard.convert import SourceSpec, TargetSpec, convert, open_source
 from reshard.errors import PlanError, ReshardError
 from reshard.formats import open_checkpoint
-from reshard.intervals import Interval
+from reshard.intervals import Interval, coverage_holes, global_index
 from reshard.io.header import read_header
-from reshard.verify import global_index, verify_checkpoints
+from reshard.verify import verify_checkpoints
 
 I = Interval  # noqa: E741
 
@@ -401,7 +401,12 @@ def test_check_manifest_files(ckpts: dict[str, Path], tmp_path: Path) -> None:
 
 def test_check_warnings(ckpts: dict[str, Path]) -> None:
     ck = _open(ckpts["hf0"])
-    ck.warnings.extend(["problem: shard-1: chunks of x misleading", "tensor y ignored"])
+    ck.warnings.extend(
+        [
+            CheckpointWarning("shard-1: chunks of x misleading", problem=True),
+            CheckpointWarning("tensor y ignored"),
+        ]
+    )
     (p,) = check_checkpoint(ck)
     assert p == {
         "kind": "warning",
@@ -466,7 +471,7 @@ def test_check_hole(tmp_path: Path) -> None:
     assert p["kind"] == "hole"
     assert p["tensor"] == "t"
     assert p["region"] == [[2, 4], [0, 4]]
-    assert "region [2:4, 0:4] is in no piece (8 elements)" in p["message"]
+    assert "region [2:4)x[0:4) is in no piece (8 elements)" in p["message"]
 
 
 def test_check_hole_in_a_partial_group_and_many_holes(tmp_path: Path) -> None:

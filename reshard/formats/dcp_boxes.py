@@ -1,0 +1,141 @@
+"""Which box each rank's chunk is in a DCP checkpoint, and which rank stores a replicated one (pure).
+
+``dcp.save`` stores one chunk per rank and tensor: ``_create_write_items_for_dtensor``
+records ``compute_local_shape_and_global_offset`` (local shape, offset of the first
+local index per dim; an empty shard sits at offset = dim size). DCP has no way to
+say "rows 0-1 and 4-5", so a rank whose local data is not one box cannot be
+expressed: torch itself fails such a save with "overlapping chunks"
+(dcp.md §A.2). In reshard's algebra a rank's block is one index list per dim; it
+is a box exactly when every list has at most one interval.
+
+Chunks with equal ``(fqn, offset)`` on several ranks (replicas) are written once;
+:func:`dedup_owners` picks the rank the way torch's ``dedup_save_plans`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from ..errors import LayoutError
+from ..intervals import Box, Interval, index_list_size
+from ..layout import TensorLayout
+
+__all__ = ["rank_box", "WriteItem", "save_items", "dedup_owners"]
+
+
+def rank_box(layout: TensorLayout, rank: int) -> Box | None:
+    """The box torch's ``dcp.save`` records for ``rank``, or None when the local data is not one box.
+
+    Per dim: the rank's one interval; an empty shard is ``Interval(n, n)`` at the dim's
+    size ``n``, as torch's offset rule gives. A rank holding no data at all always has
+    a box (torch records first index and local size; no bytes are stored).
+
+    >>> from reshard.mesh import Mesh
+    >>> lay = TensorLayout.make((3, 2), Mesh(("tp",), (4,)), ["S(0)"])
+    >>> [tuple(str(iv) for iv in rank_box(lay, r)) for r in range(4)]
+    [('[0:1)', '[0:2)'), ('[1:2)', '[0:2)'), ('[2:3)', '[0:2)'), ('[3:3)', '[0:2)')]
+    >>> rank_box(TensorLayout.make((8,), Mesh(("a", "b"), (2, 2)), ["R", "_S(0, 2)"]), 0) is None
+    True
+
+    Raises:
+        LayoutError: the layout has a Partial placement (DCP stores reduced values only).
+    """
+    if layout.partial_op is not None:
+        raise LayoutError(
+            f"{layout.placement_strs()}: DCP stores full values, not Partial ones",
+            hint="reduce the Partial placement (use R or S(d)) in the target layout",
+        )
+    block = layout.blocks()[rank]
+    empty = any(not ilist for ilist in block) and bool(block)
+    box: list[Interval] = []
+    for n, ilist in zip(layout.shape, block):
+        if not ilist:
+            box.append(Interval(n, n))
+        elif len(ilist) == 1 or empty:
+            # no data: torch records (first index, local size) and nothing is stored
+            box.append(Interval(ilist[0].start, ilist[0].start + index_list_size(ilist)))
+        else:
+            return None
+    return tuple(box)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteItem:
+    """One chunk as torch's save planner sees it.
+
+    Attributes:
+        key: what identifies the chunk across ranks, ``(fqn, offsets)`` as ``MetadataIndex`` compares.
+        ranks: every rank whose local plan has this chunk.
+        nbytes: ``WriteItem.tensor_storage_size()``: numel * itemsize of the whole
+            (global) tensor, not of the chunk, which is what torch weighs.
+    """
+
+    key: Hashable
+    ranks: tuple[int, ...]
+    nbytes: int
+
+
+def save_items(tensors: Sequence[tuple[str, TensorLayout, int]]) -> list[tuple[str, Box, WriteItem]]:
+    """Every distinct chunk of these tensors, in the order torch's ``dedup_save_plans`` meets them.
+
+    Args:
+        tensors: ``(fqn, layout, itemsize)`` in state-dict order; all on meshes of the same ranks.
+
+    Returns:
+        ``(fqn, box, item)`` per distinct ``(fqn, offsets)``: rank 0's chunks in
+        tensor order, then chunks first held by rank 1, and so on.
+
+    Raises:
+        LayoutError: a rank's local data is not one box (names the tensor and rank).
+    """
+    boxes: list[list[Box]] = []
+    for fqn, layout, _ in tensors:
+        per_rank: list[Box] = []
+        for r in range(layout.mesh.size):
+            box = rank_box(layout, r)
+            if box is None:
+                raise LayoutError(
+                    f'tensor "{fqn}": {layout.placement_strs()} leaves rank {r} a local tensor that is '
+                    "not one box; DCP stores one box per rank and cannot express it",
+                    tensor=fqn,
+                    hint="choose placements whose local shards are contiguous (S(d) rather than _S(d, k))",
+                )
+            per_rank.append(box)
+        boxes.append(per_rank)
+    world = max((lay.mesh.size for _, lay, _ in tensors), default=0)
+    out: list[tuple[str, Box, WriteItem]] = []
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for r in range(world):
+        for (fqn, layout, itemsize), per_rank in zip(tensors, boxes):
+            if r >= len(per_rank):
+                continue
+            offsets = tuple(iv.start for iv in per_rank[r])
+            if (fqn, offsets) in seen:
+                continue
+            seen.add((fqn, offsets))
+            holders = tuple(q for q, b in enumerate(per_rank) if tuple(iv.start for iv in b) == offsets)
+            nbytes = itemsize
+            for n in layout.shape:
+                nbytes *= n
+            out.append((fqn, per_rank[r], WriteItem((fqn, offsets), holders, nbytes)))
+    return out
+
+
+def dedup_owners(items: Sequence[WriteItem]) -> list[int]:
+    """The rank that writes each item, as ``dedup_save_plans`` (torch 2.13) decides.
+
+    Items must be all chunks (unique ones too: they count towards a rank's bytes), in
+    torch's order (:func:`save_items`). Each goes to the holder that has planned the
+    fewest bytes so far (lowest rank on ties); a zero-byte item counts 1.
+
+    >>> dedup_owners([WriteItem("a", (0, 1), 8), WriteItem("b", (0, 1), 8), WriteItem("c", (0, 1), 4)])
+    [0, 1, 0]
+    """
+    planned: dict[int, int] = {}
+    owners: list[int] = []
+    for item in items:
+        owner = min(sorted(item.ranks), key=lambda r: planned.get(r, 0))
+        planned[owner] = planned.get(owner, 0) + (item.nbytes or 1)
+        owners.append(owner)
+    return owners

@@ -1,0 +1,116 @@
+"""``reshard.json``: what every output directory says about itself (the one place it is made).
+
+Written last by every writer's ``complete`` (and by :func:`reshard.dist.save_dtensors`),
+so its presence marks a finished checkpoint: format, mesh, placement rules, per-tensor
+dtype/shape/placements, per-file size and checksum.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TypedDict
+
+from ..errors import HeaderError
+from ..io.writer import FileResult, write_json
+from ..mesh import Mesh
+from ..plan import Plan
+from ..version import __version__
+
+__all__ = [
+    "MANIFEST",
+    "TensorInfo",
+    "FileInfo",
+    "Manifest",
+    "manifest",
+    "manifest_for",
+    "read_manifest",
+    "write_manifest",
+]
+
+MANIFEST = "reshard.json"
+
+
+class TensorInfo(TypedDict):
+    dtype: str
+    shape: list[int]
+    placements: list[str]
+
+
+class FileInfo(TypedDict):
+    size: int
+    checksum: str
+
+
+class _Producer(TypedDict):
+    format_version: int
+    version: str
+
+
+class Manifest(TypedDict):
+    reshard: _Producer
+    format: str
+    mesh: dict[str, list[object]]
+    rules: list[list[object]]
+    tensors: dict[str, TensorInfo]
+    files: dict[str, FileInfo]
+
+
+def manifest(
+    fmt: str,
+    mesh: Mesh,
+    rules: list[list[object]],
+    tensors: Mapping[str, TensorInfo],
+    files: Iterable[tuple[str, int, str]],
+) -> Manifest:
+    """The ``reshard.json`` document.
+
+    Args:
+        fmt: the writer's name.
+        mesh: the checkpoint's mesh.
+        rules: the placement rules as ``[[pattern, value], ...]`` (layout JSON).
+        tensors: per tensor name, in checkpoint order: dtype, global shape, placements.
+        files: ``(name, size, checksum)`` per file, in the order to list them.
+    """
+    return {
+        "reshard": {"format_version": 1, "version": __version__},
+        "format": fmt,
+        "mesh": mesh.to_json(),
+        "rules": rules,
+        "tensors": dict(tensors),
+        "files": {name: {"size": size, "checksum": cs} for name, size, cs in files},
+    }
+
+
+def manifest_for(plan: Plan, results: Sequence[FileResult]) -> Manifest:
+    """The ``reshard.json`` of a finished conversion (``results`` in plan order)."""
+    rules: list[list[object]] = plan.rules.to_json()["rules"] if plan.rules is not None else [["*", "R"]]
+    tensors: dict[str, TensorInfo] = {
+        t.name: {"dtype": t.dtype, "shape": list(t.shape), "placements": t.layout.placement_strs()}
+        for t in plan.tensors
+    }
+    return manifest(plan.format, plan.mesh, rules, tensors, ((r.name, r.size, r.checksum) for r in results))
+
+
+def write_manifest(directory: Path, doc: Manifest) -> None:
+    """Write ``reshard.json`` atomically (``reshard.json.tmp``, then rename)."""
+    write_json(directory / MANIFEST, doc)
+
+
+def read_manifest(directory: Path) -> dict[str, object] | None:
+    """The directory's ``reshard.json`` as a JSON object, or None when absent.
+
+    Raises:
+        HeaderError: the file is not a JSON object.
+    """
+    p = directory / MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise HeaderError(f"{p}: not valid JSON ({e})", path=str(p)) from None
+    return data

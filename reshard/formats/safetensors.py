@@ -1,0 +1,80 @@
+"""Output files in safetensors form, shared by the writers of safetensors-based formats.
+
+A :class:`SafetensorsFile` holds one target rank's blocks (or the whole tensors of a
+consolidated file) in the reference writer's order, its header built by
+:func:`reshard.io.header.header_prefix`, so files are byte-identical to
+``safetensors.torch.save_file`` of the same tensors and metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import lru_cache
+
+from ..dtypes import DTYPE_RANK, DTYPE_SIZES
+from ..intervals import block_shape
+from ..io.header import header_prefix
+from ..layout import TensorLayout
+from ..plan import FileLayout, OutEntry, OutFile, TargetTensor
+
+__all__ = ["SafetensorsFile", "header_order", "metadata_text"]
+
+
+class SafetensorsFile(OutFile):
+    """A safetensors output file: the header, then each tensor's block back to back."""
+
+    __slots__ = ("_meta",)
+
+    def __init__(self, name: str, rank: int | None, tensors: Sequence[TargetTensor], meta: str) -> None:
+        """``tensors`` in header order (:func:`header_order`); ``meta`` the JSON text of ``__metadata__``."""
+        super().__init__(name, rank, tensors)
+        self._meta = meta
+
+    def lay_out(self) -> FileLayout:
+        r = self.local_rank
+        items = []
+        for t in self.tensors:
+            shape_text, nbytes = _local_texts(t.layout, t.dtype)[r]
+            items.append((_quoted(t.name), t.dtype, shape_text, nbytes))
+        prefix, starts = header_prefix(items, self._meta)
+        base = len(prefix)
+        entries = tuple(OutEntry(t, r, base + a, it[3]) for t, a, it in zip(self.tensors, starts, items))
+        size = base + sum(it[3] for it in items)
+        return FileLayout(((0, prefix),), entries, size)
+
+
+def metadata_text(metadata: dict[str, str]) -> str:
+    """The JSON text of a ``__metadata__`` object, as the reference writer writes it."""
+    return json.dumps(metadata, ensure_ascii=False, separators=(",", ":"))
+
+
+def header_order(tensors: Sequence[TargetTensor]) -> list[TargetTensor]:
+    """The reference writer's order: dtype rank (Rust enum) descending, then name."""
+    return sorted(tensors, key=lambda t: (-DTYPE_RANK[t.dtype], t.name))
+
+
+_QUOTED: dict[str, str] = {}
+
+
+def _quoted(name: str) -> str:
+    q = _QUOTED.get(name)
+    if q is None:
+        q = json.dumps(name, ensure_ascii=False)
+        if len(_QUOTED) < 1_000_000:
+            _QUOTED[name] = q
+    return q
+
+
+@lru_cache(maxsize=65536)
+def _local_texts(layout: TensorLayout, dtype: str) -> tuple[tuple[str, int], ...]:
+    """Per rank: the local shape as header text, and the local bytes (shared by equal layouts)."""
+    isz = DTYPE_SIZES[dtype]
+    out = []
+    for blk in layout.blocks():
+        shp = block_shape(blk)
+        n = isz
+        for x in shp:
+            n *= x
+        out.append((",".join(map(str, shp)), n))
+    return tuple(out)

@@ -1,0 +1,102 @@
+"""Source files opened once, and the window of mapped pages released as reading goes on.
+
+Pages read through a memory map count in the process's RSS until released;
+:class:`PageWindow` records what was read and drops whole mappings
+(``MADV_DONTNEED``; the page cache keeps the data) every ``every`` bytes, so
+memory stays bounded however large the source files are.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+
+from ..intervals import box_span
+
+__all__ = ["SourceFiles", "PageWindow"]
+
+
+class SourceFiles:
+    """Open source files once: a file descriptor and a read-only map each, shared by threads."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self._paths = list(paths)
+        self._fds: dict[int, int] = {}
+        self._maps: dict[int, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, i: int) -> int:
+        fd = self._fds.get(i)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(i)
+                if fd is None:
+                    fd = os.open(self._paths[i], os.O_RDONLY)
+                    self._fds[i] = fd
+        return fd
+
+    def map(self, i: int) -> mmap.mmap:
+        mm = self._maps.get(i)
+        if mm is None:
+            fd = self.fd(i)
+            with self._lock:
+                mm = self._maps.get(i)
+                if mm is None:
+                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                    self._maps[i] = mm
+        return mm
+
+    def release(self, i: int) -> None:
+        """Drop every mapped page of file ``i`` from this process (the page cache keeps them).
+
+        The whole mapping, not just the ranges read: the kernel maps neighbours of
+        each faulting page too (fault-around, read-around), and those would pile up
+        run after run. Walking the page tables of a mostly unmapped range is cheap.
+        """
+        mm = self._maps.get(i)
+        if mm is not None and len(mm):
+            mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a numpy view still alive; the map goes with it
+                pass
+        for fd in self._fds.values():
+            os.close(fd)
+        self._maps.clear()
+        self._fds.clear()
+
+
+class PageWindow:
+    """Source pages read through the maps, released (whole mappings) every ``every`` bytes."""
+
+    def __init__(self, sources: SourceFiles, every: int) -> None:
+        self.sources = sources
+        self.every = every
+        self._touched: set[int] = set()
+        self._touched_bytes = 0
+
+    def touch_slices(
+        self, fi: int, base: int, strides: Sequence[int], isz: int, key: Sequence[slice]
+    ) -> None:
+        """Record reading slices ``key`` of the row-major array at byte ``base`` of file ``fi``."""
+        first, stop = box_span(strides, [s.start for s in key], [s.stop - s.start for s in key])
+        self.touch_range(fi, base + first * isz, base + stop * isz)
+
+    def touch_range(self, fi: int, lo: int, hi: int) -> None:
+        """Record that bytes ``[lo, hi)`` of file ``fi`` were read through its map."""
+        self._touched.add(fi)
+        self._touched_bytes += hi - lo
+        if self._touched_bytes >= self.every:
+            self.release()
+
+    def release(self) -> None:
+        """Drop every mapped page of the files read since the last release."""
+        for fi in self._touched:
+            self.sources.release(fi)
+        self._touched.clear()
+        self._touched_bytes = 0
