@@ -38,6 +38,7 @@ __all__ = [
     "normalize_segs",
     "compose_dim",
     "compose",
+    "merge_parts",
     "part_numel",
     "dim_extent",
 ]
@@ -267,3 +268,35 @@ def compose(outer: Part, inner: Mapping[str, Sequence[Part]]) -> list[Part]:
         if c is not None:
             out.append(c)
     return out
+
+
+def _merge2(a: Part, b: Part) -> Part | None:
+    """``a`` and ``b`` as one part when they differ in one dim only (their union is then a product)."""
+    if a.source != b.source or a.fixed != b.fixed or len(a.dims) != len(b.dims):
+        return None
+    diff = [t for t, (x, y) in enumerate(zip(a.dims, b.dims)) if x != y]
+    if len(diff) != 1 or a.dims[diff[0]].src_dim != b.dims[diff[0]].src_dim:
+        return None
+    t = diff[0]
+    merged = DimMap(a.dims[t].src_dim, normalize_segs(a.dims[t].segs + b.dims[t].segs))
+    return Part(a.source, a.dims[:t] + (merged,) + a.dims[t + 1 :], a.fixed)
+
+
+def merge_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
+    """Fewer, larger parts: join parts of one source that differ along a single dim.
+
+    Parts of one target tensor are disjoint, so the union of two products that
+    agree on all dims but one is the product with that dim's segments joined.
+    """
+    out = list(parts)
+    i = 0
+    while i < len(out):
+        for j in range(i + 1, len(out)):
+            m = _merge2(out[i], out[j])
+            if m is not None:
+                out[i] = m
+                del out[j]
+                break
+        else:
+            i += 1
+    return tuple(out)

@@ -43,7 +43,7 @@ import yaml
 
 from .config import _Parser, _yaml_error
 from .errors import ConfigError
-from .indexmap import DimMap, Part, Seg, compose, identity_part, part_numel
+from .indexmap import DimMap, Part, Seg, compose, identity_part, merge_parts, part_numel
 
 __all__ = [
     "Expr",
@@ -589,10 +589,10 @@ class Stack(_Base):
         missing = sorted(set(range(count)) - set(members))
         extra = sorted(set(members) - set(range(count)))
         if missing or extra:
+            what = [f"missing {missing[:8]}"] if missing else []
+            what += [f"unexpected {extra[:8]}"] if extra else []
             raise ConfigError(
-                f'"{target}": stacking needs indices 0..{count - 1}; '
-                + (f"missing {missing[:8]}" if missing else f"unexpected {extra[:8]}"),
-                tensor=target,
+                f'"{target}": stacking needs indices 0..{count - 1}; {", ".join(what)}', tensor=target
             )
         names = [members[e] for e in range(count)]
         shape = state[names[0]].shape
@@ -978,7 +978,7 @@ def _advance(
             new[o.name] = TransformedTensor(o.name, t.shape, t.dtype, t.parts)
         else:
             inner = {p.source: state[p.source].parts for p in o.parts if p.source is not None}
-            parts = tuple(c for p in o.parts for c in compose(p, inner))
+            parts = merge_parts([c for p in o.parts for c in compose(p, inner)])
             assert sum(part_numel(p) for p in parts) == math.prod(o.shape), o.name
             new[o.name] = TransformedTensor(o.name, o.shape, o.dtype, parts)
     touched.update(made)
@@ -1143,7 +1143,11 @@ def _build(op: str, f: Mapping[str, Any], line: int) -> Op:
         return cls(
             src, _str(f["to"], "to:"), _str(f["index"], "index:"), dim, _opt_expr(f, "count"), opt, line
         )
-    tensors = NamePattern(_str(f.get("tensors", f.get("tensor")), "tensors:"))
+    if op == "tie":
+        return Tie(NamePattern(_str(f["from"], "from:")), _str(f["to"], "to:"), opt, line)
+    if op == "untie":
+        return Untie(NamePattern(_str(f["tensor"], "tensor:")), _str(f["same_as"], "same_as:"), opt, line)
+    tensors = NamePattern(_str(f["tensors"], "tensors:"))
     if op == "rope_permute":
         return RopePermute(tensors, _expr(f["heads"]), _str(f.get("to", "hf"), "to:"), dim, opt, line)
     if op == "pad":
@@ -1160,10 +1164,6 @@ def _build(op: str, f: Mapping[str, Any], line: int) -> Op:
         return Unpad(
             tensors, dim, _expr(f["size"]), _opt_expr(f, "multiple"), _opt_expr(f, "padded_size"), opt, line
         )
-    if op == "tie":
-        return Tie(NamePattern(_str(f["from"], "from:")), _str(f["to"], "to:"), opt, line)
-    if op == "untie":
-        return Untie(tensors, _str(f["same_as"], "same_as:"), opt, line)
     dims = f.get("dims", [0, 1])
     if not isinstance(dims, list) or len(dims) != 2:
         raise ConfigError(f"dims: must be two dims, e.g. [0, 1], got {dims!r}")
