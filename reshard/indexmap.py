@@ -247,7 +247,31 @@ def _compose_one(outer: Part, inner: Part) -> Part | None:
         if not segs:
             return None
         dims.append(DimMap(m.src_dim if inner.source is not None else None, segs))
-    return Part(inner.source, tuple(dims), tuple(sorted(fixed)) if inner.source is not None else ())
+    if inner.source is None:
+        return Part(None, tuple(dims))
+    return _pair_pinned(Part(inner.source, tuple(dims), tuple(sorted(fixed))))
+
+
+def _pair_pinned(part: Part) -> Part:
+    """Pair single-index target dims with single-index source dims in order (canonical form).
+
+    A target dim holding one index reads one source index, whether it walks a
+    source dim or the source dim is pinned (``fixed``), so which pairs with
+    which is free; pairing them in order makes unstack-then-stack and similar
+    round trips compare equal to the identity part.
+    """
+    points = [t for t, d in enumerate(part.dims) if len(d.segs) == 1 and d.segs[0].size == 1]
+    if not points or (not part.fixed and len(points) < 2):
+        return part
+    srcs = sorted(
+        [(part.dims[t].src_dim, part.dims[t].segs[0].src) for t in points if part.dims[t].src_dim is not None]
+        + list(part.fixed)
+    )
+    dims = list(part.dims)
+    for n, t in enumerate(points):
+        dst = dims[t].segs[0].dst
+        dims[t] = DimMap(srcs[n][0], (Seg(dst, srcs[n][1], 1),)) if n < len(srcs) else DimMap(None, (Seg(dst, 0, 1),))
+    return Part(part.source, tuple(dims), tuple(srcs[len(points) :]))
 
 
 def compose(outer: Part, inner: Mapping[str, Sequence[Part]]) -> list[Part]:
@@ -289,14 +313,18 @@ def merge_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
     agree on all dims but one is the product with that dim's segments joined.
     """
     out = list(parts)
-    i = 0
-    while i < len(out):
-        for j in range(i + 1, len(out)):
-            m = _merge2(out[i], out[j])
-            if m is not None:
-                out[i] = m
-                del out[j]
-                break
-        else:
-            i += 1
+    changed = True
+    while changed:  # a merge can enable another with an earlier part, so repeat until none
+        changed = False
+        i = 0
+        while i < len(out):
+            for j in range(i + 1, len(out)):
+                m = _merge2(out[i], out[j])
+                if m is not None:
+                    out[i] = m
+                    del out[j]
+                    changed = True
+                    break
+            else:
+                i += 1
     return tuple(out)

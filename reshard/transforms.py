@@ -735,6 +735,8 @@ class RopePermute(_InPlace):
                 f'"{name}" has {rows} rows along dim {d}: not {h} heads of an even head_dim', tensor=name
             )
         hd, half = rows // h, rows // h // 2
+        if 0 in shape:
+            return shape, ()
         segs = []
         for head in range(h):
             for i2 in (0, 1):

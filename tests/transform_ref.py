@@ -57,7 +57,7 @@ def _fill_part(out: np.ndarray, hits: np.ndarray, part: Part, sources: Mapping[s
 
 def materialise(t: TransformedTensor, sources: Mapping[str, np.ndarray]) -> np.ndarray:
     """The target tensor ``t`` built from full source arrays; asserts every element is written once."""
-    dtype = next((sources[p.source].dtype for p in t.parts if p.source is not None), np.dtype(np.float32))
+    dtype = np.dtype(t.dtype or next((sources[p.source].dtype for p in t.parts if p.source), "float32"))
     out = np.full(t.shape, -1, dtype=dtype) if dtype.kind in "iu" else np.full(t.shape, np.nan, dtype=dtype)
     hits = np.zeros(t.shape, dtype=np.int64)
     for p in t.parts:
@@ -127,7 +127,8 @@ def torch_apply(
                 d, g = op.dim % xs[0].dim(), env.eval(op.groups)
                 grouped = [x.reshape(*x.shape[:d], g, x.shape[d] // g, *x.shape[d + 1 :]) for x in xs]
                 y = torch.cat(grouped, dim=d + 1)
-                new[tr._fill(op.target, m)] = y.reshape(*xs[0].shape[:d], -1, *xs[0].shape[d + 1 :])
+                total = sum(x.shape[d] for x in xs)
+                new[tr._fill(op.target, m)] = y.reshape(*xs[0].shape[:d], total, *xs[0].shape[d + 1 :])
         elif isinstance(op, tr.Split):
             for name in sorted(state):
                 m = op.source.match(name)
@@ -185,7 +186,7 @@ def _torch_in_place(op: Any, x: Any, env: Any) -> Any:
             w = w.reshape(h, w.shape[0] // h // 2, 2, *rest).transpose(1, 2)
         else:  # torchtitan _reverse_permute
             w = w.reshape(h, 2, w.shape[0] // h // 2, *rest).transpose(1, 2)
-        return w.reshape(-1, *rest).movedim(0, d).contiguous()
+        return w.reshape(x.shape[d], *rest).movedim(0, d).contiguous()
     if isinstance(op, tr.Pad):
         n = x.shape[d]
         p = (
