@@ -339,10 +339,9 @@ class _Base:
     __slots__ = ()
     OP = ""
 
-    def inverse(self) -> Op:
-        raise ConfigError(
-            f"{self.OP} cannot be undone (it loses information); write the reverse spec by hand"
-        )
+    def inverse(self) -> Op | None:
+        """The operation that undoes this one (None: nothing to undo)."""
+        raise NotImplementedError
 
 
 def _not_invertible(what: str, text: str) -> ConfigError:
@@ -400,6 +399,15 @@ class Drop(_Base):
 
     def run(self, state: State, env: _Env) -> _Step:
         return _Step((), frozenset(n for n, _ in _matches(self.tensors, state)))
+
+    def inverse(self) -> Op | None:
+        """Nothing to undo for an ``optional`` drop (buffers such as ``inv_freq``); else an error."""
+        if self.optional:
+            return None
+        raise ConfigError(
+            "drop cannot be undone (it loses tensors); mark it optional: true if the dropped tensors "
+            "are derived buffers the reverse direction need not restore"
+        )
 
 
 def _eval_sizes(sizes: tuple[Expr, ...] | None, env: _Env) -> list[int] | None:
@@ -1051,9 +1059,11 @@ def inverse(spec: TransformSpec) -> TransformSpec:
     ops: list[Op] = []
     for i in range(len(spec.ops) - 1, -1, -1):
         try:
-            ops.append(spec.ops[i].inverse())
+            op = spec.ops[i].inverse()
         except ConfigError as e:
             raise ConfigError(spec.where(i) + e.message, path=spec.source) from None
+        if op is not None:
+            ops.append(op)
     return TransformSpec(tuple(ops), spec.config, spec.allow_unused, f"inverse of {spec.source}")
 
 

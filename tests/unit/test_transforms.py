@@ -277,6 +277,7 @@ def test_yaml_errors_name_file_line_and_rule(text: str, message: str) -> None:
     ("text", "message"),
     [
         ("transforms: [{drop: {tensors: a}}]", "rule 1 (drop): drop cannot be undone"),
+        ("transforms: [{unpad: {tensors: a, size: 3}}]", "unpad without multiple: or padded_size:"),
         ("transforms: [{concat: {from: [a, b], to: c}}]", "concat without sizes: cannot be inverted"),
         ("transforms: [{rename: {from: 're:a(.*)', to: 'b\\1'}}]", "cannot be inverted: use only {name}"),
         ("transforms: [{pad: {tensors: a, multiple: 8}}]", "pad without size: cannot be inverted"),
