@@ -263,14 +263,20 @@ def _pair_pinned(part: Part) -> Part:
     points = [t for t, d in enumerate(part.dims) if len(d.segs) == 1 and d.segs[0].size == 1]
     if not points or (not part.fixed and len(points) < 2):
         return part
-    srcs = sorted(
-        [(part.dims[t].src_dim, part.dims[t].segs[0].src) for t in points if part.dims[t].src_dim is not None]
-        + list(part.fixed)
-    )
+    srcs = list(part.fixed)
+    for t in points:
+        s = part.dims[t].src_dim
+        if s is not None:
+            srcs.append((s, part.dims[t].segs[0].src))
+    srcs.sort()
     dims = list(part.dims)
     for n, t in enumerate(points):
         dst = dims[t].segs[0].dst
-        dims[t] = DimMap(srcs[n][0], (Seg(dst, srcs[n][1], 1),)) if n < len(srcs) else DimMap(None, (Seg(dst, 0, 1),))
+        dims[t] = (
+            DimMap(srcs[n][0], (Seg(dst, srcs[n][1], 1),))
+            if n < len(srcs)
+            else DimMap(None, (Seg(dst, 0, 1),))
+        )
     return Part(part.source, tuple(dims), tuple(srcs[len(points) :]))
 
 

@@ -140,7 +140,8 @@ class _Env:
 
     def _node(self, n: ast.expr, expr: Expr) -> int:
         if isinstance(n, ast.Constant):
-            return int(n.value)
+            assert isinstance(n.value, int)  # _parse_expr admits only integer constants
+            return n.value
         if isinstance(n, ast.Name):
             return self.name(n.id)
         if isinstance(n, ast.UnaryOp):

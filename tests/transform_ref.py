@@ -88,7 +88,7 @@ def arange_sources(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarra
 def torch_apply(
     spec: TransformSpec, tensors: Mapping[str, Any], config: Mapping[str, Any] | None = None
 ) -> dict:
-    """The same transforms done with torch ops on full tensors (cat, split, stack, unbind, view+transpose, pad).
+    """The same transforms done by torch ops on full tensors (cat, split, stack, unbind, view+transpose, pad).
 
     Names are matched with the spec's own patterns; the tensor work is torch's.
     """

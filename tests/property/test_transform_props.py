@@ -50,7 +50,9 @@ def _split(draw: st.DrawFn, name: str, shape: tuple[int, ...], k: int) -> Op | N
     parts = draw(st.integers(2, 3))
     cuts = sorted(draw(st.lists(st.integers(0, per), min_size=parts - 1, max_size=parts - 1)))
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, per])]
-    return Split(NamePattern(name), tuple(f"p{k}_{i}" for i in range(parts)), d, g, tuple(s * g for s in sizes))
+    return Split(
+        NamePattern(name), tuple(f"p{k}_{i}" for i in range(parts)), d, g, tuple(s * g for s in sizes)
+    )
 
 
 def _families(state: dict[str, tuple[int, ...]]) -> list[tuple[int, list[str]]]:
@@ -123,7 +125,9 @@ def chains(draw: st.DrawFn, lossy: bool = False) -> tuple[dict[str, tuple[int, .
     ops: list[Op] = []
     state = dict(shapes)
     for k in range(draw(st.integers(1, 8))):  # attempts; some draw an op that does not fit
-        kind = draw(st.sampled_from(["split", "concat", "stack", "in_place", "in_place", "in_place", "rename"]))
+        kind = draw(
+            st.sampled_from(["split", "concat", "stack", "in_place", "in_place", "in_place", "rename"])
+        )
         name = draw(st.sampled_from(sorted(state))) if state else None
         new: list[Op | None]
         if name is None:
@@ -147,7 +151,9 @@ def chains(draw: st.DrawFn, lossy: bool = False) -> tuple[dict[str, tuple[int, .
 
 
 @given(chains(lossy=True))
-def test_parts_executed_by_numpy_equal_torch_ops(case: tuple[dict[str, tuple[int, ...]], TransformSpec]) -> None:
+def test_parts_executed_by_numpy_equal_torch_ops(
+    case: tuple[dict[str, tuple[int, ...]], TransformSpec],
+) -> None:
     shapes, spec = case
     src = arange_sources(shapes)
     got = run_spec(spec, src)

@@ -125,7 +125,10 @@ def torchtitan_llama3_adapter(cfg: dict[str, int], *, tied: bool = False) -> Any
     assert spec is not None and spec.submodule_search_locations
     path = Path(spec.submodule_search_locations[0]) / "models" / "llama3" / "state_dict_adapter.py"
     text = path.read_text(encoding="utf-8")
-    for line in ("from torchtitan.models.common.rope import ComplexRoPE\n", "from .model import Llama3Model\n"):
+    for line in (
+        "from torchtitan.models.common.rope import ComplexRoPE\n",
+        "from .model import Llama3Model\n",
+    ):
         assert line in text, f"torchtitan changed its imports: {line!r}"
         text = text.replace(line, "")
     ns: dict[str, Any] = {"ComplexRoPE": _ComplexRoPE, "Llama3Model": SimpleNamespace(Config=object)}
@@ -182,7 +185,9 @@ def test_hf_to_megatron_matches_bridge_layout() -> None:
         want[m + "self_attention.linear_qkv.weight"] = torch.cat(
             [q.view(g, -1, d), k.view(g, hd, d), v.view(g, hd, d)], dim=1
         ).reshape(-1, d)
-        want[m + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        want[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+        )
         want[m + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
         want[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
         want[m + "self_attention.linear_qkv.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
@@ -200,8 +205,12 @@ def test_hf_to_vllm_matches_fused_layout() -> None:
     want = dict(hf)
     for i in range(2):
         p = f"model.layers.{i}."
-        want[p + "self_attn.qkv_proj.weight"] = torch.cat([want.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        want[p + "mlp.gate_up_proj.weight"] = torch.cat([want.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+        want[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [want.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+        )
+        want[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [want.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+        )
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         want[name] = torch.nn.functional.pad(want[name], (0, 0, 0, 64 - 50))
     assert_same(got, want)
@@ -216,8 +225,12 @@ def test_mixtral_experts_stack_matches_torch_stack() -> None:
             p = f"model.layers.{i}.block_sparse_moe.experts."
             want[p + w] = torch.stack([hf[f"{p}{e}.{w}.weight"] for e in range(3)])
     assert_same(got, want)
-    parts = apply(load_transforms("mixtral-experts-stack"), {n: tuple(t.shape) for n, t in hf.items()}, config=MIXTRAL)
-    assert len(parts["model.layers.0.block_sparse_moe.experts.w1"].parts) == 3  # one whole-tensor copy per expert
+    parts = apply(
+        load_transforms("mixtral-experts-stack"), {n: tuple(t.shape) for n, t in hf.items()}, config=MIXTRAL
+    )
+    assert (
+        len(parts["model.layers.0.block_sparse_moe.experts.w1"].parts) == 3
+    )  # one whole-tensor copy per expert
 
 
 def test_profile_needs_its_config_values() -> None:
@@ -228,5 +241,11 @@ def test_profile_needs_its_config_values() -> None:
 def test_missing_expert_is_named() -> None:
     hf = mixtral_hf()
     del hf["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
-    with pytest.raises(ConfigError, match='"model.layers.1.block_sparse_moe.experts.w3": stacking needs indices'):
-        apply(load_transforms("mixtral-experts-stack"), {n: tuple(t.shape) for n, t in hf.items()}, config=MIXTRAL)
+    with pytest.raises(
+        ConfigError, match='"model.layers.1.block_sparse_moe.experts.w3": stacking needs indices'
+    ):
+        apply(
+            load_transforms("mixtral-experts-stack"),
+            {n: tuple(t.shape) for n, t in hf.items()},
+            config=MIXTRAL,
+        )

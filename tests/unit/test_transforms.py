@@ -23,7 +23,9 @@ def spec_of(text: str) -> TransformSpec:
     return parse_transforms_text(textwrap.dedent(text), "spec.yaml")
 
 
-def check(spec: TransformSpec, shapes: dict[str, tuple[int, ...]], config: dict[str, int] | None = None) -> dict:
+def check(
+    spec: TransformSpec, shapes: dict[str, tuple[int, ...]], config: dict[str, int] | None = None
+) -> dict:
     """numpy-through-parts equals torch on full tensors, bit for bit; returns the numpy result."""
     src = arange_sources(shapes)
     got = run_spec(spec, src, config)
@@ -59,9 +61,9 @@ def test_megatron_qkv_groups_match_bridge_merge() -> None:
     got = run_spec(spec, src)["l.0.qkv"]
     q, k, v = (torch.from_numpy(src[f"l.0.{x}"]) for x in "qkv")
     # Megatron-Bridge merge_qkv_weights: view per group, cat along the in-group dim
-    want = torch.cat(
-        [q.view(kv, heads // kv * hd, d), k.view(kv, hd, d), v.view(kv, hd, d)], dim=1
-    ).reshape(-1, d)
+    want = torch.cat([q.view(kv, heads // kv * hd, d), k.view(kv, hd, d), v.view(kv, hd, d)], dim=1).reshape(
+        -1, d
+    )
     assert np.array_equal(got, want.numpy())
     parts = apply(spec, {n: a.shape for n, a in src.items()})["l.0.qkv"].parts
     assert [len(p.dims[0].segs) for p in parts] == [kv, kv, kv]  # 3 * groups block copies
@@ -106,10 +108,10 @@ def test_stack_unstack_experts() -> None:
         transforms:
           - stack: {from: "layers.{l}.experts.{e}.w1", to: "layers.{l}.experts.w1", index: e, count: 3}
     """)
-    shapes = {f"layers.{l}.experts.{e}.w1": (4, 2) for l in range(2) for e in range(3)}
+    shapes = {f"layers.{layer}.experts.{e}.w1": (4, 2) for layer in range(2) for e in range(3)}
     got = check(spec, shapes)
     assert got["layers.1.experts.w1"].shape == (3, 4, 2)
-    check(inverse(spec), {f"layers.{l}.experts.w1": (3, 4, 2) for l in range(2)})
+    check(inverse(spec), {f"layers.{i}.experts.w1": (3, 4, 2) for i in range(2)})
     dim1 = spec_of("""
         transforms:
           - unstack: {from: "x", to: "x.{e}", index: e, dim: 1}
@@ -247,13 +249,13 @@ def test_errors_name_the_rule(text: str, shapes: dict[str, tuple[int, ...]], mes
 
 def test_concat_dtypes_must_agree() -> None:
     spec = spec_of("transforms: [{concat: {from: [a, b], to: c}}]")
-    with pytest.raises(ConfigError, match='different dtypes \\(a F32, b BF16\\)'):
+    with pytest.raises(ConfigError, match="different dtypes \\(a F32, b BF16\\)"):
         apply(spec, {"a": (2,), "b": (2,)}, dtypes={"a": "F32", "b": "BF16"})
 
 
 YAML_ERRORS = [
-    ("transforms:\n  - renme: {from: a, to: b}\n", "spec.yaml:2: transforms rule 1: unknown operation 'renme'; "
-     "did you mean 'rename'?"),
+    ("transforms:\n  - renme: {from: a, to: b}\n",
+     "spec.yaml:2: transforms rule 1: unknown operation 'renme'; did you mean 'rename'?"),
     ("transforms:\n  - split: {from: a, to: [b, c], dims: 0}\n", "spec.yaml:2: transforms rule 1 (split): "
      "unknown field 'dims'; did you mean 'dim'?"),
     ("transforms:\n  - stack: {from: a, to: b}\n", "transforms rule 1 (stack): missing index:"),
