@@ -698,11 +698,11 @@ class _InPlace(_Base):
     """An operation that rewrites each matching tensor under its own name."""
 
     __slots__ = ()
+    tensors: NamePattern  # a field of each subclass
 
     def run(self, state: State, env: _Env) -> _Step:
-        pattern: NamePattern = getattr(self, "tensors")  # noqa: B009  (slots of the subclass)
         outs = []
-        for name, _ in _matches(pattern, state):
+        for name, _ in _matches(self.tensors, state):
             t = state[name]
             shape, parts = self.one(name, t.shape, env)
             outs.append(_Out(name, shape, t.dtype, parts))

@@ -6,8 +6,10 @@ from the resolved parts; torch does the same transform on full tensors.
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,14 @@ import torch
 
 from reshard.errors import ConfigError
 from reshard.indexmap import Seg, identity_part
-from reshard.transforms import TransformSpec, apply, inverse, parse_transforms_text
+from reshard.transforms import (
+    TransformSpec,
+    apply,
+    inverse,
+    load_hf_config,
+    load_transforms,
+    parse_transforms_text,
+)
 from tests.transform_ref import arange_sources, run_spec, torch_apply
 
 
@@ -290,10 +299,35 @@ def test_inverse_refuses_lossy_rules(text: str, message: str) -> None:
         inverse(spec_of(text))
 
 
-def test_layout_file_with_transforms_section_still_loads(tmp_path: object) -> None:
+def test_layout_file_with_transforms_section_still_loads() -> None:
     """A layout may carry config:/transforms:; the layout reader accepts and ignores them."""
     from reshard.config import parse_layout_text
 
     text = "mesh: {tp: 2}\nplacements: {'*': R}\nconfig: {h: 2}\ntransforms: [{drop: {tensors: x}}]\n"
     assert parse_layout_text(text, "l.yaml").mesh.shape == (2,)
     assert len(parse_transforms_text(text, "l.yaml").ops) == 1
+
+
+def test_sizes_from_model_config_json(tmp_path: Path) -> None:
+    """Size names resolve through config: expressions to config.json keys (text_config merged)."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"num_attention_heads": 2, "hidden_size": 8}}), encoding="utf-8"
+    )
+    cfg = load_hf_config(tmp_path / "config.json")
+    spec = spec_of("""
+        config: {head_dim: hidden_size // num_attention_heads}
+        transforms:
+          - split: {from: w, to: [a, b], sizes: [head_dim, hidden_size - head_dim]}
+    """)
+    assert {n: t.shape for n, t in apply(spec, {"w": (8, 1)}, config=cfg).items()} == {
+        "a": (4, 1),
+        "b": (4, 1),
+    }
+    (tmp_path / "bad.json").write_text("{", encoding="utf-8")
+    with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
+        load_hf_config(tmp_path / "bad.json")
+
+
+def test_unknown_profile_lists_the_profiles() -> None:
+    with pytest.raises(ConfigError, match="no such transforms file or profile; profiles: hf-to-megatron-gpt"):
+        load_transforms("hf-to-nowhere")
