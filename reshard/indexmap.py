@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import gcd
 
+from .intervals import Block, IndexList
+
 __all__ = [
     "Seg",
     "DimMap",
@@ -39,6 +41,9 @@ __all__ = [
     "compose_dim",
     "compose",
     "merge_parts",
+    "index_list_segs",
+    "localize",
+    "unit_segments",
     "part_numel",
     "dim_extent",
 ]
@@ -334,3 +339,65 @@ def merge_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
             else:
                 i += 1
     return tuple(out)
+
+
+def index_list_segs(ilist: IndexList) -> tuple[Seg, ...]:
+    """An index list as segments from local position (``dst``) to global index (``src``).
+
+    >>> from reshard.intervals import Interval
+    >>> index_list_segs((Interval(0, 2), Interval(6, 8)))
+    (Seg(dst=0, src=0, size=2, dst_step=1, src_step=1), Seg(dst=2, src=6, size=2, dst_step=1, src_step=1))
+    """
+    out, pos = [], 0
+    for iv in ilist:
+        if iv.size:
+            out.append(Seg(pos, iv.start, iv.size))
+            pos += iv.size
+    return tuple(out)
+
+
+def _global_to_local(ilist: IndexList) -> tuple[Seg, ...]:
+    return tuple(Seg(s.src, s.dst, s.size) for s in index_list_segs(ilist))
+
+
+def localize(part: Part, target: Block, piece: Block | None, source: str | None = None) -> Part | None:
+    """The slice of ``part`` that a source piece gives a target block, in local coordinates of both.
+
+    This is the planner's matching step through a transform: ``target`` is a
+    target rank's block (index lists in target coordinates), ``piece`` the block
+    of one stored piece of ``part.source`` (None for a zero part). The result
+    reads the piece's local array (named ``source``) into the block's local
+    array, strided where the part is, or is None when they do not meet.
+    """
+    dims = []
+    for t, d in enumerate(part.dims):
+        m = compose_dim(index_list_segs(target[t]), d.segs)  # target local -> source global
+        if d.src_dim is not None and part.source is not None:
+            assert piece is not None
+            m = compose_dim(m, _global_to_local(piece[d.src_dim]))  # -> piece local
+        if not m:
+            return None
+        dims.append(DimMap(d.src_dim if part.source is not None else None, m))
+    fixed = []
+    for s, i in part.fixed:
+        assert piece is not None
+        local = _fixed_in(_global_to_local(piece[s]), i)
+        if local is None:
+            return None
+        fixed.append((s, local))
+    return Part(source if part.source is not None else None, tuple(dims), tuple(fixed))
+
+
+def unit_segments(segs: Sequence[Seg]) -> tuple[tuple[int, int, int], ...]:
+    """Strided segments as the planner's unit-step ``(src_start, dst_start, size)`` runs, by target.
+
+    >>> unit_segments((Seg(0, 1, 3, 1, 2),))
+    ((1, 0, 1), (3, 1, 1), (5, 2, 1))
+    """
+    out = []
+    for s in segs:
+        if s.dst_step == 1 and s.src_step == 1:
+            out.append((s.src, s.dst, s.size))
+        else:
+            out.extend((s.src + k * s.src_step, s.dst + k * s.dst_step, 1) for k in range(s.size))
+    return tuple(sorted(out, key=lambda x: x[1]))

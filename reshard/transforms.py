@@ -335,7 +335,7 @@ def _invert_segs(segs: Sequence[Seg]) -> tuple[Seg, ...]:
 
 
 class _Base:
-    """Shared behaviour: ``line``/``optional`` bookkeeping and the error for a one-way op."""
+    """What every operation has: its YAML name (``OP``) and an inverse."""
 
     __slots__ = ()
     OP = ""
@@ -432,7 +432,9 @@ class Concat(_Base):
     OP = "concat"
 
     def __post_init__(self) -> None:
-        _check_many(self.sources, self.sizes, self.target, "from")
+        _check_many(len(self.sources), self.sizes, "from")
+        for tpl in (*(p.text for p in self.sources[1:]), self.target):
+            self.sources[0].check_template(tpl, "name")
 
     def run(self, state: State, env: _Env) -> _Step:
         outs, consumed = [], set()
@@ -467,13 +469,11 @@ class Concat(_Base):
         )
 
 
-def _check_many(pats: Sequence[NamePattern], sizes: Sequence[Expr] | None, single: str, what: str) -> None:
-    if len(pats) < 2:
+def _check_many(count: int, sizes: Sequence[Expr] | None, what: str) -> None:
+    if count < 2:
         raise ConfigError(f"{what}: needs a list of at least two tensor names")
-    if sizes is not None and len(sizes) != len(pats):
-        raise ConfigError(f"sizes: has {len(sizes)} entries but {what}: names {len(pats)} tensors")
-    for p in (*pats[1:], NamePattern(single)):
-        pats[0].check_template(p.text, "name")
+    if sizes is not None and len(sizes) != count:
+        raise ConfigError(f"sizes: has {len(sizes)} entries but {what}: names {count} tensors")
 
 
 def _check_parts(
@@ -512,7 +512,7 @@ class Split(_Base):
     OP = "split"
 
     def __post_init__(self) -> None:
-        _check_many([NamePattern(t) for t in self.targets], self.sizes, self.source.text, "to")
+        _check_many(len(self.targets), self.sizes, "to")
         for t in self.targets:
             self.source.check_template(t, "split target")
 

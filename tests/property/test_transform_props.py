@@ -7,12 +7,24 @@ fits, pads, transposes, ties), over small shapes including empty dims.
 
 from __future__ import annotations
 
+from itertools import product
+
 import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reshard.indexmap import Seg, compose, compose_dim, identity_part, merge_parts, normalize_segs
+from reshard.indexmap import (
+    Seg,
+    compose,
+    compose_dim,
+    identity_part,
+    index_list_segs,
+    localize,
+    merge_parts,
+    normalize_segs,
+)
+from reshard.intervals import IndexList, Interval
 from reshard.transforms import (
     Concat,
     Drop,
@@ -24,6 +36,7 @@ from reshard.transforms import (
     Split,
     Stack,
     Tie,
+    TransformedTensor,
     TransformSpec,
     Transpose,
     Unpad,
@@ -31,7 +44,7 @@ from reshard.transforms import (
     apply,
     inverse,
 )
-from tests.transform_ref import arange_sources, run_spec, seg_array, torch_apply
+from tests.transform_ref import arange_sources, materialise, run_spec, seg_array, torch_apply
 
 SIZES = (1, 2, 3, 4, 6, 0)
 
@@ -200,3 +213,54 @@ def test_compose_dim_is_function_composition(pair: tuple[tuple[Seg, ...], tuple[
     got = dict(zip(seg_array(h, False).tolist(), seg_array(h, True).tolist()))
     assert got == {t: g[f[t]] for t in f}
     assert len(h) <= len(outer) * len(inner)
+
+
+def _index_list(indices: list[int]) -> IndexList:
+    out: list[Interval] = []
+    for i in indices:
+        if out and out[-1].stop == i:
+            out[-1] = Interval(out[-1].start, i + 1)
+        else:
+            out.append(Interval(i, i + 1))
+    return tuple(out)
+
+
+@st.composite
+def _cuts(draw: st.DrawFn, shape: tuple[int, ...], most: int) -> list[list[int]]:
+    """Per dim, a chunk id per index (any pattern, like strided shards): the chunks tile the dim."""
+    return [draw(st.lists(st.integers(0, most - 1), min_size=n, max_size=n)) for n in shape]
+
+
+def _blocks(cuts: list[list[int]], most: int) -> list[tuple[IndexList, ...]]:
+    per_dim = [[[i for i, c in enumerate(ids) if c == k] for k in range(most)] for ids in cuts]
+    return [tuple(_index_list(ix) for ix in combo) for combo in product(*per_dim)]
+
+
+@given(chains(lossy=True), st.data())
+def test_localized_parts_fill_any_target_block_from_any_pieces(
+    case: tuple[dict[str, tuple[int, ...]], TransformSpec], data: st.DataObject
+) -> None:
+    """The planner's step: target block x source pieces through the parts == slicing the full result."""
+    shapes, spec = case
+    src = arange_sources(shapes)
+    pieces: dict[str, np.ndarray] = {}
+    piece_blocks: dict[str, list[tuple[str, tuple[IndexList, ...]]]] = {}
+    for name, shape in shapes.items():
+        for k, blk in enumerate(_blocks(data.draw(_cuts(shape, 2)), 2)):
+            key = f"{name}#{k}"
+            pieces[key] = src[name][np.ix_(*[seg_array(index_list_segs(il), True) for il in blk])]
+            piece_blocks.setdefault(name, []).append((key, blk))
+    for name, t in apply(spec, shapes, dtypes={n: str(a.dtype) for n, a in src.items()}).items():
+        full = materialise(t, src)
+        block = _blocks(data.draw(_cuts(t.shape, 2)), 2)[0]
+        local = [
+            c
+            for p in t.parts
+            for key, blk in (piece_blocks[p.source] if p.source else [("zeros", None)])
+            if (c := localize(p, block, blk, key)) is not None
+        ]
+        idx = [seg_array(index_list_segs(il), True) for il in block]
+        shape = tuple(len(i) for i in idx)
+        got = materialise(TransformedTensor(name, shape, t.dtype, tuple(local)), pieces)
+        want = full[np.ix_(*idx)] if idx else full
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name

@@ -162,6 +162,14 @@ def test_tie_untie_rename_transpose_drop() -> None:
     ]
 
 
+def test_split_targets_may_drop_captures() -> None:
+    """Templates use a subset of the pattern's captures; unknown captures are refused up front."""
+    spec = spec_of("transforms: [{split: {from: 'a.{i}.{j}', to: ['b.{i}', 'c.{j}']}}]")
+    assert sorted(apply(spec, {"a.0.1": (4,)})) == ["b.0", "c.1"]
+    with pytest.raises(ConfigError, match="uses \\{k\\}, but 'x.{i}' captures i"):
+        spec_of("transforms: [{concat: {from: ['x.{i}', 'y.{k}'], to: 'z.{i}'}}]")
+
+
 def test_chain_collapses_to_direct_reads() -> None:
     """split -> rope -> concat composes into parts that read the original tensor only."""
     spec = spec_of("""
