@@ -1138,7 +1138,9 @@ def _rename_pairs(f: Mapping[str, object]) -> tuple[tuple[NamePattern, str], ...
 
 def _build(op: str, f: Mapping[str, Any], line: int) -> Op:
     """One operation from its YAML fields (already checked for unknown and missing keys)."""
-    opt, dim = bool(f.get("optional", False)), _int(f.get("dim", 0), "dim:")
+    opt, dim = f.get("optional", False), _int(f.get("dim", 0), "dim:")
+    if not isinstance(opt, bool):
+        raise ConfigError(f"optional: must be true or false, got {opt!r}")
     if op == "rename":
         return Rename(_rename_pairs(f), opt, line)
     if op == "drop":

@@ -282,6 +282,7 @@ YAML_ERRORS = [
      "may only use integers, config names"),
     ("transforms: []\nmesh: {tp: 2}\nconfig: {h: [1]}\n", "spec.yaml:3: config 'h': a size must be"),
     ("transfroms: []\n", "unknown top-level key 'transfroms'; did you mean 'transforms'?"),
+    ("transforms:\n  - drop: {tensors: a, optional: 1}\n", "optional: must be true or false, got 1"),
 ]  # fmt: skip
 
 
