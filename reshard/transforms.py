@@ -962,10 +962,59 @@ class TransformSpec:
     allow_unused: bool = False
     source: str = "<transforms>"
 
+    def to_json(self) -> dict[str, Any]:
+        """The spec as plain data in the YAML's shape (``yaml.safe_dump`` it to get a profile back).
+
+        Used to record the transforms a conversion applied, and to show an inverse spec.
+        """
+        out: dict[str, Any] = {}
+        if self.config:
+            out["config"] = dict(self.config)
+        out["transforms"] = [_op_json(op) for op in self.ops]
+        if self.allow_unused:
+            out["allow_unused"] = True
+        return out
+
     def where(self, i: int) -> str:
         op = self.ops[i]
         line = f":{op.line}" if op.line else ""
         return f"{self.source}{line}: transforms rule {i + 1} ({op.OP}): "
+
+
+_ATTRS: dict[str, tuple[str, ...]] = {  # op: its attributes, in YAML field order
+    "drop": ("tensors",),
+    "concat": ("sources", "target", "dim", "groups", "sizes"),
+    "split": ("source", "targets", "dim", "groups", "sizes"),
+    "stack": ("source", "target", "index", "dim", "count"),
+    "unstack": ("source", "target", "index", "dim", "count"),
+    "rope_permute": ("tensors", "heads", "to", "dim"),
+    "pad": ("tensors", "dim", "multiple", "padded_size", "size"),
+    "unpad": ("tensors", "dim", "size", "multiple", "padded_size"),
+    "tie": ("source", "target"),
+    "untie": ("tensor", "same_as"),
+    "transpose": ("tensors", "dims"),
+}
+_YAML_KEY = {"sources": "from", "source": "from", "target": "to", "targets": "to"}
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, NamePattern):
+        return v.text
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _op_json(op: Op) -> dict[str, Any]:
+    if isinstance(op, Rename):
+        pairs = [(p.text, t) for p, t in op.pairs]
+        body: dict[str, Any] = {"from": pairs[0][0], "to": pairs[0][1]} if len(pairs) == 1 else dict(pairs)
+    else:
+        values = {attr: getattr(op, attr) for attr in _ATTRS[op.OP]}
+        body = {_YAML_KEY.get(a, a): _plain(v) for a, v in values.items() if v is not None}
+    if op.optional:
+        body["optional"] = True
+    return {op.OP: body}
 
 
 def _advance(

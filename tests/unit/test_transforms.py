@@ -340,3 +340,17 @@ def test_sizes_from_model_config_json(tmp_path: Path) -> None:
 def test_unknown_profile_lists_the_profiles() -> None:
     with pytest.raises(ConfigError, match="no such transforms file or profile; profiles: hf-to-megatron-gpt"):
         load_transforms("hf-to-nowhere")
+
+
+@pytest.mark.parametrize(
+    "profile", ["hf-to-torchtitan-llama", "hf-to-megatron-gpt", "hf-to-vllm", "mixtral-experts-stack"]
+)
+def test_to_json_dumps_back_to_the_same_spec(profile: str) -> None:
+    """to_json -> YAML -> parse gives the same operations, for a profile and for its inverse."""
+    import yaml
+
+    for spec in (load_transforms(profile), inverse(load_transforms(profile))):
+        again = parse_transforms_text(yaml.safe_dump(spec.to_json(), sort_keys=False), "dumped.yaml")
+        assert (again.ops, again.config, again.allow_unused) == (spec.ops, spec.config, spec.allow_unused)
+    text = yaml.safe_dump(inverse(load_transforms("hf-to-megatron-gpt")).to_json(), sort_keys=False)
+    assert "split:" in text and "unpad:" in text
