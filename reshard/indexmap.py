@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from math import gcd
 
 from .intervals import Block, IndexList
@@ -35,6 +36,7 @@ __all__ = [
     "DimMap",
     "Part",
     "identity_part",
+    "full_dims",
     "zero_part",
     "seg_indices",
     "normalize_segs",
@@ -110,7 +112,13 @@ class Part:
 
 def identity_part(name: str, shape: Sequence[int]) -> Part:
     """The whole tensor ``name`` read as is (no part for an empty tensor's empty dims)."""
-    return Part(name, tuple(DimMap(t, (Seg(0, 0, n),) if n else ()) for t, n in enumerate(shape)))
+    return Part(name, full_dims(tuple(shape)))
+
+
+@lru_cache(maxsize=4096)
+def full_dims(shape: tuple[int, ...]) -> tuple[DimMap, ...]:
+    """Each dim of ``shape`` read as is (shared: checkpoints repeat a few shapes many times)."""
+    return tuple(DimMap(t, (Seg(0, 0, n),) if n else ()) for t, n in enumerate(shape))
 
 
 def zero_part(dims: Sequence[Sequence[Seg]]) -> Part:
@@ -285,6 +293,19 @@ def _pair_pinned(part: Part) -> Part:
     return Part(part.source, tuple(dims), tuple(srcs[len(points) :]))
 
 
+def _is_identity(part: Part) -> bool:
+    """Whether ``part`` reads its source as is (the whole of it, when it is a tensor's only part)."""
+    if part.source is None or part.fixed:
+        return False
+    for t, d in enumerate(part.dims):
+        if d.src_dim != t or len(d.segs) != 1:
+            return False
+        s = d.segs[0]
+        if s.dst != 0 or s.src != 0 or s.dst_step != 1 or s.src_step != 1:
+            return False
+    return True
+
+
 def compose(outer: Part, inner: Mapping[str, Sequence[Part]]) -> list[Part]:
     """Rewrite ``outer``, which reads a middle tensor, into parts reading the middle tensor's sources.
 
@@ -297,8 +318,11 @@ def compose(outer: Part, inner: Mapping[str, Sequence[Part]]) -> list[Part]:
     """
     if outer.source is None:
         return [outer]
+    parts = inner[outer.source]
+    if len(parts) == 1 and _is_identity(parts[0]):
+        return [Part(parts[0].source, outer.dims, outer.fixed)]  # the middle tensor is a source as is
     out = []
-    for p in inner[outer.source]:
+    for p in parts:
         c = _compose_one(outer, p)
         if c is not None:
             out.append(c)
@@ -323,8 +347,15 @@ def merge_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
     Parts of one target tensor are disjoint, so the union of two products that
     agree on all dims but one is the product with that dim's segments joined.
     """
-    out = list(parts)
-    changed = True
+    buckets: dict[tuple[object, ...], list[Part]] = {}
+    for p in parts:  # only parts of one source with the same pins can merge
+        buckets.setdefault((p.source, p.fixed, len(p.dims)), []).append(p)
+    return tuple(q for bucket in buckets.values() for q in _merge_bucket(bucket))
+
+
+def _merge_bucket(parts: list[Part]) -> list[Part]:
+    out = parts
+    changed = len(out) > 1
     while changed:  # a merge can enable another with an earlier part, so repeat until none
         changed = False
         i = 0
@@ -338,7 +369,7 @@ def merge_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
                     break
             else:
                 i += 1
-    return tuple(out)
+    return out
 
 
 def index_list_segs(ilist: IndexList) -> tuple[Seg, ...]:

@@ -43,7 +43,7 @@ import yaml
 
 from .config import _Parser, _yaml_error
 from .errors import ConfigError
-from .indexmap import DimMap, Part, Seg, compose, identity_part, merge_parts, part_numel
+from .indexmap import DimMap, Part, Seg, compose, full_dims, identity_part, merge_parts, part_numel
 
 __all__ = [
     "Expr",
@@ -614,10 +614,9 @@ class Stack(_Base):
                 )
         d = _dim(self.dim, len(shape) + 1, target)
         parts = []
+        full = full_dims(shape)
         for e, n in enumerate(names):
-            dims = [DimMap(t, (Seg(0, 0, k),) if k else ()) for t, k in enumerate(shape)]
-            dims.insert(d, DimMap(None, (Seg(e, 0, 1),)))
-            parts.append(Part(n, tuple(dims)))
+            parts.append(Part(n, full[:d] + (DimMap(None, (Seg(e, 0, 1),)),) + full[d:]))
         return _Out(target, shape[:d] + (count,) + shape[d:], _same_dtype(names, state), tuple(parts))
 
     def inverse(self) -> Op:
