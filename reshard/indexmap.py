@@ -316,11 +316,17 @@ def compose(outer: Part, inner: Mapping[str, Sequence[Part]]) -> list[Part]:
     Returns:
         Parts filling exactly ``outer``'s target region; a zero part stays as is.
     """
+    if any(not d.segs for d in outer.dims):
+        return []  # an empty region
     if outer.source is None:
         return [outer]
     parts = inner[outer.source]
     if len(parts) == 1 and _is_identity(parts[0]):
-        return [Part(parts[0].source, outer.dims, outer.fixed)]  # the middle tensor is a source as is
+        # the middle tensor is a source as is: what _compose_one would give, without the intersections
+        dims = tuple(
+            d if d.src_dim is None else DimMap(d.src_dim, normalize_segs(d.segs)) for d in outer.dims
+        )
+        return [_pair_pinned(Part(parts[0].source, dims, outer.fixed))]
     out = []
     for p in parts:
         c = _compose_one(outer, p)
