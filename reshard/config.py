@@ -81,7 +81,8 @@ class LayoutJson(TypedDict):
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
 _KINDS = ("positional", "named", "all")
-_TOP_KEYS = ("mesh", "placements", "name", "description")
+# config/transforms/allow_unused belong to the transforms section, read by transforms.py
+_TOP_KEYS = ("mesh", "placements", "name", "description", "config", "transforms", "allow_unused")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
