@@ -148,10 +148,35 @@ def _budget(workers: int | None, max_memory: str) -> Budget:
     return budget_for(total, workers if workers is not None else default_workers())
 
 
-def _source(path: str, from_: str | None, layout: str | None, mesh: str | None) -> SourceSpec:
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        help="Keep only entries whose full name matches (glob, * crosses dots; or re:REGEX); repeatable.",
+        metavar="GLOB",
+    ),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude",
+        help="Drop entries whose full name matches, e.g. 'optimizer.*'; repeatable.",
+        metavar="GLOB",
+    ),
+]
+
+
+def _source(
+    path: str,
+    from_: str | None,
+    layout: str | None,
+    mesh: str | None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> SourceSpec:
     from .convert import SourceSpec
 
-    return SourceSpec(path, from_, layout, mesh)
+    return SourceSpec(path, from_, layout, mesh, tuple(include or ()), tuple(exclude or ()))
 
 
 def _target(
@@ -292,6 +317,8 @@ def convert(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
@@ -327,6 +354,8 @@ def convert(
 
       reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
 
+      reshard convert dcp-step-1000 hf-out --consolidate --exclude 'optimizer.*'
+
       reshard convert ckpt-tp4 ckpt-tp8 --target-mesh tp=8 --verify
     """
     from .convert import convert as run
@@ -344,7 +373,7 @@ def convert(
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
 
             result = run(
-                _source(src, from_, source_layout, source_mesh),
+                _source(src, from_, source_layout, source_mesh, include, exclude),
                 dst,
                 _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size, config_from),
                 workers=budget.workers,
@@ -356,7 +385,9 @@ def convert(
                 on_plan=on_plan,
             )
         if verify:
-            result["verify"] = _verify_output(_source(src, from_, source_layout, source_mesh), dst)
+            result["verify"] = _verify_output(
+                _source(src, from_, source_layout, source_mesh, include, exclude), dst
+            )
         _report_convert(result, json_, quiet)
     if verify and not result["verify"]["equal"]:
         raise typer.Exit(1)
@@ -410,6 +441,8 @@ def inspect(
     ] = None,
     mesh: SourceMeshOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     check: Annotated[
         bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")
     ] = False,
@@ -433,7 +466,7 @@ def inspect(
 
     with _errors(json_):
         _no_json_show(show, json_)
-        ck = open_source(_source(ckpt, from_, layout, mesh))
+        ck = open_source(_source(ckpt, from_, layout, mesh, include, exclude))
         if show is not None:
             from .show import source_picture
 
@@ -475,6 +508,8 @@ def plan(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
@@ -499,7 +534,7 @@ def plan(
     with _errors(json_):
         _no_json_show(show, json_)
         budget = _budget(workers, max_memory)
-        ck = open_source(_source(src, from_, source_layout, source_mesh))
+        ck = open_source(_source(src, from_, source_layout, source_mesh, include, exclude))
         p = build_plan(
             ck,
             resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
@@ -531,6 +566,8 @@ def verify(
         str | None,
         typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE"),
     ] = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -548,8 +585,13 @@ def verify(
     from .verify import verify_checkpoints
 
     with _errors(json_):
+        from .select import select_pair
+
         ca = open_source(SourceSpec(a, None, layout_a, None))
         cb = open_source(SourceSpec(b, None, layout_b, None))
+        ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or ())
+        for w in unmatched:
+            console().print(f"warning: {w}")
         doc = verify_checkpoints(ca, cb)
         if json_:
             _emit({"ok": doc["equal"], "command": "verify", **doc})

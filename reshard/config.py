@@ -81,7 +81,8 @@ class LayoutJson(TypedDict):
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
 _KINDS = ("positional", "named", "all")
-_TOP_KEYS = ("mesh", "placements", "name", "description")
+# config/transforms/allow_unused belong to the transforms section, read by transforms.py
+_TOP_KEYS = ("mesh", "placements", "name", "description", "config", "transforms", "allow_unused")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
@@ -94,7 +95,7 @@ MAX_LAYOUT_DEPTH = 64
 MAX_LAYOUT_NODES = 500_000
 
 
-class _Matcher(Protocol):
+class Matcher(Protocol):
     def fullmatch(self, string: str) -> object | None: ...
 
 
@@ -127,7 +128,7 @@ class Rule:
     # Where it was written, not what it says: two rules differing only in line are equal.
     line: int = field(default=0, compare=False)
     # Compiled once: matches() runs for every tensor of a checkpoint.
-    _regex: _Matcher = field(init=False, repr=False, compare=False)
+    _regex: Matcher = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -464,7 +465,7 @@ class _Re2:
         return (_Re2, (self._body,))  # an RE2 set cannot be pickled: compile again
 
 
-def _compile(pattern: str) -> _Matcher:
+def _compile(pattern: str) -> Matcher:
     if pattern == REGEX_PREFIX:
         raise ConfigError('the regex after "re:" is empty; write e.g. "re:model\\.layers\\.\\d+\\..*"')
     literal = _literal(pattern)

@@ -10,7 +10,7 @@ from typing import Any
 from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
-from .intervals import block_shape, box_span, row_major_strides
+from .intervals import Block, block_shape, box_span, format_box, row_major_strides
 from .plan import Plan, copy_boxes
 from .text import markup_safe, shown
 
@@ -45,8 +45,15 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         total += nbytes
         params += t.numel
         locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+        chunks = {}
+        if ck.format == "dcp":
+            chunks["chunks"] = [
+                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
+                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
+            ]
         tensors.append(
             {
+                **chunks,
                 "name": t.name,
                 "dtype": t.dtype,
                 "shape": list(t.shape),
@@ -66,6 +73,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
         "warnings": [str(w) for w in ck.warnings],
+        **({"note": _DCP_NOTE} if ck.format == "dcp" else {}),
     }
     if ck.non_tensors:  # only formats that have them (DCP, torch.save) add the key
         doc["non_tensors"] = [
@@ -78,6 +86,17 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
             for n in ck.non_tensors
         ]
     return doc
+
+
+_DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
+
+
+def _block_text(block: Block) -> str:
+    """A piece's global indices, ``[0:4)x[2:3)`` as :func:`~reshard.intervals.format_box` shows
+    a box; ``[]`` for an empty dim (an empty chunk)."""
+    if not block:
+        return format_box(())
+    return "x".join(",".join(str(iv) for iv in ilist) or "[]" for ilist in block)
 
 
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
@@ -128,6 +147,13 @@ def _local_text(t: dict[str, Any]) -> str:
     return shown + (" ..." if len(ls) > 8 else "")
 
 
+def _chunks_text(t: dict[str, Any], group: bool) -> str:
+    cs = t["chunks"]
+    some = cs[:4] if group else cs
+    text = "; ".join(f"{c['box']} {c['file']}" for c in some)
+    return text + (f"; ... ({len(cs)} chunks)" if len(some) < len(cs) else "")
+
+
 def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
     """Human table of an inspect report."""
     from rich.table import Table
@@ -163,12 +189,14 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
             t["dtype"],
             str(t["shape"]),
             Text(shown(", ".join(t["placements"]))) if t["placements"] else f"{t['pieces']} piece(s)",
-            _local_text(t),
+            Text(shown(_chunks_text(t, group))) if "chunks" in t else _local_text(t),
             human(sum(x["bytes"] for x in ts)),
         )
     console.print(table)
     tot = doc["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
+    if doc.get("note"):
+        console.print(Text(shown(doc["note"])), soft_wrap=True)
     for n in doc.get("non_tensors", ()):
         where = f" in {n['file']}" if n["file"] else ""
         text = f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
