@@ -308,12 +308,14 @@ def test_inverse_refuses_lossy_rules(text: str, message: str) -> None:
         inverse(spec_of(text))
 
 
-def test_layout_file_with_transforms_section_still_loads() -> None:
-    """A layout may carry config:/transforms:; the layout reader accepts and ignores them."""
+def test_layout_file_with_transforms_section_is_refused_until_convert_applies_it() -> None:
+    """convert does not apply transforms yet: a layout carrying them is refused, never silently ignored."""
     from reshard.config import parse_layout_text
+    from reshard.errors import ConfigError as LayoutConfigError
 
     text = "mesh: {tp: 2}\nplacements: {'*': R}\nconfig: {h: 2}\ntransforms: [{drop: {tensors: x}}]\n"
-    assert parse_layout_text(text, "l.yaml").mesh.shape == (2,)
+    with pytest.raises(LayoutConfigError, match="transforms"):
+        parse_layout_text(text, "l.yaml")
     assert len(parse_transforms_text(text, "l.yaml").ops) == 1
 
 
