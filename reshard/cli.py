@@ -358,6 +358,7 @@ def convert(
 
       reshard convert ckpt-tp4 ckpt-tp8 --target-mesh tp=8 --verify
     """
+    from .api import verify_output
     from .convert import convert as run
 
     with _errors(json_):
@@ -385,23 +386,12 @@ def convert(
                 on_plan=on_plan,
             )
         if verify:
-            result["verify"] = _verify_output(
+            result["verify"] = verify_output(
                 _source(src, from_, source_layout, source_mesh, include, exclude), dst
             )
         _report_convert(result, json_, quiet)
     if verify and not result["verify"]["equal"]:
         raise typer.Exit(1)
-
-
-def _verify_output(source: SourceSpec, dst: str) -> dict[str, Any]:
-    """``convert --verify``: the written output against the source (rank 0 only under torchrun)."""
-    from .convert import SourceSpec, open_source
-    from .dist import coordinator
-    from .verify import verify_checkpoints
-
-    if not coordinator().is_main:
-        return {"equal": True}
-    return dict(verify_checkpoints(open_source(source), open_source(SourceSpec(dst))))
 
 
 def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:

@@ -32,7 +32,7 @@ LAYERS = [
     {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp", "formats"},
     {"budget", "execute", "resume", "verify", "check", "report", "show"},
     {"dist", "convert"},
-    {"cli", "demo", "__main__", "formats.__main__", ""},
+    {"cli", "demo", "api", "__main__", "formats.__main__", ""},
 ]
 
 
