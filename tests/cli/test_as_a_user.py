@@ -333,3 +333,21 @@ def test_model_file_copy_failure_exits_3_and_leaves_nothing(hf: Path, tmp_path: 
     assert p.returncode == 3, p.stderr
     assert "copying tokenizer.json failed" in p.stderr
     assert not dst.exists()
+
+
+# --- 8. scale-out as the README writes it ----------------------------------------------------
+
+
+@pytest.mark.dist
+def test_torchrun_module_form_with_verify_equals_one_process(hf: Path, layout: Path, tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m reshard convert ... --verify`: the README's form."""
+    from tests.dist.test_torchrun import assert_same_dirs, torchrun
+
+    one = tmp_path / "one"
+    assert run("convert", str(hf), str(one), "--target-layout", str(layout), "-q").returncode == 0
+    dist = tmp_path / "dist"
+    res = torchrun(
+        2, "-m", "reshard", "convert", hf, dist, "--target-layout", layout, "--verify", teardown_abort_ok=True
+    )
+    assert_same_dirs(dist, one)
+    assert "verified: equal to the source" in res.stderr + res.stdout
