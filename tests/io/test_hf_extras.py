@@ -1,7 +1,7 @@
 """HF outputs that load as models; HF weight files chosen as transformers chooses them.
 
 transformers is the oracle: tiny Llama and Mixtral models are built and saved by
-``save_pretrained`` in the test, "converted" the way the wired CLI will (weights
+``save_pretrained`` in the test, "converted" the way the CLI does (weights
 through the safetensors library, optionally cast to bf16, plus
 :func:`copy_model_files`), and ``AutoModelForCausalLM.from_pretrained(out)`` must
 give the source model's logits bit for bit (the bf16 output: the source loaded
@@ -246,7 +246,8 @@ def build_model(kind: str, path: Path) -> None:
 
 
 def convert_like_cli(src: Path, out: Path, dtype: str | None) -> None:
-    """What `reshard convert SRC OUT --to hf [--dtype bf16]` will do once wired."""
+    """What `reshard convert SRC OUT --to hf [--dtype bf16]` does, without the CLI
+    (the CLI itself: tests/cli/test_hf_models_cli.py)."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir()
