@@ -254,3 +254,22 @@ def test_save_dtensors_without_torchrun_writes_a_one_rank_checkpoint(tmp_path: P
     with pytest.raises(UsageError, match=r'"step" \(int\) is not a tensor'):
         save_dtensors({"w": full["w.s0"], "step": 3}, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+# --------------------------------------------------------------------------- sharded-state
+
+
+def test_load_dtensors_reads_sharded_state(model: Path, tmp_path: Path) -> None:
+    """vLLM-named files with ``source_layout=``, and reshard's own sharded-state output without a layout."""
+    mesh = Mesh(("tp",), (L.WORLD,))
+    vllm = tmp_path / "vllm"
+    vllm.mkdir()
+    full, pls = L.full_tensors(), L.placements()
+    for r, coord in enumerate(mesh.coordinates()):
+        local = {name: torch_local(t, mesh.shape, coord, pls[name]).clone() for name, t in full.items()}
+        names = sorted(local)  # two parts per rank, as vLLM's max_size would split them
+        save_file({n: local[n] for n in names[:4]}, str(vllm / f"model-rank-{r}-part-0.safetensors"))
+        save_file({n: local[n] for n in names[4:]}, str(vllm / f"model-rank-{r}-part-1.safetensors"))
+    reshard("convert", model / "hf", tmp_path / "ss", "--to", "sharded-state", "--target-layout",
+            model / "tp4.yaml", "--quiet")
+    torchrun(L.WORLD, SCRIPTS / "load_sharded_state.py", vllm, tmp_path / "ss", model / "tp4.yaml")
