@@ -9,17 +9,18 @@ ROOT = Path(__file__).parents[2] / "reshard"
 
 # lowest first; a module may import its own layer or any lower one (docs/ARCHITECTURE.md)
 LAYERS = [
-    {"version", "errors", "dtypes", "intervals"},
+    {"version", "errors", "dtypes", "intervals", "text"},
+    {"io.safe"},
     {"placements", "mesh"},
     {"layout", "config", "checkpoint"},
     {"plan"},
     {"io", "io.header", "io.checksum", "io.pages", "io.reader", "io.writer", "torch_ops"},
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
-    {"formats.base", "formats.safetensors", "formats.manifest"},
+    {"formats.base", "formats.safetensors", "formats.manifest", "formats.hf_extras"},
     {"formats.dcp_boxes"},
     {"formats.per_rank", "formats.hf", "formats.dcp_safetensors"},
     {"formats.sharded_state", "formats"},
-    {"budget", "execute", "resume", "verify", "check", "report"},
+    {"budget", "execute", "resume", "verify", "check", "report", "show"},
     {"dist", "convert"},
     {"cli", "demo", "__main__", "formats.__main__", ""},
 ]
