@@ -124,8 +124,18 @@ def test_hf_to_sharded_state_tp4_to_hf_is_byte_identical(hf: Path, tmp_path: Pat
 
 def test_max_shard_size_splits_each_rank_into_parts(hf: Path, tmp_path: Path) -> None:
     out = tmp_path / "ss"
-    ok("convert", hf, out, "--to", "sharded-state", "--target-layout", tmp_path / "tp.yaml",
-       "--max-shard-size", "60B", "--quiet")
+    ok(
+        "convert",
+        hf,
+        out,
+        "--to",
+        "sharded-state",
+        "--target-layout",
+        tmp_path / "tp.yaml",
+        "--max-shard-size",
+        "60B",
+        "--quiet",
+    )
     full = full_tensors()
     vllm = tmp_path / "vllm"
     vllm.mkdir()
@@ -154,16 +164,26 @@ def vllm_tp2(tmp_path: Path) -> Path:
 def test_vllm_files_read_with_a_source_layout(vllm_tp2: Path, tmp_path: Path) -> None:
     lay = tmp_path / "tp.yaml"
     assert len(parts_of(vllm_tp2)) > 2
-    ok("convert", vllm_tp2, tmp_path / "hf", "--source-layout", lay, "--source-mesh", "tp=2", "--consolidate",
-       "--quiet")
+    ok(
+        "convert",
+        vllm_tp2,
+        tmp_path / "hf",
+        "--source-layout",
+        lay,
+        "--source-mesh",
+        "tp=2",
+        "--consolidate",
+        "--quiet",
+    )
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
     full = full_tensors()
     assert sorted(got) == sorted(full)
     for n, t in full.items():
         assert same_bits(got[n], t), n
 
-    doc = json.loads(ok("inspect", vllm_tp2, "--layout", lay, "--source-mesh", "tp=2", "--check", "--json")
-                     .stdout)
+    doc = json.loads(
+        ok("inspect", vllm_tp2, "--layout", lay, "--source-mesh", "tp=2", "--check", "--json").stdout
+    )
     assert doc["ok"] is True and doc["format"] == "sharded-state"
     # --layout's mesh says tp=4: four ranks expected, two found
     p = run("convert", vllm_tp2, tmp_path / "x", "--source-layout", lay, "--consolidate")
@@ -183,8 +203,9 @@ def test_missing_rank_and_repeated_tensor_exit_2(vllm_tp2: Path, tmp_path: Path)
     first = sorted(vllm_tp2.glob("model-rank-1-part-0.safetensors"))[0]
     dup = vllm_tp2 / "model-rank-1-part-9.safetensors"
     dup.write_bytes(first.read_bytes())
-    p = run("convert", vllm_tp2, tmp_path / "x", "--source-layout", lay, "--source-mesh", "tp=2",
-            "--consolidate")
+    p = run(
+        "convert", vllm_tp2, tmp_path / "x", "--source-layout", lay, "--source-mesh", "tp=2", "--consolidate"
+    )
     assert p.returncode == 2 and "model-rank-1-part-9.safetensors" in p.stderr and "also in" in p.stderr
     dup.unlink()
     for f in vllm_tp2.glob("model-rank-0-part-*"):
@@ -199,12 +220,19 @@ def test_inspect_plan_verify_and_reuse_of_reshard_json(hf: Path, tmp_path: Path)
     doc = json.loads(ok("inspect", out, "--check", "--json").stdout)
     assert doc["ok"] is True and doc["format"] == "sharded-state"
     assert {t["name"]: t["placements"] for t in doc["tensors"]}["model.layers.0.o_proj.weight"] == ["S(1)"]
-    plan = json.loads(ok("plan", out, "--to", "sharded-state", "--target-mesh", "tp=2",
-                         "--max-shard-size", "60B", "--json").stdout)
+    plan = json.loads(
+        ok(
+            "plan", out, "--to", "sharded-state", "--target-mesh", "tp=2", "--max-shard-size", "60B", "--json"
+        ).stdout
+    )
     assert plan["source"]["format"] == plan["target"]["format"] == "sharded-state"
     names = [f["name"] for f in plan["files"]]  # part by part, the ranks of a part side by side
-    assert names[:4] == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors",
-                         "model-rank-0-part-1.safetensors", "model-rank-1-part-1.safetensors"]
+    assert names[:4] == [
+        "model-rank-0-part-0.safetensors",
+        "model-rank-1-part-0.safetensors",
+        "model-rank-0-part-1.safetensors",
+        "model-rank-1-part-1.safetensors",
+    ]
 
     # no layout given: reshard.json's rules on a new mesh
     ok("convert", out, tmp_path / "tp2", "--to", "sharded-state", "--target-mesh", "tp=2", "--quiet")
