@@ -41,6 +41,7 @@ __all__ = [
     "rank_checkpoint",
     "source_layout",
     "manifest_layout",
+    "exact_rules",
 ]
 
 RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
@@ -474,11 +475,11 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
     ckpt.manifest = manifest
     if cfg is None:
         cfg = manifest_layout(path, manifest)
-    ckpt.layout = cfg if cfg is not None else _exact_rules(ckpt)
+    ckpt.layout = cfg if cfg is not None else exact_rules(ckpt)
     return ckpt
 
 
-def _exact_rules(ckpt: Checkpoint) -> LayoutConfig:
+def exact_rules(ckpt: Checkpoint) -> LayoutConfig:
     """One exact-name rule per tensor, from a self-described checkpoint's placements."""
     from ..config import LayoutConfig
 

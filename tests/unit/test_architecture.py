@@ -29,7 +29,7 @@ LAYERS = [
     {"formats.base", "formats.safetensors", "formats.manifest", "formats.hf_extras"},
     {"formats.dcp_boxes"},
     {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp"},
-    {"formats.sharded_state", "formats"},
+    {"formats.sharded_state", "formats.pt", "formats"},
     {"budget", "execute", "resume", "verify", "check", "report", "show"},
     {"dist", "convert"},
     {"cli", "demo", "__main__", "formats.__main__", ""},
