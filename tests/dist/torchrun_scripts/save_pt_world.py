@@ -40,7 +40,9 @@ def _full(state: Any, prefix: str = "") -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     out: dict[str, Any] = {}
-    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else None
+    items = (
+        state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else None
+    )
     if items is None:
         if isinstance(state, DTensor):
             out[prefix] = state.full_tensor().contiguous()
@@ -79,7 +81,10 @@ def _verl(out: Path, rank: int) -> None:
     opt.step()
     _save(model.state_dict(), out, "verl", rank, f"model_world_size_{WORLD}_rank_{rank}.pt")
     torch.save(opt.state_dict(), out / "verl" / f"optim_world_size_{WORLD}_rank_{rank}.pt")
-    torch.save({"rng": torch.get_rng_state(), "step": 1}, out / "verl" / f"extra_state_world_size_{WORLD}_rank_{rank}.pt")
+    torch.save(
+        {"rng": torch.get_rng_state(), "step": 1},
+        out / "verl" / f"extra_state_world_size_{WORLD}_rank_{rank}.pt",
+    )
 
 
 def _hsdp(out: Path, rank: int) -> None:
@@ -109,12 +114,15 @@ def _fsdp_tp(out: Path, rank: int) -> None:
         "model": {
             "layers": [
                 {
-                    "gate_up": distribute_tensor(gate_up, mesh, [_StridedShard(0, split_factor=2), Shard(0)],
-                                                 src_data_rank=None),
-                    "wo": distribute_tensor(torch.randn(6, 8, generator=g), mesh, [Shard(0), Shard(1)],
-                                            src_data_rank=None),
-                    "tp_only": distribute_tensor(torch.arange(10, dtype=torch.int64), mesh["tp"], [Shard(0)],
-                                                 src_data_rank=None),
+                    "gate_up": distribute_tensor(
+                        gate_up, mesh, [_StridedShard(0, split_factor=2), Shard(0)], src_data_rank=None
+                    ),
+                    "wo": distribute_tensor(
+                        torch.randn(6, 8, generator=g), mesh, [Shard(0), Shard(1)], src_data_rank=None
+                    ),
+                    "tp_only": distribute_tensor(
+                        torch.arange(10, dtype=torch.int64), mesh["tp"], [Shard(0)], src_data_rank=None
+                    ),
                 }
             ],
         },
@@ -138,7 +146,10 @@ def _plain(out: Path, rank: int) -> None:
         "norm": torch.ones(3),
     }
     pls = {"layers.0.wq": [Shard(0)], "layers.0.wo": [Shard(1)], "norm": [Replicate()]}
-    local = {n: distribute_tensor(t, mesh, pls[n], src_data_rank=None).to_local().contiguous() for n, t in full.items()}
+    local = {
+        n: distribute_tensor(t, mesh, pls[n], src_data_rank=None).to_local().contiguous()
+        for n, t in full.items()
+    }
     state = {"layers": [{"wq": local["layers.0.wq"], "wo": local["layers.0.wo"]}], "norm": local["norm"]}
     d = out / "plain"
     d.mkdir(parents=True, exist_ok=True)
