@@ -223,6 +223,17 @@ consolidate_safetensors_files(src, dst, fqn_to_index_mapping=dict.fromkeys(sorte
 """
 
 
+def generate_pt(base: Path, src: Path) -> Path:
+    """The veRL-style per-rank .pt checkpoint of the TP-4 source, written once by torch."""
+    pt_dir = base / "src-pt"
+    if not (base / "generated-pt").exists():
+        shutil.rmtree(pt_dir, ignore_errors=True)
+        sys.stderr.write(f"writing the per-rank .pt checkpoint with torch (4 gloo ranks) in {pt_dir} ...\n")
+        subprocess.run([sys.executable, "-c", GEN_PT, str(src), str(pt_dir)], check=True)
+        (base / "generated-pt").write_text("")
+    return pt_dir
+
+
 def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one child process."""
     if cold:
@@ -289,12 +300,7 @@ def main() -> int:
         sys.stderr.write(f"writing the DCP safetensors checkpoint with torch (4 gloo ranks) in {dcp_dir} ...\n")
         subprocess.run([sys.executable, "-c", GEN_DCP, str(src), str(dcp_dir)], check=True)
         (base / "generated-dcp").write_text("")
-    pt_dir = base / "src-pt"
-    if args.pt and not (base / "generated-pt").exists():
-        shutil.rmtree(pt_dir, ignore_errors=True)
-        sys.stderr.write(f"writing the per-rank .pt checkpoint with torch (4 gloo ranks) in {pt_dir} ...\n")
-        subprocess.run([sys.executable, "-c", GEN_PT, str(src), str(pt_dir)], check=True)
-        (base / "generated-pt").write_text("")
+    pt_dir = generate_pt(base, src) if args.pt else base / "src-pt"
     size = sum(p.stat().st_size for p in src.iterdir())
     lay = str(base / "layout.yaml")
     w = ["--workers", str(args.workers)] if args.workers > 0 else []
