@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +55,7 @@ __all__ = ["READER", "pt_files", "rank_of", "read_pt"]
 _SUFFIXES = (".pt", ".pth")
 _RANK = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)", re.I)
 _NUMBER = re.compile(r"\d+")
-_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # protocol 2, LONG1 of torch's magic number
+_LEGACY_START = b"\x80\x02\x8a\x0a"  # a protocol-2 pickle of torch's 10-byte magic number (LONG1)
 
 
 def rank_of(name: str) -> tuple[str, int] | None:
@@ -111,11 +111,13 @@ def pt_files(directory: Path) -> list[Path]:
 
 @dataclass(frozen=True, slots=True)
 class PtFile:
-    """One rank file: its local tensors as header entries (absolute offsets), DTensors, other leaves."""
+    """One rank file: its local tensors as header entries (absolute offsets), DTensors, other leaves,
+    and the zip's CRC32 of each tensor whose record holds exactly its bytes."""
 
     header: Header
     dtensors: dict[str, StoredDTensor]
     others: dict[str, Any]
+    crc32s: dict[str, int]
 
 
 def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -133,7 +135,7 @@ def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def _open_zip(fd: int, path: Path) -> TorchZip:
     head = os.pread(fd, 16, 0)
-    if head.startswith(_LEGACY_MAGIC[:4]) and not head.startswith(b"PK"):
+    if head.startswith(_LEGACY_START):
         raise HeaderError(
             f"{path}: a legacy torch.save file (written before torch 1.6 or with "
             "_use_new_zipfile_serialization=False); re-save it with a plain torch.save(obj, path)",
@@ -144,7 +146,7 @@ def _open_zip(fd: int, path: Path) -> TorchZip:
     return read_torch_zip(fd, str(path))
 
 
-def _entry(name: str, st: StoredTensor, tz: TorchZip, path: Path) -> TensorEntry:
+def _entry(name: str, st: StoredTensor, tz: TorchZip, path: Path) -> tuple[TensorEntry, int | None]:
     """Where the local tensor's bytes are, after checking its record and strides."""
     q = f'{path}: tensor "{name}"'
     dtype = SAFETENSORS_DTYPES.get(st.dtype)
@@ -173,7 +175,8 @@ def _entry(name: str, st: StoredTensor, tz: TorchZip, path: Path) -> TensorEntry
             path=str(path),
             tensor=name,
         )
-    return TensorEntry(name, dtype, st.size, rec.offset + first, rec.offset + first + nbytes)
+    crc = rec.crc32 if first == 0 and nbytes == rec.size else None
+    return TensorEntry(name, dtype, st.size, rec.offset + first, rec.offset + first + nbytes), crc
 
 
 def read_pt(path: Path) -> PtFile:
@@ -196,17 +199,20 @@ def read_pt(path: Path) -> PtFile:
         entries: list[TensorEntry] = []
         dtensors: dict[str, StoredDTensor] = {}
         others: dict[str, Any] = {}
+        crc32s: dict[str, int] = {}
         for name, leaf in _leaves(obj):
-            if isinstance(leaf, StoredDTensor):
-                dtensors[name] = leaf
-                entries.append(_entry(name, leaf.local, tz, path))
-            elif isinstance(leaf, StoredTensor):
-                entries.append(_entry(name, leaf, tz, path))
+            if isinstance(leaf, (StoredTensor, StoredDTensor)):
+                if isinstance(leaf, StoredDTensor):
+                    dtensors[name] = leaf
+                entry, crc = _entry(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
+                entries.append(entry)
+                if crc is not None:
+                    crc32s[name] = crc
             else:
                 others[name] = leaf
     finally:
         os.close(fd)
-    return PtFile(Header(tuple(entries), None, 0), dtensors, others)
+    return PtFile(Header(tuple(entries), None, 0), dtensors, others, crc32s)
 
 
 def _root(m: MeshInfo) -> MeshInfo:
@@ -324,6 +330,10 @@ def open_pt(directory: Path, options: ReadOptions) -> Checkpoint:
         tuple(paths), tuple(f.header for f in files), tuple((r,) for r in range(len(paths)))
     )
     ckpt = rank_checkpoint(directory, "pt", rank_files, mesh, describe)
+    ckpt.tensors = {  # inspect --check verifies each piece against the zip's CRC32
+        n: replace(t, piece_crc32=tuple(files[f].crc32s.get(n) for f in t.piece_files))
+        for n, t in ckpt.tensors.items()
+    }
     ckpt.non_tensors = tuple(
         NonTensor(n, len(v) if isinstance(v, (str, bytes)) else 0, 0, type(v).__name__)
         for n, v in files[0].others.items()

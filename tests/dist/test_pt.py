@@ -178,3 +178,19 @@ def test_one_file_of_every_dtype_needs_no_layout(tmp_path: Path) -> None:
     assert sorted(got) == sorted(f"model.{n}" for n in names)
     for n, t in state.items():
         assert same_bits(got[f"model.{n}"], t), n
+
+
+def test_check_verifies_the_zip_crc32s(world: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from reshard.formats.pt import read_pt
+
+    bad = tmp_path / "hsdp"
+    shutil.copytree(world / "hsdp", bad)
+    f = bad / "rank_3.pt"
+    start = read_pt(f).header.entry("w").start  # the tensor's first byte, in place in the zip
+    data = bytearray(f.read_bytes())
+    data[start] ^= 0x40
+    f.write_bytes(bytes(data))
+    res = reshard("inspect", bad, "--check", code=1)
+    assert 'rank_3.pt: tensor "w"' in res.stdout + res.stderr and "CRC32" in res.stdout + res.stderr

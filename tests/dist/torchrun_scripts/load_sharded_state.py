@@ -19,10 +19,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from load_world import WORLD, full_tensors, placements, same_bits
-
 
 def _compare(loaded: dict[str, Any], mesh: Any, what: str) -> list[str]:
+    from load_world import full_tensors, placements, same_bits  # the script's directory is on sys.path
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     full = full_tensors()
@@ -41,6 +40,7 @@ def _compare(loaded: dict[str, Any], mesh: Any, what: str) -> list[str]:
 
 def main(vllm: str, resharded: str, layout: str) -> int:
     import torch.distributed as dist
+    from load_world import WORLD
     from torch.distributed.device_mesh import init_device_mesh
 
     from reshard import load_dtensors
