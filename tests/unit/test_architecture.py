@@ -12,7 +12,8 @@ LAYERS = [
     {"version", "errors", "dtypes", "intervals", "text"},
     {"io.safe"},
     {"placements", "mesh"},
-    {"layout", "config", "checkpoint"},
+    {"layout", "config", "checkpoint", "indexmap"},
+    {"transforms"},
     {"plan", "select"},
     {
         "io",
