@@ -17,6 +17,12 @@ HuggingFaceStorageWriter writes from 4 gloo ranks:
   dcp-hf        reshard convert DCP OUT --consolidate
   torch-dcp-hf  torch's consolidate_safetensors_files (one round; --naive-rounds)
 
+and with --pt, on veRL-style per-rank torch.save files of the same tensors (DTensors on a
+("tp",) mesh, model_world_size_4_rank_{r}.pt, written by 4 gloo ranks):
+
+  pt-hf         reshard convert PT OUT --consolidate
+  torch-pt-hf   torch.load each file, cat the local tensors, save_file (one round; --naive-rounds)
+
 and prints one table: median wall time and spread, GB/s, peak RSS of the
 child process (os.wait4), and the ratio to `cp` measured in the same rounds.
 Everything runs in the page cache unless --cold (then sources are evicted
@@ -158,6 +164,50 @@ def worker(rank, src, out):
 mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=4, join=True, start_method="fork")
 """
 
+GEN_PT = r"""
+import os, re, sys
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
+import torch.multiprocessing as mp
+
+def dim(n):
+    if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
+    if re.search(r"(o|down)_proj", n): return 1
+    return None
+
+def worker(rank, src, out):
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    dist.init_process_group("gloo", init_method=f"file://{out}.rendezvous", rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    local = load_file(f"{src}/rank-{rank:05d}-of-00004.safetensors")
+    sd = {n: DTensor.from_local(t, mesh, [Shard(dim(n))] if dim(n) is not None else [Replicate()],
+                                run_check=False) for n, t in local.items()}
+    os.makedirs(out, exist_ok=True)
+    torch.save(sd, f"{out}/model_world_size_4_rank_{rank}.pt")
+    dist.destroy_process_group()
+
+mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=4, join=True, start_method="fork")
+"""
+
+TORCH_PT_HF = r"""
+import os, sys, torch
+import torch.distributed.tensor  # registers DTensor for weights_only loading
+from torch.distributed.tensor import Shard
+from safetensors.torch import save_file
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+ranks = [torch.load(f"{src}/model_world_size_4_rank_{r}.pt", weights_only=True, mmap=True) for r in range(4)]
+full = {}
+for n, dt in ranks[0].items():
+    p = dt.placements[0]
+    full[n] = torch.cat([r[n].to_local() for r in ranks], p.dim) if isinstance(p, Shard) else dt.to_local()
+del ranks
+save_file(full, f"{dst}/model.safetensors")
+"""
+
 TORCH_CONSOLIDATE = r"""
 import os, sys
 from safetensors import safe_open
@@ -171,6 +221,17 @@ for f in os.listdir(src):
             names.update(h.keys())
 consolidate_safetensors_files(src, dst, fqn_to_index_mapping=dict.fromkeys(sorted(names), 1))
 """
+
+
+def generate_pt(base: Path, src: Path) -> Path:
+    """The veRL-style per-rank .pt checkpoint of the TP-4 source, written once by torch."""
+    pt_dir = base / "src-pt"
+    if not (base / "generated-pt").exists():
+        shutil.rmtree(pt_dir, ignore_errors=True)
+        sys.stderr.write(f"writing the per-rank .pt checkpoint with torch (4 gloo ranks) in {pt_dir} ...\n")
+        subprocess.run([sys.executable, "-c", GEN_PT, str(src), str(pt_dir)], check=True)
+        (base / "generated-pt").write_text("")
+    return pt_dir
 
 
 def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
@@ -209,6 +270,9 @@ def main() -> int:
     ap.add_argument("--dcp", action="store_true",
                     help="also DCP safetensors (torch HuggingFaceStorageWriter, 4 ranks) -> consolidated: "
                          "reshard (job dcp-hf) against torch's consolidate_safetensors_files (naive rounds)")
+    ap.add_argument("--pt", action="store_true",
+                    help="also veRL-style per-rank .pt files (DTensors, 4 gloo ranks) -> consolidated: "
+                         "reshard (job pt-hf) against torch.load + cat + save_file (naive rounds)")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -236,6 +300,7 @@ def main() -> int:
         sys.stderr.write(f"writing the DCP safetensors checkpoint with torch (4 gloo ranks) in {dcp_dir} ...\n")
         subprocess.run([sys.executable, "-c", GEN_DCP, str(src), str(dcp_dir)], check=True)
         (base / "generated-dcp").write_text("")
+    pt_dir = generate_pt(base, src) if args.pt else base / "src-pt"
     size = sum(p.stat().st_size for p in src.iterdir())
     lay = str(base / "layout.yaml")
     w = ["--workers", str(args.workers)] if args.workers > 0 else []
@@ -246,8 +311,10 @@ def main() -> int:
         "tp4-hf": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w], [src]),
         "hf-tp8": ([reshard, "convert", str(hf), "OUT", "--target-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [hf]),
         "dcp-hf": ([reshard, "convert", str(dcp_dir), "OUT", "--consolidate", "--quiet", *w], [dcp_dir]),
+        "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
     chosen = ["cp"] + [j for j in args.jobs.split(",") if j] + (["dcp-hf"] if args.dcp else [])
+    chosen += ["pt-hf"] if args.pt else []
     times: dict[str, list[float]] = {j: [] for j in chosen}
     rss: dict[str, list[int]] = {j: [] for j in chosen}
     out = base / "out"
@@ -264,6 +331,8 @@ def main() -> int:
             ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"])]
     if args.dcp:
         slow.append(("torch-dcp-hf", [sys.executable, "-c", TORCH_CONSOLIDATE, str(dcp_dir), "OUT"]))
+    if args.pt:
+        slow.append(("torch-pt-hf", [sys.executable, "-c", TORCH_PT_HF, str(pt_dir), "OUT"]))
     for name, slow_cmd in slow:
         for _ in range(args.naive_rounds):
             shutil.rmtree(out, ignore_errors=True)

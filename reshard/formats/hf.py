@@ -15,7 +15,7 @@ from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
 from .base import MAYBE, NO, YES, Probe, Reader, Writer
 from .hf_extras import INDEX, SINGLE, hf_weight_files
 from .manifest import manifest_for, write_manifest
-from .safetensors import SafetensorsFile, header_order
+from .safetensors import SafetensorsFile, header_order, split_parts
 
 __all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
 
@@ -98,15 +98,7 @@ READER = Reader(
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     """Consolidated tensors in natural order, split into files of at most ``max_shard_size``."""
-    groups: list[list[TargetTensor]] = [[]]
-    acc = 0
-    for t in tensors:
-        n = local_nbytes(t, 0)
-        if groups[-1] and acc + n > options.max_shard_size:
-            groups.append([])
-            acc = 0
-        groups[-1].append(t)
-        acc += n
+    groups = split_parts(tensors, 0, options.max_shard_size)
     total = len(groups)
     return [
         SafetensorsFile(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
@@ -34,6 +35,13 @@ __all__ = [
     "open_per_rank",
     "self_description",
     "RankMetadata",
+    "RankFiles",
+    "Describe",
+    "layout_describe",
+    "rank_checkpoint",
+    "source_layout",
+    "manifest_layout",
+    "exact_rules",
 ]
 
 RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
@@ -116,6 +124,63 @@ def self_description(header: Header, path: Path) -> RankMetadata | None:
     return cast(RankMetadata, data)  # the fields used are checked above
 
 
+@dataclass(frozen=True, slots=True)
+class RankFiles:
+    """The files of a checkpoint saved one rank at a time, and which of them hold each rank's tensors.
+
+    Attributes:
+        paths: every file, by index.
+        headers: their safetensors headers.
+        ranks: per rank (flat mesh rank), the indices of its files (a rank may have several parts).
+    """
+
+    paths: tuple[Path, ...]
+    headers: tuple[Header, ...]
+    ranks: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def one_per_rank(cls, paths: Sequence[Path]) -> RankFiles:
+        """File ``r`` holds rank ``r``'s tensors; reads every header."""
+        return cls(tuple(paths), tuple(read_header(p) for p in paths), tuple((r,) for r in range(len(paths))))
+
+    def entries(self) -> list[dict[str, tuple[int, TensorEntry]]]:
+        """Per rank: tensor name -> (file index, header entry); no name twice in one rank's files."""
+        out: list[dict[str, tuple[int, TensorEntry]]] = []
+        for files in self.ranks:
+            where: dict[str, tuple[int, TensorEntry]] = {}
+            for i in files:
+                for name in self.headers[i].names:
+                    if name in where:
+                        p = self.paths[i]
+                        raise HeaderError(
+                            f'{p}: tensor "{name}" is also in {self.paths[where[name][0]].name} '
+                            "(files of one rank must not repeat a tensor)",
+                            path=str(p),
+                            tensor=name,
+                        )
+                    where[name] = (i, self.headers[i].entry(name))
+            out.append(where)
+        return out
+
+
+Describe = Callable[[str, Sequence[tuple[int, ...]]], tuple[tuple[int, ...], Sequence[Placement | str]]]
+"""Tensor name, local shapes per rank -> global shape and placements."""
+
+
+def layout_describe(
+    placements_for: Callable[[str], Sequence[Placement | str]], mesh: Mesh, where: Path, layout_source: str
+) -> Describe:
+    """Placements from a layout, the global shape derived from the local shapes (checked on every rank)."""
+
+    def describe(
+        name: str, local_shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
+        pls = placements_for(name)
+        return _derived_shape(name, local_shapes, mesh, pls, where, layout_source), pls
+
+    return describe
+
+
 def open_per_rank(
     directory: Path,
     *,
@@ -135,27 +200,50 @@ def open_per_rank(
         TensorNotFoundError: a tensor missing on some rank.
     """
     paths = _rank_paths(directory, strict=placements_for is None)
-    headers = [read_header(p) for p in paths]
-    mesh, desc0 = _rank_mesh(directory, paths, headers, mesh, described=placements_for is None)
+    files = RankFiles.one_per_rank(paths)
+    mesh, desc0 = _rank_mesh(directory, paths, files.headers, mesh, described=placements_for is None)
+    describe: Describe
+    if placements_for is not None:
+        describe = layout_describe(placements_for, mesh, paths[0], layout_source)
+    else:
+        assert desc0 is not None
+        described = desc0
+        describe = lambda name, _shapes: _described(name, described, paths[0])  # noqa: E731
+    return rank_checkpoint(directory, "per-rank", files, mesh, describe)
+
+
+def rank_checkpoint(
+    directory: Path, fmt: str, files: RankFiles, mesh: Mesh, describe: Describe
+) -> Checkpoint:
+    """The checkpoint of rank files: each rank's local tensors, their global shapes and placements
+    from ``describe``, every rank's local shape checked against them.
+
+    Raises:
+        LayoutError: rank count != mesh size, local shapes that do not fit, dtypes that differ.
+        TensorNotFoundError: a tensor missing on some rank.
+    """
+    if mesh.size != len(files.ranks):
+        raise LayoutError(
+            f"{directory}: {len(files.ranks)} rank files but the mesh {mesh} has {mesh.size} ranks; "
+            "fix --source-mesh or the layout's mesh",
+            path=str(directory),
+        )
     coords = list(mesh.coordinates())
+    where = files.entries()
     tensors: dict[str, TensorSource] = {}
-    for name in _common_names(paths, headers):
-        entries = _entries(name, paths, headers)
-        if placements_for is not None:
-            pls = placements_for(name)
-            shape = _derived_shape(name, [en.shape for en in entries], mesh, pls, paths, layout_source)
-        else:
-            assert desc0 is not None
-            shape, pls = _described(name, desc0, paths[0])
+    for name in _common_names(files, where):
+        found = _rank_entries(name, files, where)
+        entries = [en for _, en in found]
+        shape, pls = describe(name, [en.shape for en in entries])
         layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
-        _check_local_shapes(name, layout, coords, paths, entries)
+        _check_local_shapes(name, layout, coords, [files.paths[i] for i, _ in found], entries)
         partial_op = layout.partial_op
         tensors[name] = TensorSource(
             name=name,
             dtype=entries[0].dtype,
             shape=shape,
-            piece_files=tuple(range(len(paths))),
-            piece_offsets=tuple(h.data_start + en.start for h, en in zip(headers, entries)),
+            piece_files=tuple(i for i, _ in found),
+            piece_offsets=tuple(files.headers[i].data_start + en.start for i, en in found),
             piece_blocks=layout.blocks(),
             signature=("layout", shape, mesh.shape, layout.placements),
             piece_partials=tuple(layout.partial_index(c) for c in coords) if partial_op else None,
@@ -164,9 +252,9 @@ def open_per_rank(
         )
     return Checkpoint(
         path=str(directory),
-        format="per-rank",
-        files=tuple(str(p) for p in paths),
-        file_sizes=tuple(p.stat().st_size for p in paths),
+        format=fmt,
+        files=tuple(str(p) for p in files.paths),
+        file_sizes=tuple(p.stat().st_size for p in files.paths),
         tensors=tensors,
         mesh=mesh,
     )
@@ -200,12 +288,6 @@ def _rank_mesh(
             mesh = Mesh(tuple(desc0["mesh"]["names"]), tuple(desc0["mesh"]["shape"]))
     if mesh is None:
         raise LayoutError(f"{directory}: no mesh given", path=str(directory))
-    if mesh.size != len(paths):
-        raise LayoutError(
-            f"{directory}: {len(paths)} rank files but the mesh {mesh} has {mesh.size} ranks; "
-            "fix --source-mesh or the layout's mesh",
-            path=str(directory),
-        )
     if described:
         assert desc0 is not None
         for r, (p, h) in enumerate(zip(paths, headers)):
@@ -217,15 +299,16 @@ def _rank_mesh(
     return mesh, desc0
 
 
-def _common_names(paths: Sequence[Path], headers: Sequence[Header]) -> list[str]:
-    """Rank 0's tensor names; no other rank may hold a tensor rank 0 does not."""
-    names = list(headers[0].names)
-    name_set = set(names)
-    for p, h in zip(paths[1:], headers[1:]):
-        extra = [n for n in h.names if n not in name_set]
+def _common_names(files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
+    """Rank 0's tensor names (in its files' order); no other rank may hold a tensor rank 0 does not."""
+    names = list(where[0])
+    first = files.paths[files.ranks[0][0]]
+    for found in where[1:]:
+        extra = [n for n in found if n not in where[0]]
         if extra:
+            p = files.paths[found[extra[0]][0]]
             raise TensorNotFoundError(
-                f'{p}: tensor "{extra[0]}" is not in {paths[0].name}; every rank file must '
+                f'{p}: tensor "{extra[0]}" is not in {first.name}; every rank must '
                 "hold every tensor (an empty shard has a 0-size dim)",
                 path=str(p),
                 tensor=extra[0],
@@ -233,26 +316,31 @@ def _common_names(paths: Sequence[Path], headers: Sequence[Header]) -> list[str]
     return names
 
 
-def _entries(name: str, paths: Sequence[Path], headers: Sequence[Header]) -> list[TensorEntry]:
-    """The tensor's header entry in every rank file, all of one dtype."""
-    entries = []
-    for p, h in zip(paths, headers):
-        try:
-            entries.append(h.entry(name))
-        except TensorNotFoundError:
+def _rank_entries(
+    name: str, files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]
+) -> list[tuple[int, TensorEntry]]:
+    """The tensor's (file index, header entry) on every rank, all of one dtype."""
+    found = []
+    first = files.paths[where[0][name][0]]
+    for r, w in enumerate(where):
+        hit = w.get(name)
+        if hit is None:
+            p = files.paths[files.ranks[r][0]]
             raise TensorNotFoundError(
-                f'{p}: tensor "{name}" is missing (it is in {paths[0].name})', path=str(p), tensor=name
-            ) from None
-    dtype = entries[0].dtype
-    for p, en in zip(paths, entries):
+                f'{p}: tensor "{name}" is missing (it is in {first.name})', path=str(p), tensor=name
+            )
+        found.append(hit)
+    dtype = found[0][1].dtype
+    for i, en in found:
         if en.dtype != dtype:
+            p = files.paths[i]
             raise LayoutError(
-                f'{p}: tensor "{name}" is {en.dtype} but {dtype} in {paths[0].name}; '
+                f'{p}: tensor "{name}" is {en.dtype} but {dtype} in {first.name}; '
                 "all ranks must hold the same dtype",
                 path=str(p),
                 tensor=name,
             )
-    return entries
+    return found
 
 
 def _derived_shape(
@@ -260,21 +348,21 @@ def _derived_shape(
     local_shapes: Sequence[tuple[int, ...]],
     mesh: Mesh,
     pls: Sequence[Placement | str],
-    paths: Sequence[Path],
+    where: Path,
     layout_source: str,
 ) -> tuple[int, ...]:
-    """The global shape the local shapes imply under the layout's placements."""
+    """The global shape the local shapes imply under the layout's placements (``where``: for messages)."""
     try:
         shape = infer_global_shape(local_shapes, mesh, list(pls))
     except ReshardError as e:  # a placement that cannot apply to this tensor at all
         raise LayoutError(
-            f'tensor "{name}" (local shape {list(local_shapes[0])} in {paths[0].name}): '
+            f'tensor "{name}" (local shape {list(local_shapes[0])} in {where.name}): '
             f"{e.message}, from {layout_source}. Check the rule that matches it.",
-            path=str(paths[0]),
+            path=str(where),
             tensor=name,
         ) from None
     if shape is None:
-        _raise_bad_local(name, local_shapes, mesh, pls, paths, layout_source)
+        _raise_bad_local(name, local_shapes, mesh, pls, where, layout_source)
     assert shape is not None
     return shape
 
@@ -313,7 +401,7 @@ def _raise_bad_local(
     local_shapes: Sequence[tuple[int, ...]],
     mesh: Mesh,
     pls: Sequence[Placement | str],
-    paths: Sequence[Path],
+    where: Path,
     layout_source: str,
 ) -> None:
     pl = [str(p) for p in pls]
@@ -323,7 +411,7 @@ def _raise_bad_local(
         f"do not fit placements {pl} on mesh {mesh} from {layout_source} for any global shape. "
         "Check that --source-layout and --source-mesh name the layout this checkpoint was saved with.",
         tensor=name,
-        path=str(paths[0].parent),
+        path=str(where.parent),
     )
 
 
@@ -339,7 +427,7 @@ def _detect(probe: Probe) -> int:
     return MAYBE if len(st) > 1 else NO
 
 
-def _source_layout(options: ReadOptions) -> LayoutConfig | None:
+def source_layout(options: ReadOptions) -> LayoutConfig | None:
     """``--source-layout`` on the mesh ``--source-mesh`` resizes."""
     cfg = options.layout
     if cfg is None:
@@ -352,11 +440,31 @@ def _source_layout(options: ReadOptions) -> LayoutConfig | None:
     return cfg.with_mesh(mesh)
 
 
+def manifest_layout(directory: Path, manifest: dict[str, object] | None) -> LayoutConfig | None:
+    """The placement rules (on its mesh) ``reshard.json`` records, or None when it has none.
+
+    Raises:
+        LayoutError: the recorded rules are not a valid layout.
+    """
+    from ..config import LayoutConfig  # YAML is not needed to list formats (reshard --help)
+
+    if manifest is None or "rules" not in manifest:
+        return None
+    try:
+        return LayoutConfig.from_json(
+            {"mesh": manifest["mesh"], "rules": manifest["rules"]}, source=str(directory / MANIFEST)
+        )
+    except (ConfigError, KeyError, TypeError) as e:
+        raise LayoutError(
+            f"{directory / MANIFEST}: invalid layout rules ({e})", path=str(directory / MANIFEST)
+        ) from None
+
+
 def _open(path: Path, options: ReadOptions) -> Checkpoint:
     """Open a per-rank directory; its layout rules: the given layout, ``reshard.json``'s, or exact names."""
     if not path.is_dir():
         raise UsageError(f"{path}: a per-rank checkpoint is a directory", path=str(path))
-    cfg = _source_layout(options)
+    cfg = source_layout(options)
     ckpt = open_per_rank(
         path,
         mesh=cfg.mesh if cfg is not None else None,
@@ -365,22 +473,13 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
     )
     manifest = read_manifest(path)
     ckpt.manifest = manifest
-    from ..config import LayoutConfig  # YAML is not needed to list formats (reshard --help)
-
-    if cfg is None and manifest is not None and "rules" in manifest:
-        try:
-            cfg = LayoutConfig.from_json(
-                {"mesh": manifest["mesh"], "rules": manifest["rules"]}, source=str(path / MANIFEST)
-            )
-        except (ConfigError, KeyError, TypeError) as e:
-            raise LayoutError(
-                f"{path / MANIFEST}: invalid layout rules ({e})", path=str(path / MANIFEST)
-            ) from None
-    ckpt.layout = cfg if cfg is not None else _exact_rules(ckpt)
+    if cfg is None:
+        cfg = manifest_layout(path, manifest)
+    ckpt.layout = cfg if cfg is not None else exact_rules(ckpt)
     return ckpt
 
 
-def _exact_rules(ckpt: Checkpoint) -> LayoutConfig:
+def exact_rules(ckpt: Checkpoint) -> LayoutConfig:
     """One exact-name rule per tensor, from a self-described checkpoint's placements."""
     from ..config import LayoutConfig
 

@@ -56,6 +56,10 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "load_dcp_metadata",
     "load_stored_tensor",
+    "MeshInfo",
+    "StoredDTensor",
+    "TORCH_SAVE_STATE_GLOBALS",
+    "load_torch_save",
 ]
 
 Globals = Mapping[tuple[str, str], Any]
@@ -530,4 +534,230 @@ def load_dcp_metadata(data: bytes, *, path: str) -> DcpMetadata:
         raise HeaderError(f"{path}: not a valid {what} ({e})", path=path) from None
     return DcpMetadata(
         entries, storage, version if isinstance(version, str) else None, isinstance(obj, _MCoreMetadata)
+    )
+
+
+# --------------------------------------------------------------------------- torch.save state dicts
+
+
+@dataclass(frozen=True, slots=True)
+class MeshInfo:
+    """A pickled ``DeviceMesh``, as plain data.
+
+    Attributes:
+        names: ``_mesh_dim_names`` (None when unnamed).
+        shape: the size of each mesh dim.
+        coordinate: this rank's ``_coordinate_on_dim`` (None when not recorded).
+        rank: this rank's global rank ``_rank`` (None when not recorded).
+        root: the mesh this one was sliced from (``_root_mesh``), or None for a root mesh.
+    """
+
+    names: tuple[str, ...] | None
+    shape: tuple[int, ...]
+    coordinate: tuple[int, ...] | None
+    rank: int | None
+    root: MeshInfo | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDTensor:
+    """A pickled ``DTensor``: its local tensor and what its ``DTensorSpec`` says.
+
+    Attributes:
+        local: the local tensor (its storage record, dtype, size, stride).
+        dtype: torch dtype name of the DTensor.
+        shape: the global shape.
+        mesh: the mesh it lives on.
+        placements: one per mesh dim, as text (``S(0)``, ``_S(0, 2)``, ``R``, ``P(sum)``).
+    """
+
+    local: StoredTensor
+    dtype: str
+    shape: tuple[int, ...]
+    mesh: MeshInfo
+    placements: tuple[str, ...]
+
+
+class _DTensorClass:
+    """The ``DTensor`` class global: only a marker that ``_rebuild_from_type_v2`` recognises."""
+
+
+_DTENSOR = _DTensorClass()
+
+
+class _WrapperSubclass(Record):
+    """What ``_rebuild_wrapper_subclass(cls, dtype, size, stride, ...)`` made (the DTensor shell)."""
+
+
+class _DTensorSpec(Record):
+    pass
+
+
+class _DeviceMesh(Record):
+    pass
+
+
+class _MeshLayout(Record):
+    pass
+
+
+class _FlatLayout(Record):
+    pass
+
+
+class _Placement(Record):
+    """A placement instance; its text comes from the class (:data:`_PLACEMENT_TEXT`) and its state."""
+
+    kind = ""
+
+
+class _Shard(_Placement):
+    kind = "S"
+
+
+class _StridedShardP(_Placement):
+    kind = "_S"
+
+
+class _ReplicateP(_Placement):
+    kind = "R"
+
+
+class _PartialP(_Placement):
+    kind = "P"
+
+
+def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *_rest: Any) -> _WrapperSubclass:
+    if cls is not _DTENSOR or not isinstance(dtype, TorchDtype) or _int_tuple(size) is None:
+        raise ValueError("_rebuild_wrapper_subclass of something other than a DTensor")
+    return _WrapperSubclass(dtype, tuple(size), stride)
+
+
+def _placement_text(p: Any) -> str:
+    st = p.state if isinstance(p.state, dict) else {}
+    if isinstance(p, _Shard) and type(st.get("dim")) is int:
+        return f"S({st['dim']})"
+    if isinstance(p, _StridedShardP) and type(st.get("dim")) is int and type(st.get("split_factor")) is int:
+        return f"_S({st['dim']}, {st['split_factor']})"
+    if isinstance(p, _ReplicateP):
+        return "R"
+    if isinstance(p, _PartialP) and isinstance(st.get("reduce_op"), str):
+        return f"P({st['reduce_op']})"
+    raise ValueError(f"placement {type(p).__name__} {st!r} is not Shard, _StridedShard, Replicate or Partial")
+
+
+def _mesh_info(m: Any, depth: int = 0) -> MeshInfo:
+    """A ``DeviceMesh`` record's names, shape (from ``_layout``, or the ``mesh`` tensor of older torch),
+    coordinate, rank and root mesh."""
+    st = _state(m, _DeviceMesh, "a DTensor's mesh")
+    layout = st.get("_layout")
+    if isinstance(layout, _MeshLayout) and isinstance(layout.state, dict):
+        shape = []
+        for ax in layout.state.get("axes") or ():
+            sizes = _dims(_state(ax, _FlatLayout, "a mesh layout axis").get("shape"), "mesh axis shape")
+            n = 1
+            for s in sizes:
+                n *= s
+            shape.append(n)
+    elif isinstance(st.get("mesh"), StoredTensor):
+        shape = list(st["mesh"].size)
+    else:
+        raise ValueError("DeviceMesh has neither _layout nor mesh")
+    names = st.get("_mesh_dim_names")
+    if names is not None and (
+        not isinstance(names, tuple) or not all(isinstance(n, str) for n in names) or len(names) != len(shape)
+    ):
+        raise ValueError(f"DeviceMesh dim names {names!r} do not fit its shape {shape}")
+    coord, rank, root = st.get("_coordinate_on_dim"), st.get("_rank"), st.get("_root_mesh")
+    return MeshInfo(
+        names,
+        tuple(shape),
+        None if coord is None else _dims(coord, "DeviceMesh coordinate"),
+        rank if type(rank) is int else None,
+        None if root is None or depth > 4 else _mesh_info(root, depth + 1),
+    )
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> StoredDTensor:
+    """A DTensor: the wrapper's dtype and global shape, the local tensor and the spec from ``state``."""
+    if func is not _rebuild_wrapper_subclass or new_type is not _DTENSOR or not isinstance(args, tuple):
+        raise ValueError("_rebuild_from_type_v2 of a tensor subclass other than DTensor")
+    shell = func(*args)
+    d = state[1] if isinstance(state, tuple) and len(state) == 2 else state
+    if not isinstance(d, dict) or not isinstance(d.get("_local_tensor"), StoredTensor):
+        raise ValueError("DTensor state has no _local_tensor")
+    spec = _state(d.get("_spec"), _DTensorSpec, "DTensor _spec")
+    pls = spec.get("placements")
+    if not isinstance(pls, tuple) or not all(isinstance(p, _Placement) for p in pls):
+        raise ValueError(f"DTensorSpec placements {pls!r} are not placements")
+    mesh = _mesh_info(spec.get("mesh"))
+    if len(pls) != len(mesh.shape):
+        raise ValueError(f"{len(pls)} placements for a {len(mesh.shape)}-dim mesh")
+    dtype, shape = shell.args[0], shell.args[1]
+    return StoredDTensor(d["_local_tensor"], str(dtype), shape, mesh, tuple(_placement_text(p) for p in pls))
+
+
+def _rebuild_parameter(data: Any, _requires_grad: Any, _hooks: Any, *_rest: Any) -> Any:
+    """An ``nn.Parameter``: its tensor (a state dict saved with ``keep_vars=True``)."""
+    if not isinstance(data, (StoredTensor, StoredDTensor)):
+        raise ValueError("_rebuild_parameter of something other than a tensor")
+    return data
+
+
+def _device(*args: Any) -> str:
+    return ":".join(str(a) for a in args)
+
+
+def _latin1_bytes(text: Any, encoding: Any = "latin1") -> bytes:
+    """``_codecs.encode``, which protocol-2 pickles use for ``bytes`` values: latin-1 only."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise ValueError("_codecs.encode of something other than latin-1 text")
+    return text.encode("latin1")
+
+
+_PT = "torch.distributed.tensor.placement_types"
+_SPEC = "torch.distributed.tensor._dtensor_spec"
+_LAYOUT = "torch.distributed._mesh_layout"
+
+#: Everything a ``torch.save`` of a state dict refers to: plain tensors and parameters, DTensors
+#: (spec, DeviceMesh, placements), ``OrderedDict``; containers and scalars need no global.
+TORCH_SAVE_STATE_GLOBALS: dict[tuple[str, str], Any] = {
+    **TORCH_SAVE_TENSOR_GLOBALS,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+    ("torch.distributed.tensor", "DTensor"): _DTENSOR,
+    ("torch.distributed.tensor._api", "DTensor"): _DTENSOR,
+    (_SPEC, "DTensorSpec"): _DTensorSpec,
+    (_SPEC, "TensorMeta"): Record,
+    (_SPEC, "ShardOrderEntry"): Record,
+    ("torch.distributed.device_mesh", "DeviceMesh"): _DeviceMesh,
+    (_LAYOUT, "_MeshLayout"): _MeshLayout,
+    (_LAYOUT, "_FlatLayout"): _FlatLayout,
+    (_PT, "Shard"): _Shard,
+    (_PT, "_StridedShard"): _StridedShardP,
+    (_PT, "Replicate"): _ReplicateP,
+    (_PT, "Partial"): _PartialP,
+    ("torch", "device"): _device,
+    ("torch", "Size"): tuple,
+    ("torch.serialization", "_get_layout"): _identity,
+    ("_codecs", "encode"): _latin1_bytes,
+}
+
+
+def load_torch_save(data: bytes, *, path: str) -> Any:
+    """The object a ``torch.save`` archive's ``data.pkl`` holds, run-free: dicts, lists and scalars
+    as themselves, tensors as :class:`StoredTensor`, DTensors as :class:`StoredDTensor`.
+
+    Raises:
+        UnsafePickleError: the pickle refers to a global outside :data:`TORCH_SAVE_STATE_GLOBALS`
+            (nothing of it ran).
+        HeaderError: the pickle is damaged or builds those objects from the wrong fields.
+    """
+    return restricted_load(
+        data,
+        path=path,
+        allowed=TORCH_SAVE_STATE_GLOBALS,
+        what="torch.save",
+        persistent_load=storage_persistent_load,
     )
