@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
-import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ from .errors import ConfigError, ReshardError, UsageError, WriteError
 from .execute import ProgressFn, execute_plan
 from .formats import MANIFEST, open_checkpoint, writer, writers
 from .formats.base import Writer
-from .io.writer import FileResult
+from .io.lock import LOCK, DirLock
+from .io.staging import Stage, refuse_non_files
+from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
 from .plan import Plan, WriteOptions, make_plan
-from .resume import JOURNAL, finished_files, record_finished
+from .resume import finished_files, is_journal, record_finished, source_identity, start_journal
 
 __all__ = [
     "SourceSpec",
@@ -80,6 +83,8 @@ def parse_size(text: str, *, option: str = "--max-shard-size") -> int:
         value = float(num)
     except ValueError:
         raise ConfigError(f"{option} {text!r}: expected a size such as 5GB, 500MB or 2GiB") from None
+    if not math.isfinite(value) or value * mult >= 2**63:
+        raise ConfigError(f"{option} {text!r}: must be a finite size below 8 EiB, such as 5GB")
     if value <= 0:
         raise ConfigError(f"{option} {text!r}: must be positive")
     return int(value * mult)
@@ -243,7 +248,9 @@ def _is_within(child: Path, parent: Path) -> bool:
         return False
 
 
-def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = False) -> None:
+def check_destination(
+    src: Path, dst: Path, *, overwrite: bool, resume: bool = False, check_empty: bool = True
+) -> None:
     """Refuse a DST inside SRC, a SRC inside DST, and a non-empty DST without --overwrite."""
     s = src.resolve()
     d = dst.resolve()
@@ -255,7 +262,7 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = F
         raise UsageError(f"{dst}: the destination contains the source {src}; choose another directory")
     if d.exists() and not d.is_dir():
         raise UsageError(f"{dst}: exists and is not a directory")
-    if d.exists() and any(d.iterdir()) and not (overwrite or resume):
+    if check_empty and d.exists() and any(p.name != LOCK for p in d.iterdir()) and not (overwrite or resume):
         raise UsageError(
             f"{dst}: directory is not empty; pass --overwrite to replace its checkpoint "
             "(or --resume to finish an interrupted conversion)",
@@ -264,8 +271,10 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = F
 
 
 def _owned(name: str) -> bool:
-    """Whether ``--overwrite`` (and a failed run's cleanup) may remove a file of this name."""
-    if name in (MANIFEST, JOURNAL) or name.endswith(".tmp") or name.startswith(JOURNAL):
+    """Whether ``--overwrite`` may remove a file of this name from DST: a checkpoint file a
+    writer makes, ``reshard.json``, reshard's own temporaries and journals (never a user's
+    ``draft.tmp``)."""
+    if name == MANIFEST or is_temp(name) or is_journal(name):
         return True
     for w in writers():
         for pattern in w.owns:
@@ -274,10 +283,34 @@ def _owned(name: str) -> bool:
     return False
 
 
-def _clear_outputs(dst: Path) -> None:
-    for p in dst.iterdir():
-        if p.is_file() and _owned(p.name):
-            p.unlink()
+@contextmanager
+def _claimed(dst: Path, main: bool) -> Iterator[None]:
+    """DST created if needed and locked for the run (:class:`~reshard.io.lock.DirLock`).
+
+    A DST this run created is removed again when the run leaves it empty (a failure).
+    Under torchrun only the main process creates and locks it.
+    """
+    if not main:
+        yield
+        return
+    created = not os.path.lexists(dst)
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(
+            f"{dst}: cannot create the destination directory ({e.strerror or e})", path=str(dst)
+        ) from None
+    lock = DirLock(dst)
+    try:
+        lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+    finally:
+        if created:
+            with suppress(OSError):
+                dst.rmdir()  # only when empty: never another run's files
 
 
 def convert(
@@ -307,14 +340,16 @@ def convert(
     dst_path = Path(dst)
     if not src_path.exists():
         raise UsageError(f"{src_path}: no such file or directory", path=str(src_path))
-    check_destination(src_path, dst_path, overwrite=overwrite, resume=resume)
-    ckpt = open_source(source)
-    tgt = resolve_target(ckpt, target)
-    plan = build_plan(ckpt, tgt)
-    if on_plan is not None:
-        on_plan(plan)
-    run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
-    ordered, kept = run.guarded()
+    check_destination(src_path, dst_path, overwrite=overwrite, resume=resume, check_empty=False)
+    with _claimed(dst_path, coordinator().is_main):
+        check_destination(src_path, dst_path, overwrite=overwrite, resume=resume)
+        ckpt = open_source(source)
+        tgt = resolve_target(ckpt, target)
+        plan = build_plan(ckpt, tgt)
+        if on_plan is not None:
+            on_plan(plan)
+        run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
+        ordered, kept = run.guarded()
     return {
         "source": {
             "path": str(src_path),
@@ -333,7 +368,8 @@ def convert(
 
 
 class _Run:
-    """One conversion's writing: every file, then the writer's ``complete``; cleanup on failure.
+    """One conversion's writing: every file into the staging directory, the writer's
+    ``complete``, then the swap into DST (:mod:`reshard.io.staging`); cleanup on failure.
 
     Under torchrun every rank plans the same and writes its share of the files; rank 0
     completes the directory.
@@ -349,7 +385,8 @@ class _Run:
         self.progress = progress
         self.resume = resume
         self.coord: Coordinator = coordinator()
-        self.created_dir = not dst.exists()
+        self.stage = Stage(dst, MANIFEST)
+        self.staged = False  # this run made (or took over) the staging directory
 
     def guarded(self) -> tuple[list[FileResult], int]:
         """Write everything; on failure remove what this run wrote. Returns results and files kept."""
@@ -373,26 +410,33 @@ class _Run:
             self._cleanup(keep=self.resume)
             raise
 
+    def _prepare(self) -> None:
+        """Main process: refuse links/directories under output names, finish an interrupted
+        swap, make the staging directory and start (or check) the resume journal."""
+        names = [f.name for f in self.plan.files] + [MANIFEST]
+        names += [n for n in self.writer.owns if not n.startswith(".")]
+        refuse_non_files(self.dst, names)
+        self.stage.recover(_owned, is_journal)
+        self.staged = True
+        self.stage.prepare(keep=self.resume)
+        start_journal(self.stage.dir, source_identity(self.plan.source), resume=self.resume)
+
     def _write(self) -> tuple[list[FileResult], int]:
-        coord, dst, plan = self.coord, self.dst, self.plan
+        coord, plan, stage = self.coord, self.plan, self.stage
         if coord.is_main:
-            dst.mkdir(parents=True, exist_ok=True)
-            (dst / MANIFEST).unlink(missing_ok=True)
-            if not self.resume:
-                _clear_outputs(dst)
+            self._prepare()
         coord.barrier()
         done: list[FileResult] = []
         mine = coord.share(list(plan.files))
         if self.resume:
-            done, mine = finished_files(plan, dst, mine)
+            done, mine = finished_files(plan, stage.dir, mine)
         results = coord.gather(self._execute(mine))
         done = coord.gather(done) if self.resume else done
         by_name = {r.name: r for r in done + results}
         ordered = [by_name[f.name] for f in plan.files]
         if coord.is_main:
-            self.writer.complete(dst, plan, ordered)
-            for j in dst.glob(JOURNAL + "*"):
-                j.unlink(missing_ok=True)
+            self.writer.complete(stage.dir, plan, ordered)
+            stage.swap(_owned, is_journal)
         coord.barrier()
         return ordered, len(done)
 
@@ -403,13 +447,13 @@ class _Run:
         try:
             results = execute_plan(
                 self.plan,
-                self.dst,
+                self.stage.dir,
                 workers=self.budget.workers,
                 buffer_size=self.budget.buffer,
                 window=self.budget.window,
                 progress=self.progress,
                 files=mine,
-                on_file_done=lambda r: record_finished(self.dst, r, coord.rank),
+                on_file_done=lambda r: record_finished(self.stage.dir, r, coord.rank),
             )
         except (ReshardError, OSError) as e:
             if coord.world == 1:
@@ -424,20 +468,12 @@ class _Run:
         return results
 
     def _cleanup(self, *, keep: bool) -> None:
-        """Remove what this run wrote (with --resume, keep finished files for the next try)."""
-        dst = self.dst
-        if not dst.exists():
+        """Remove what this run wrote: its staging directory (with --resume or after Ctrl-C,
+        only its temporaries: finished files stay for the next try). DST's previous
+        checkpoint is never touched before the swap."""
+        if not (self.staged and self.coord.is_main):
             return
-        for f in self.plan.files:
-            (dst / (f.name + ".tmp")).unlink(missing_ok=True)
-            if not keep:
-                (dst / f.name).unlink(missing_ok=True)
         if keep:
-            return
-        (dst / JOURNAL).unlink(missing_ok=True)
-        for name in self.writer.owns:
-            if not name.startswith("."):  # exact names: what complete() writes (an index)
-                (dst / name).unlink(missing_ok=True)
-        (dst / MANIFEST).unlink(missing_ok=True)
-        if self.created_dir:
-            shutil.rmtree(dst, ignore_errors=True)
+            self.stage.remove_temporaries()
+        else:
+            self.stage.discard()

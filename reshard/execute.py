@@ -394,6 +394,4 @@ def execute_plan(
                         fut.result()
         return [results_by_name[f.name] for f in todo]
     finally:
-        for f in todo:
-            (dst / (f.name + ".tmp")).unlink(missing_ok=True)
         sources.close()

@@ -14,7 +14,7 @@ LAYERS = [
     {"placements", "mesh"},
     {"layout", "config", "checkpoint"},
     {"plan"},
-    {"io", "io.header", "io.checksum", "io.pages", "io.reader", "io.writer", "torch_ops"},
+    {"io", "io.header", "io.checksum", "io.pages", "io.reader", "io.writer", "io.lock", "io.staging", "torch_ops"},
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
     {"formats.base", "formats.safetensors", "formats.manifest", "formats.hf_extras"},
     {"formats.dcp_boxes"},
