@@ -141,10 +141,35 @@ def _budget(workers: int | None, max_memory: str) -> Budget:
     return budget_for(total, workers if workers is not None else default_workers())
 
 
-def _source(path: str, from_: str | None, layout: str | None, mesh: str | None) -> SourceSpec:
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        help="Keep only entries whose full name matches (glob, * crosses dots; or re:REGEX); repeatable.",
+        metavar="GLOB",
+    ),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude",
+        help="Drop entries whose full name matches, e.g. 'optimizer.*'; repeatable.",
+        metavar="GLOB",
+    ),
+]
+
+
+def _source(
+    path: str,
+    from_: str | None,
+    layout: str | None,
+    mesh: str | None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> SourceSpec:
     from .convert import SourceSpec
 
-    return SourceSpec(path, from_, layout, mesh)
+    return SourceSpec(path, from_, layout, mesh, tuple(include or ()), tuple(exclude or ()))
 
 
 def _target(
@@ -258,6 +283,8 @@ def convert(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
@@ -276,6 +303,8 @@ def convert(
       reshard convert ckpt-tp4 hf-out --consolidate --dtype bf16
 
       reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
+
+      reshard convert dcp-step-1000 hf-out --consolidate --exclude 'optimizer.*'
     """
     from .convert import convert as run
 
@@ -288,7 +317,7 @@ def convert(
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
 
             result = run(
-                _source(src, from_, source_layout, source_mesh),
+                _source(src, from_, source_layout, source_mesh, include, exclude),
                 dst,
                 _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size),
                 workers=budget.workers,
@@ -330,6 +359,8 @@ def inspect(
     ] = None,
     mesh: SourceMeshOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     check: Annotated[
         bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")
     ] = False,
@@ -349,7 +380,7 @@ def inspect(
     from .report import inspect_report, render_inspect
 
     with _errors(json_):
-        ck = open_source(_source(ckpt, from_, layout, mesh))
+        ck = open_source(_source(ckpt, from_, layout, mesh, include, exclude))
         doc = inspect_report(ck)
         problems: list[Problem] = []
         if check:
@@ -383,6 +414,8 @@ def plan(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
@@ -403,7 +436,7 @@ def plan(
 
     with _errors(json_):
         budget = _budget(workers, max_memory)
-        ck = open_source(_source(src, from_, source_layout, source_mesh))
+        ck = open_source(_source(src, from_, source_layout, source_mesh, include, exclude))
         p = build_plan(
             ck,
             resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
@@ -427,6 +460,8 @@ def verify(
         str | None,
         typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE"),
     ] = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -444,8 +479,13 @@ def verify(
     from .verify import verify_checkpoints
 
     with _errors(json_):
+        from .select import select_pair
+
         ca = open_source(SourceSpec(a, None, layout_a, None))
         cb = open_source(SourceSpec(b, None, layout_b, None))
+        ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or ())
+        for w in unmatched:
+            console().print(f"warning: {w}")
         doc = verify_checkpoints(ca, cb)
         if json_:
             _emit({"ok": doc["equal"], "command": "verify", **doc})

@@ -94,7 +94,7 @@ MAX_LAYOUT_DEPTH = 64
 MAX_LAYOUT_NODES = 500_000
 
 
-class _Matcher(Protocol):
+class Matcher(Protocol):
     def fullmatch(self, string: str) -> object | None: ...
 
 
@@ -127,7 +127,7 @@ class Rule:
     # Where it was written, not what it says: two rules differing only in line are equal.
     line: int = field(default=0, compare=False)
     # Compiled once: matches() runs for every tensor of a checkpoint.
-    _regex: _Matcher = field(init=False, repr=False, compare=False)
+    _regex: Matcher = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -456,7 +456,7 @@ class _Re2:
         return (_Re2, (self._body,))  # an RE2 set cannot be pickled: compile again
 
 
-def _compile(pattern: str) -> _Matcher:
+def _compile(pattern: str) -> Matcher:
     if pattern == REGEX_PREFIX:
         raise ConfigError('the regex after "re:" is empty; write e.g. "re:model\\.layers\\.\\d+\\..*"')
     literal = _literal(pattern)

@@ -96,6 +96,8 @@ class SourceSpec:
     fmt: str | None = None
     layout: str | None = None
     mesh: str | None = None
+    include: tuple[str, ...] = ()  # --include / --exclude patterns (reshard.select)
+    exclude: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,15 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
     if layout is not None:
         ckpt.warnings.extend(rule_warnings(layout, ckpt.tensors))
+    if spec.include or spec.exclude:
+        from .select import select_checkpoint
+
+        ckpt, _ = select_checkpoint(ckpt, spec.include, spec.exclude)
+    return ckpt
+
+
+def _not_converted(ckpt: Checkpoint) -> None:
+    """Warn that non-tensor items are left out (``inspect`` lists them itself, so only convert warns)."""
     if ckpt.non_tensors:
         names = ", ".join(n.name for n in ckpt.non_tensors[:3]) + (
             " ..." if len(ckpt.non_tensors) > 3 else ""
@@ -128,7 +139,6 @@ def open_source(spec: SourceSpec) -> Checkpoint:
                 f"{ckpt.path}: {len(ckpt.non_tensors)} non-tensor item(s) ({names}) are not converted"
             )
         )
-    return ckpt
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +354,7 @@ def convert(
     with _claimed(dst_path, coordinator().is_main):
         check_destination(src_path, dst_path, overwrite=overwrite, resume=resume)
         ckpt = open_source(source)
+        _not_converted(ckpt)
         tgt = resolve_target(ckpt, target)
         plan = build_plan(ckpt, tgt)
         if on_plan is not None:
@@ -364,6 +375,8 @@ def convert(
         "copies": sum(f.copies for f in plan.files),
         "resumed_files": kept,
         "warnings": [str(w) for w in ckpt.warnings],
+        # items that cannot go into safetensors (DCP BYTE_IO): listed, not copied
+        "not_converted": [{"name": n.name, "size": n.size, "kind": n.kind} for n in ckpt.non_tensors],
     }
 
 

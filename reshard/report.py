@@ -10,7 +10,7 @@ from typing import Any
 from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
-from .intervals import block_shape, box_span, row_major_strides
+from .intervals import Block, block_shape, box_span, format_box, row_major_strides
 from .plan import Plan, copy_boxes
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
@@ -44,8 +44,15 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         total += nbytes
         params += t.numel
         locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+        chunks = {}
+        if ck.format == "dcp":
+            chunks["chunks"] = [
+                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
+                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
+            ]
         tensors.append(
             {
+                **chunks,
                 "name": t.name,
                 "dtype": t.dtype,
                 "shape": list(t.shape),
@@ -65,6 +72,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
         "warnings": [str(w) for w in ck.warnings],
+        **({"note": _DCP_NOTE} if ck.format == "dcp" else {}),
     }
     if ck.non_tensors:  # only formats that have them (DCP, torch.save) add the key
         doc["non_tensors"] = [
@@ -77,6 +85,17 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
             for n in ck.non_tensors
         ]
     return doc
+
+
+_DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
+
+
+def _block_text(block: Block) -> str:
+    """A piece's global indices, ``[0:4)x[2:3)`` as :func:`~reshard.intervals.format_box` shows
+    a box; ``[]`` for an empty dim (an empty chunk)."""
+    if not block:
+        return format_box(())
+    return "x".join(",".join(str(iv) for iv in ilist) or "[]" for ilist in block)
 
 
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
@@ -127,6 +146,13 @@ def _local_text(t: dict[str, Any]) -> str:
     return shown + (" ..." if len(ls) > 8 else "")
 
 
+def _chunks_text(t: dict[str, Any], group: bool) -> str:
+    cs = t["chunks"]
+    shown = cs[:4] if group else cs
+    text = "; ".join(f"{c['box']} {c['file']}" for c in shown)
+    return text + (f"; ... ({len(cs)} chunks)" if len(shown) < len(cs) else "")
+
+
 def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
     """Human table of an inspect report."""
     from rich.table import Table
@@ -160,12 +186,14 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
             t["dtype"],
             str(t["shape"]),
             ", ".join(t["placements"]) if t["placements"] else f"{t['pieces']} piece(s)",
-            _local_text(t),
+            _chunks_text(t, group) if "chunks" in t else _local_text(t),
             human(sum(x["bytes"] for x in ts)),
         )
     console.print(table)
     tot = doc["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
+    if doc.get("note"):
+        console.print(doc["note"])
     for n in doc.get("non_tensors", ()):
         where = f" in {n['file']}" if n["file"] else ""
         console.print(
