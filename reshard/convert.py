@@ -262,6 +262,15 @@ def check_destination(
     src: Path, dst: Path, *, overwrite: bool, resume: bool = False, check_empty: bool = True
 ) -> None:
     """Refuse a DST inside SRC, a SRC inside DST, and a non-empty DST without --overwrite."""
+    try:
+        _check_destination(src, dst, overwrite=overwrite, resume=resume, check_empty=check_empty)
+    except OSError as e:  # a name over NAME_MAX, a loop of links, no permission
+        raise UsageError(
+            f"{dst}: cannot use it as the destination ({e.strerror or e})", path=str(dst)
+        ) from None
+
+
+def _check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool, check_empty: bool) -> None:
     s = src.resolve()
     d = dst.resolve()
     src_dir = s if s.is_dir() else s.parent
