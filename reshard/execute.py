@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
+from .errors import SourceChangedError
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, SourceFiles
 from .io.reader import DENSE, Piece, RowCache, read_box
@@ -166,7 +167,10 @@ class _Writer:
             _check(self.stop)
             k = os.preadv(sfd, [buf[: min(size, n)]], src_off)
             if k <= 0:
-                raise OSError(f"unexpected end of source file at offset {src_off}")
+                self.sources.check(fi)  # names the file when its size changed
+                raise SourceChangedError(
+                    f"a source file ended early at offset {src_off}; it changed while read"
+                )
             self.sink.submit(buf[:k], dst_off)
             n -= k
             src_off += k
@@ -394,7 +398,7 @@ def execute_plan(
     balanced by bytes. Results come back in plan order.
     """
     todo = list(plan.files if files is None else files)
-    sources = SourceFiles(plan.source.files)
+    sources = SourceFiles(plan.source.files, plan.source.file_sizes)
     lock = threading.Lock()
     stop = threading.Event()  # set on Ctrl-C or a failure: every writer stops at its next slab
 

@@ -137,3 +137,41 @@ def test_a_full_disk_keeps_the_previous_checkpoint(src: Path, tiny_fs: Path) -> 
     )
     assert p.returncode == 3, p.stderr
     assert not (tiny_fs / "other").exists()
+
+
+TRUNCATE = """
+import os, sys
+from reshard.convert import SourceSpec, TargetSpec, convert
+from reshard.errors import ReshardError
+src, dst, layout = sys.argv[1:4]
+f = os.path.join(src, "model.safetensors")
+
+def progress(n):  # another job rewrites the source while it is read
+    if os.path.getsize(f) > 4096:
+        os.truncate(f, 4096)
+
+try:
+    convert(SourceSpec(src), dst, TargetSpec(layout=layout), progress=progress, buffer_size=4096)
+except ReshardError as e:
+    print(e.message, file=sys.stderr)
+    sys.exit(e.exit_code)
+"""
+
+
+@pytest.mark.parametrize("placement", ["S(1)", "S(0)"])
+def test_a_source_truncated_while_read_is_exit_2_not_sigbus(tmp_path: Path, placement: str) -> None:
+    # S(1) over 16 ranks: narrow columns of wide rows, read through the memory map; S(0): pread
+    src = model(tmp_path / "src", 256, 2048)
+    layout = tmp_path / "l.yaml"
+    layout.write_text(f'mesh: {{tp: 16}}\nplacements:\n  "*": {{tp: {placement}}}\n')
+    dst = tmp_path / "dst"
+    p = subprocess.run(
+        [sys.executable, "-c", TRUNCATE, str(src), str(dst), str(layout)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "model.safetensors" in p.stderr and "changed while" in p.stderr, p.stderr
+    assert not dst.exists()
