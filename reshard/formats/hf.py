@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, TensorNotFoundError
 from ..intervals import full_block
 from ..io.header import Header, read_header
+from ..io.safe import expect_object, load_json
 from ..io.writer import FileResult, write_json
 from ..mesh import Mesh
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
@@ -103,9 +103,11 @@ def _hf_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 
 def _read_index(index: Path) -> dict[str, str]:
+    data = load_json(index, what="HF index", error=HeaderError)
     try:
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
+        weight_map = expect_object(data, path=str(index), field="the HF index", error=HeaderError)[
+            "weight_map"
+        ]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):

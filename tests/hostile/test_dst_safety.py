@@ -246,3 +246,69 @@ def test_destination_name_over_name_max_is_a_named_error(tmp_path: Path) -> None
     p = run("convert", str(src), str(dst), "--consolidate")
     assert p.returncode == 2, p.stderr
     assert "File name too long" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("case", ["dev-zero", "fifo", "fifo-index", "zero-shard", "fifo-manifest"])
+def test_devices_and_fifos_in_the_source_are_refused_at_once(tmp_path: Path, case: str) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    fmt: list[str] = []
+    if case == "dev-zero":
+        src = Path("/dev/zero")
+    elif case == "fifo":
+        src = tmp_path / "pipe"
+        os.mkfifo(src)
+    elif case == "fifo-index":
+        os.mkfifo(src / "model.safetensors.index.json")
+        fmt = ["--from", "hf"]
+    elif case == "zero-shard":
+        (src / "model.safetensors").symlink_to("/dev/zero")
+        fmt = ["--from", "hf"]
+    else:
+        model(src)
+        os.mkfifo(src / "reshard.json")
+    p = run("convert", str(src), str(tmp_path / "dst"), "--consolidate", *fmt, timeout=20)
+    assert p.returncode == 2, p.stderr
+    assert "not a regular file" in p.stderr or "not a checkpoint" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    ("meta", "expect"),
+    [
+        (
+            '{"format_version":1,"mesh":{"names":["tp"],"shape":"abc"},"rank":0,"tensors":{}}',
+            "reshard.mesh.shape",
+        ),
+        (
+            '{"format_version":1,"mesh":{"names":["tp"],"shape":[1]},"rank":0,"tensors":{"w":{"shape":"x"}}}',
+            'reshard.tensors["w"].shape',
+        ),
+        (
+            '{"format_version":1,"mesh":{"names":["tp"],"shape":[1]},"rank":0,"tensors":{"w":[]}}',
+            "must be an object",
+        ),
+        (
+            '{"format_version":1,"mesh":{"names":["tp"],"shape":[99999999999]},"rank":0,"tensors":{}}',
+            "over the limit",
+        ),
+        ('{"format_version":1,"a":1,"a":2}', "duplicate key"),
+    ],
+)
+def test_bad_per_rank_self_descriptions_are_named(tmp_path: Path, meta: str, expect: str) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.zeros(2)}, str(src / "rank-00000-of-00001.safetensors"), metadata={"reshard": meta})
+    p = run("inspect", str(src), timeout=20)
+    assert p.returncode == 2, p.stderr
+    assert expect in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_huge_rank_number_in_a_file_name_is_bounded(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.zeros(2)}, str(src / "rank-99999999999-of-99999999999.safetensors"))
+    p = run("inspect", str(src), timeout=20)
+    assert p.returncode == 2, p.stderr
+    assert "over the limit" in p.stderr and "Traceback" not in p.stderr
