@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -11,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
+from .check import Problem, check_metadata, source_checksum_problems
 from .checkpoint import Checkpoint, CheckpointWarning
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
-from .errors import ConfigError, ReshardError, UsageError, WriteError
+from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, UsageError, WriteError
 from .execute import ProgressFn, execute_plan
 from .formats import MANIFEST, open_checkpoint, writer, writers
 from .formats.base import Writer
@@ -126,6 +128,57 @@ def open_source(spec: SourceSpec) -> Checkpoint:
 
         ckpt, _ = select_checkpoint(ckpt, spec.include, spec.exclude)
     return ckpt
+
+
+def _refuse_inconsistent(ckpt: Checkpoint) -> None:
+    """Refuse a source whose metadata contradicts itself (what ``inspect --check`` finds
+    without reading data): converting it would launder the lie into a fresh checkpoint.
+
+    Raises:
+        HeaderError: naming the first problem.
+    """
+    problems = check_metadata(ckpt)
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise HeaderError(
+            f"{first['message']}{more}; nothing was converted",
+            path=first["path"],
+            tensor=first["tensor"],
+            hint=f"run `reshard inspect --check {ckpt.path}` to see every problem",
+        )
+
+
+class _Verifier:
+    """The source's files hashed against its ``reshard.json`` checksums, on a thread beside the
+    copy (xxh3 runs without the GIL); the result is awaited before ``reshard.json`` is written."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.problems: list[Problem] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(ckpt,), daemon=True, name="verify-source")
+        self.thread.start()
+
+    def _run(self, ckpt: Checkpoint) -> None:
+        try:
+            self.problems = source_checksum_problems(ckpt)
+        except (OSError, ReshardError) as e:  # raised on the main thread by result()
+            self.error = e
+
+    def result(self) -> None:
+        """Raises:
+        SourceChangedError: a source file's bytes do not match its checksum."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        if self.problems:
+            first = self.problems[0]
+            raise SourceChangedError(
+                f"{first['message']}; the copy would carry those bytes under fresh checksums, so "
+                "nothing was converted",
+                path=first["path"],
+                hint="restore the file; or pass --no-verify-source to convert it as it is",
+            )
 
 
 def _not_converted(ckpt: Checkpoint) -> None:
@@ -342,6 +395,7 @@ def convert(
     window: int = RELEASE_EVERY,
     overwrite: bool = False,
     resume: bool = False,
+    verify_source: bool = True,
     progress: ProgressFn | None = None,
     on_plan: Callable[[Plan], None] | None = None,
 ) -> dict[str, Any]:
@@ -368,7 +422,9 @@ def convert(
         plan = build_plan(ckpt, tgt)
         if on_plan is not None:
             on_plan(plan)
+        _refuse_inconsistent(ckpt)
         run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
+        run.verifier = _Verifier(ckpt) if verify_source and coordinator().is_main else None
         ordered, kept = run.guarded()
     return {
         "source": {
@@ -409,6 +465,7 @@ class _Run:
         self.coord: Coordinator = coordinator()
         self.stage = Stage(dst, MANIFEST)
         self.staged = False  # this run made (or took over) the staging directory
+        self.verifier: _Verifier | None = None
 
     def guarded(self) -> tuple[list[FileResult], int]:
         """Write everything; on failure remove what this run wrote. Returns results and files kept."""
@@ -457,6 +514,8 @@ class _Run:
         by_name = {r.name: r for r in done + results}
         ordered = [by_name[f.name] for f in plan.files]
         if coord.is_main:
+            if self.verifier is not None:
+                self.verifier.result()  # a source whose bytes changed is never committed
             self.writer.complete(stage.dir, plan, ordered)
             stage.swap(_owned, is_journal)
         coord.barrier()
