@@ -210,6 +210,14 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the che
 ResumeOpt = Annotated[
     bool, typer.Option("--resume", help="Keep finished, verified output files and redo the rest.")
 ]
+NoVerifySourceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify-source",
+        help="Do not check the source's bytes against the checksums in its reshard.json "
+        "(checked by default, beside the copy).",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr.")]
 ShowOpt = Annotated[
@@ -341,6 +349,7 @@ def convert(
             help="After writing, prove the output equal to the source, bit for bit (exit 1 if not).",
         ),
     ] = False,
+    no_verify_source: NoVerifySourceOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -382,6 +391,7 @@ def convert(
                 window=budget.window,
                 overwrite=overwrite,
                 resume=resume,
+                verify_source=not no_verify_source,
                 progress=prog,
                 on_plan=on_plan,
             )

@@ -34,6 +34,7 @@ from .io.checksum import file_checksum
 from .io.header import encode_header
 from .io.pages import PageWindow, SourceFiles
 from .io.reader import Piece, read_box, uint_dtype
+from .io.writer import create_exclusive, temp_name
 from .layout import TensorLayout
 from .mesh import Mesh
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
@@ -449,7 +450,7 @@ def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -
     ordered sub-mesh of it (FSDP2's dp-only parameters next to dp x tp ones) are
     Replicate on the other dims. Plain tensors are Replicate. With no DTensors the
     mesh is ``world=W``. ``Partial`` DTensors are stored as ``P(op)`` and reduced when
-    converted. Files are written to ``NAME.tmp`` and renamed; rank 0 first removes a
+    converted. Files are written to fresh temporaries and renamed; rank 0 first removes a
     previous ``reshard.json`` and rank files of another world size in ``path``.
 
     Args:
@@ -549,7 +550,6 @@ def _write_manifest(
 def _clear_stale(out: Path, world: int) -> None:
     """Remove the manifest (the checkpoint is incomplete until rewritten) and other worlds' rank files."""
     (out / MANIFEST).unlink(missing_ok=True)
-    (out / (MANIFEST + ".tmp")).unlink(missing_ok=True)
     for p in out.iterdir():
         m = RANK_FILE.match(p.name)
         if m and int(m.group(2)) != world and p.is_file():
@@ -659,13 +659,14 @@ def _local_layout(name: str, value: Any, world_mesh: Any, mesh: Mesh) -> tuple[A
 
 
 def _write_rank_file(out: Path, fname: str, prefix: bytes, datas: Sequence[Any]) -> tuple[str, int, str]:
-    """Write header and tensor bytes to ``fname.tmp``, hash it, rename; returns (name, size, checksum)."""
+    """Write header and tensor bytes to a fresh temporary (never through a link), hash it,
+    rename; returns (name, size, checksum)."""
     import torch
 
     final = out / fname
-    tmp = out / (fname + ".tmp")
+    tmp = out / temp_name(fname)
     try:
-        with open(tmp, "wb") as f:
+        with open(create_exclusive(tmp), "wb") as f:
             f.write(prefix)
             for t in datas:
                 if t.numel() == 0:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
+from ..errors import UsageError
+from ..io.safe import file_kind
 from ..mesh import Mesh
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions
 
@@ -58,6 +60,15 @@ class Probe:
 
     @classmethod
     def of(cls, path: Path) -> Probe:
+        """Probe ``path``.
+
+        Raises:
+            UsageError: ``path`` is neither a regular file nor a directory (a FIFO,
+                ``/dev/zero``): reading it would block or never end.
+        """
+        kind = file_kind(path.stat().st_mode)
+        if kind is not None and not path.is_dir():
+            raise UsageError(f"{path}: is {kind}, not a checkpoint file or directory", path=str(path))
         if path.is_file():
             return cls(path, True, (path.name,))
         return cls(path, False, tuple(sorted(p.name for p in path.iterdir() if p.is_file())))

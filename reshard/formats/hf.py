@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
-from ..errors import TensorNotFoundError
+from ..errors import HeaderError, TensorNotFoundError
 from ..intervals import full_block
 from ..io.header import Header, read_header
 from ..io.writer import FileResult, write_json
@@ -65,6 +65,7 @@ def open_hf(path: Path) -> Checkpoint:
                     path=str(files[i]),
                     tensor=name,
                 ) from None
+        warnings += _duplicates(files, headers, weight_map)
         for f, h in zip(files, headers):
             extra = [n for n in h.names if n not in weight_map]
             if extra:
@@ -78,6 +79,38 @@ def open_hf(path: Path) -> Checkpoint:
         tensors=dict(sorted(tensors.items())),
         warnings=warnings,
     )
+
+
+def _duplicates(
+    files: Sequence[Path], headers: Sequence[Header], weight_map: dict[str, str]
+) -> list[CheckpointWarning]:
+    """Tensors that shards other than the index's choice hold too.
+
+    The index decides which file is read; a second copy of another dtype or shape
+    means the shards disagree (a stale file from another save), which is refused
+    rather than silently resolved. Same dtype and shape: a warning.
+
+    Raises:
+        HeaderError: naming both files and both descriptions.
+    """
+    pos = {f.name: i for i, f in enumerate(files)}
+    out: list[CheckpointWarning] = []
+    for f, h in zip(files, headers):
+        for n in h.names:
+            home = weight_map.get(n)
+            if home is None or home == f.name:
+                continue
+            a, b = headers[pos[home]].entry(n), h.entry(n)
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                raise HeaderError(
+                    f'tensor "{n}" is {a.dtype} {list(a.shape)} in {home} ({INDEX} names that file) but '
+                    f"{b.dtype} {list(b.shape)} in {f.name}: two shards disagree; remove the stale file",
+                    path=str(f),
+                    tensor=n,
+                )
+            msg = f'{f.name}: tensor "{n}" is also in {home}; reading {home}, as {INDEX} says'
+            out.append(CheckpointWarning(msg, path=str(f), tensor=n))
+    return out
 
 
 def _detect(probe: Probe) -> int:

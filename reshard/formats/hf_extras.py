@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError, HeaderError, UsageError, WriteError
+from ..io.safe import expect_object, load_json
+from ..io.writer import create_exclusive, temp_name
 
 __all__ = [
     "SINGLE",
@@ -227,13 +229,12 @@ def _read_text(path: Path) -> str:
 
 
 def _copy_one(path: Path, dst: Path, dtype: str | None) -> Path:
-    """Copy one file to ``dst/NAME.tmp`` (never through a link), then rename it into place."""
+    """Copy one file to a fresh temporary in ``dst`` (never through a link), then rename it into place."""
     real, why = _source(path)
     if real is None:
         raise UsageError(f"{path}: {why}", path=str(path))
-    tmp = dst / (path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a stale tmp (or a link planted there) is replaced, never written through
-    out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    tmp = dst / temp_name(path.name)  # fresh: a user's NAME.tmp is neither removed nor written through
+    out_fd = create_exclusive(tmp)
     try:
         with os.fdopen(out_fd, "wb") as out:
             if dtype is not None and path.name == "config.json":
@@ -252,7 +253,7 @@ def _copy_one(path: Path, dst: Path, dtype: str | None) -> Path:
 def copy_model_files(
     files: list[Path] | tuple[Path, ...], dst_dir: str | os.PathLike[str], *, dtype: str | None = None
 ) -> list[Path]:
-    """Copy ``files`` into ``dst_dir`` under their names, each atomically (``NAME.tmp`` + rename).
+    """Copy ``files`` into ``dst_dir`` under their names, each atomically (a fresh temporary + rename).
 
     With ``dtype`` (``--dtype``: bf16, fp16, fp32) ``config.json``'s dtype is rewritten to
     match the cast weights. On failure the files this call placed are removed.
@@ -287,9 +288,12 @@ def copy_model_files(
 
 
 def _read_index(index: Path) -> dict[str, str]:
+    # bounded, regular-file-only, strict JSON (duplicate keys refused): io.safe
+    data = load_json(index, what="HF index", error=HeaderError)
     try:
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
+        weight_map = expect_object(data, path=str(index), field="the HF index", error=HeaderError)[
+            "weight_map"
+        ]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 from ..checkpoint import Checkpoint, TensorSource
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..io.header import Header, TensorEntry, read_header
+from ..io.safe import expect_object, expect_shape, expect_strings, load_json
 from ..io.writer import FileResult
 from ..layout import TensorLayout, infer_global_shape
-from ..mesh import Mesh
+from ..mesh import Mesh, check_world_size
 from ..placements import Placement
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
@@ -79,6 +80,7 @@ def rank_files(directory: Path, *, strict: bool) -> dict[int, Path]:
         )
     if worlds:
         (world,) = worlds
+        check_world_size(world, what=str(directory / f"rank-*-of-{world}.safetensors"))
         missing = [r for r in range(world) if r not in out]
         if missing:
             raise HeaderError(
@@ -111,14 +113,29 @@ def self_description(header: Header, path: Path) -> RankMetadata | None:
     raw = meta.get("reshard")
     if raw is None:
         return None
+    where = str(path)
+    data = expect_object(
+        load_json(raw.encode(), path=where, what="reshard metadata", error=HeaderError),
+        path=where,
+        field="the reshard metadata",
+        error=HeaderError,
+    )
     try:
-        data = json.loads(raw)
-        if not isinstance(data, dict) or data.get("format_version") != 1:
+        if data.get("format_version") != 1:
             raise ValueError("unsupported format_version")
-        Mesh(tuple(data["mesh"]["names"]), tuple(data["mesh"]["shape"]))
+        mesh = expect_object(data["mesh"], path=where, field="reshard.mesh", error=HeaderError)
+        shape = expect_shape(mesh["shape"], path=where, field="reshard.mesh.shape", error=HeaderError)
+        for d in shape:
+            check_world_size(d, what=f"{where}: reshard.mesh.shape")
+        names = expect_strings(mesh["names"], path=where, field="reshard.mesh.names", error=HeaderError)
+        Mesh(tuple(names), shape)
         data["rank"] = int(data["rank"])
-        if not isinstance(data["tensors"], dict):
-            raise ValueError("tensors is not an object")
+        tensors = expect_object(data["tensors"], path=where, field="reshard.tensors", error=HeaderError)
+        for name, info in tensors.items():
+            field = f"reshard.tensors[{json.dumps(name)}]"
+            info = expect_object(info, path=where, field=field, error=HeaderError)
+            expect_shape(info.get("shape"), path=where, field=field + ".shape", error=HeaderError)
+            expect_strings(info.get("placements"), path=where, field=field + ".placements", error=HeaderError)
     except (ValueError, KeyError, TypeError) as e:
         raise HeaderError(f"{path}: invalid reshard metadata ({e})", path=str(path)) from None
     return cast(RankMetadata, data)  # the fields used are checked above
@@ -266,6 +283,7 @@ def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
     if not files:
         raise HeaderError(f"{directory}: no rank files found", path=str(directory))
     world = max(files) + 1
+    check_world_size(world, what=str(files[world - 1]))
     missing = [r for r in range(world) if r not in files]
     if missing:
         raise HeaderError(f"{directory}: no file for rank(s) {missing[:8]}", path=str(directory))

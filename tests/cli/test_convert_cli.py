@@ -316,28 +316,34 @@ def test_resume_keeps_verified_files_and_redoes_the_rest(tp4: Path, tmp_path: Pa
     lay = str(tmp_path / "tp.yaml")
     ref = tmp_path / "ref"
     assert run("convert", str(tp4), str(ref), "--source-layout", lay, "--target-mesh", "tp=4").returncode == 0
-    # an interrupted run: two files finished (journal written), one torn .tmp, no reshard.json
+    # an interrupted run: two files finished in the staging directory (journal written, its
+    # first line the source's identity), one torn temporary, no reshard.json
     out = tmp_path / "out"
-    out.mkdir()
+    stage = out / ".reshard-staging"
+    stage.mkdir(parents=True)
     import shutil
 
+    from reshard.config import load_layout
+    from reshard.formats import open_checkpoint
     from reshard.io.checksum import file_checksum
+    from reshard.resume import source_identity
 
-    lines = []
+    ident = source_identity(open_checkpoint(tp4, layout=load_layout(lay)))
+    lines = [json.dumps({"source": ident})]
     for r in (0, 1):
         name = f"rank-{r:05d}-of-00004.safetensors"
-        shutil.copy(ref / name, out / name)
+        shutil.copy(ref / name, stage / name)
         lines.append(
             json.dumps(
-                {"name": name, "size": (out / name).stat().st_size, "checksum": file_checksum(out / name)}
+                {"name": name, "size": (stage / name).stat().st_size, "checksum": file_checksum(stage / name)}
             )
         )
-    (out / ".reshard-progress.jsonl").write_text("\n".join(lines) + "\n")
+    (stage / ".reshard-progress.jsonl").write_text("\n".join(lines) + "\n")
     # rank 1 was damaged after it finished: resume must redo it
-    data = bytearray((out / "rank-00001-of-00004.safetensors").read_bytes())
+    data = bytearray((stage / "rank-00001-of-00004.safetensors").read_bytes())
     data[-1] ^= 0xFF
-    (out / "rank-00001-of-00004.safetensors").write_bytes(bytes(data))
-    (out / "rank-00002-of-00004.safetensors.tmp").write_bytes(b"torn")
+    (stage / "rank-00001-of-00004.safetensors").write_bytes(bytes(data))
+    (stage / ".reshard-1-00ff-rank-00002-of-00004.safetensors.tmp").write_bytes(b"torn")
     p = run(
         "convert", str(tp4), str(out), "--source-layout", lay, "--target-mesh", "tp=4", "--resume", "--json"
     )

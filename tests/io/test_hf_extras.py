@@ -153,7 +153,9 @@ def test_copy_never_writes_through_planted_links(tmp_path: Path) -> None:
     assert not (dst / "config.json").is_symlink()
     assert (dst / "config.json").read_text() == '{"torch_dtype": "float32"}'  # no dtype: bytes as they were
     assert (dst / "tokenizer.json").read_text() == "tok"
-    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "tokenizer.json"]
+    # a name reshard does not own is neither written through nor removed (temporaries are fresh names)
+    assert (dst / "tokenizer.json.tmp").is_symlink()
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "tokenizer.json", "tokenizer.json.tmp"]
 
 
 def test_copy_failure_leaves_nothing(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ LAYERS = [
         "io.pages",
         "io.reader",
         "io.writer",
+        "io.lock",
+        "io.staging",
         "torch_ops",
     },
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
