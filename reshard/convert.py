@@ -163,7 +163,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
                 f"{to.name} output is one consolidated checkpoint; drop --target-layout/--target-mesh, "
                 f"or write --to {SHARDED}"
             )
-    if to is not None and to.consolidated:
+    if to is not None and (to.consolidated or (to.whole_by_default and not spec.layout and not sizes)):
         return Target(to, Mesh.single(), None, dtype, options)
     mesh, rules = _target_rules(source, spec.layout, sizes)
     w = to or writer(SHARDED if mesh.size > 1 else CONSOLIDATED)
@@ -220,8 +220,9 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             if w not in source.warnings:
                 source.warnings.append(w)
 
-    def placements_for(name: str) -> Sequence[Placement]:
-        assert rules is not None
+    def placements_for(name: str) -> Sequence[Placement | str]:
+        if rules is None:  # no target layout: every tensor whole
+            return ["R"] * target.mesh.ndim
         return rules.placements_for(name)
 
     return make_plan(
@@ -268,6 +269,8 @@ def _owned(name: str) -> bool:
     if name in (MANIFEST, JOURNAL) or name.endswith(".tmp") or name.startswith(JOURNAL):
         return True
     for w in writers():
+        if name in w.marks:
+            return True
         for pattern in w.owns:
             if name == pattern or (pattern.startswith(".") and name.endswith(pattern)):
                 return True
@@ -377,7 +380,8 @@ class _Run:
         coord, dst, plan = self.coord, self.dst, self.plan
         if coord.is_main:
             dst.mkdir(parents=True, exist_ok=True)
-            (dst / MANIFEST).unlink(missing_ok=True)
+            for name in (*self.writer.marks, MANIFEST):
+                (dst / name).unlink(missing_ok=True)
             if not self.resume:
                 _clear_outputs(dst)
         coord.barrier()
@@ -428,6 +432,9 @@ class _Run:
         dst = self.dst
         if not dst.exists():
             return
+        for name in self.writer.marks:  # what tells torch the directory is finished: it is not
+            (dst / name).unlink(missing_ok=True)
+            (dst / (name + ".tmp")).unlink(missing_ok=True)
         for f in self.plan.files:
             (dst / (f.name + ".tmp")).unlink(missing_ok=True)
             if not keep:

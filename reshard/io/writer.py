@@ -87,6 +87,8 @@ class Sink:
         self._cur: Any = None  # hasher of the piece being written, if it started with us
         self._cur_index = -1
         self._crc: int | None = None
+        self._head = bytearray()  # the first bytes submitted since start_crc
+        self._head_want = 0
 
     def _hash(self, mv: memoryview) -> None:
         import xxhash
@@ -118,20 +120,24 @@ class Sink:
                 self._hashing = False  # out of order: the rest is read back
         if self._crc is not None:
             self._crc = zlib.crc32(mv, self._crc)
+            if len(self._head) < self._head_want:
+                self._head += mv[: self._head_want - len(self._head)]
         while len(mv):
             w = os.pwrite(self.fd, mv, off)
             mv = mv[w:]
             off += w
 
-    def start_crc(self) -> None:
-        """CRC32 the bytes submitted from now on (one entry's, written in order)."""
+    def start_crc(self, head: int = 0) -> None:
+        """CRC32 the bytes submitted from now on (one entry's, in order); keep the first ``head``."""
         self._crc = 0
+        self._head = bytearray()
+        self._head_want = head
 
-    def end_crc(self) -> int:
-        """The CRC32 of the bytes submitted since :meth:`start_crc`."""
+    def end_crc(self) -> tuple[int, bytes]:
+        """The CRC32 of the bytes submitted since :meth:`start_crc`, and their first ``head`` bytes."""
         crc, self._crc = self._crc, None
         assert crc is not None
-        return crc
+        return crc, bytes(self._head)
 
     def close(self, file_size: int) -> dict[int, bytes]:
         """Digests of the pieces hashed on the way (the last, short piece included)."""

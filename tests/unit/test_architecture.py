@@ -17,7 +17,7 @@ LAYERS = [
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
     {"formats.base", "formats.safetensors", "formats.manifest"},
     {"formats.dcp_boxes"},
-    {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats"},
+    {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp_writer", "formats"},  # noqa: E501,
     {"budget", "execute", "resume", "verify", "check", "report"},
     {"dist", "convert"},
     {"cli", "demo", "__main__", "formats.__main__", ""},
