@@ -382,6 +382,8 @@ class _Run:
             dst.mkdir(parents=True, exist_ok=True)
             for name in (*self.writer.marks, MANIFEST):
                 (dst / name).unlink(missing_ok=True)
+            for f in plan.files:  # torn files of an interrupted run (kept or not, they are not output)
+                (dst / (f.name + ".tmp")).unlink(missing_ok=True)
             if not self.resume:
                 _clear_outputs(dst)
         coord.barrier()
