@@ -19,9 +19,11 @@ so an interrupted write never looks finished to either.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..dtypes import DTYPE_SIZES
@@ -84,18 +86,38 @@ class DcpFile(OutFile):
             yield t, ChunkEntry(offsets, sizes, self.name, e.start - a.data_offset, a.size)
 
 
-def _split(chunks: Sequence[tuple[TargetTensor, Box]], limit: int) -> list[list[tuple[TargetTensor, Box]]]:
-    """Consecutive chunks in files of at most ``limit`` bytes (a bigger chunk gets a file to itself)."""
-    out: list[list[tuple[TargetTensor, Box]]] = [[]]
+def _split(
+    tensors: Sequence[TargetTensor], chunks: Sequence[tuple[int, Box]], limit: int
+) -> list[list[tuple[int, Box]]]:
+    """Consecutive chunks ``(tensor index, box)`` in files of at most ``limit`` bytes
+    (a bigger chunk gets a file to itself)."""
+    out: list[list[tuple[int, Box]]] = [[]]
+    sizes: dict[tuple[str, Box], int] = {}
     acc = 0
-    for t, box in chunks:
-        n = chunk_archive(t.dtype, tuple(iv.size for iv in box)).size
+    for i, box in chunks:
+        key = (tensors[i].dtype, box)
+        n = sizes.get(key)
+        if n is None:
+            n = sizes[key] = chunk_archive(key[0], tuple(iv.size for iv in box)).size
         if out[-1] and acc + n > limit:
             out.append([])
             acc = 0
-        out[-1].append((t, box))
+        out[-1].append((i, box))
         acc += n
     return out
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """Cyclic GC off: a chunk list is millions of small acyclic tuples, and each collection
+    would walk the whole plan (10k tensors x 64 ranks: 12 s with it, 2.7 s without)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
@@ -104,18 +126,23 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
     Raises:
         LayoutError: a rank's block of some tensor is not one box (DCP cannot record it).
     """
+    with _no_gc():
+        return _rank_files(tensors, mesh, options)
+
+
+def _rank_files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     items = save_items([(t.name, t.layout, DTYPE_SIZES[t.dtype]) for t in tensors])
     owners = dedup_owners([it for _, _, it in items])
-    index = {t.name: (i, t) for i, t in enumerate(tensors)}
-    per_rank: list[list[tuple[int, TargetTensor, Box]]] = [[] for _ in range(mesh.size)]
+    index = {t.name: i for i, t in enumerate(tensors)}
+    per_rank: list[list[tuple[int, Box]]] = [[] for _ in range(mesh.size)]
     for (fqn, box, _), owner in zip(items, owners):
-        i, t = index[fqn]
-        per_rank[owner].append((i, t, box))
+        per_rank[owner].append((index[fqn], box))
     files: list[OutFile] = []
     for rank, mine in enumerate(per_rank):
-        mine.sort(key=lambda c: c[0])
-        for k, group in enumerate(_split([(t, box) for _, t, box in mine], options.max_shard_size)):
-            files.append(DcpFile(dcp_file_name(rank, k), rank, [t for t, _ in group], [b for _, b in group]))
+        mine.sort(key=lambda c: c[0])  # a rank holds one box per tensor
+        for k, group in enumerate(_split(tensors, mine, options.max_shard_size)):
+            chosen = [tensors[i] for i, _ in group]
+            files.append(DcpFile(dcp_file_name(rank, k), rank, chosen, [b for _, b in group]))
     return files
 
 
