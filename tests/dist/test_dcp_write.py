@@ -198,7 +198,7 @@ def test_no_layout_one_chunk_per_tensor_split_files(
         load_in_world(out, sources["full"], [2, 2], ["S(0)", "S(1)"], ["R", "S(0)"], tmp_path / "load")
         # one file, three threads: each writes a run of its chunks, trailers included
         one = tmp_path / "one"
-        p = run("convert", str(sources[src]), str(one), "--to", "dcp", "--workers", "3", "--max-memory", "96KiB")
+        p = run("convert", str(sources[src]), str(one), "--to", "dcp", "--workers", "3", "--max-memory=96KiB")
         assert p.returncode == 0, p.stderr
         assert sorted(n.name for n in one.glob("*.distcp")) == ["__0_0.distcp"]
         assert (one / "__0_0.distcp").read_bytes() == b"".join(
