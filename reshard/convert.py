@@ -236,7 +236,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
                 f"{to.name} output is one consolidated checkpoint; drop --target-layout/--target-mesh, "
                 f"or write --to {SHARDED}"
             )
-    if to is not None and to.consolidated:
+    if to is not None and (to.consolidated or (to.whole_by_default and not spec.layout and not sizes)):
         return Target(to, Mesh.single(), None, dtype, options)
     mesh, rules = _target_rules(source, spec.layout, sizes)
     w = to or writer(SHARDED if mesh.size > 1 else CONSOLIDATED)
@@ -329,8 +329,9 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             if w not in source.warnings:
                 source.warnings.append(w)
 
-    def placements_for(name: str) -> Sequence[Placement]:
-        assert rules is not None
+    def placements_for(name: str) -> Sequence[Placement | str]:
+        if rules is None:  # no target layout: every tensor whole
+            return ["R"] * target.mesh.ndim
         return rules.placements_for(name)
 
     return make_plan(
@@ -390,6 +391,8 @@ def _owned(name: str) -> bool:
     if name == MANIFEST or is_temp(name) or is_journal(name):
         return True
     for w in writers():
+        if name in w.marks:
+            return True
         for pattern in w.owns:
             if name == pattern or (pattern.startswith(".") and name.endswith(pattern)):
                 return True

@@ -117,10 +117,13 @@ class _Writer:
                 self.sink.submit(item, i)
                 continue
             if crc:
-                self.sink.start_crc()
+                self.sink.start_crc(f.head_bytes)
             yield from self.entry_steps(item)
             if crc:
-                self.crc32s[i] = self.sink.end_crc()
+                self.crc32s[i], head = self.sink.end_crc()
+                tail = f.trailer(i, self.crc32s[i], head)
+                if tail:
+                    self.sink.submit(tail, item.start + item.nbytes)
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
         """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""

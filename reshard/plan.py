@@ -252,13 +252,18 @@ class OutFile:
 
     Formats whose bytes depend on the data (zip archives with CRC32 fields) set
     ``needs_crc32``: the executor then computes ``zlib.crc32`` of each entry's bytes
-    as it writes them and calls :meth:`finish` with them; the ``(offset, bytes)``
-    patches it returns are written before the file is checksummed and renamed.
+    as it writes them. Bytes right after an entry that depend on it (a zip data
+    descriptor, the records after it) come from :meth:`trailer`, written in order as
+    soon as the entry is, so they are hashed on the way; ``(offset, bytes)`` patches
+    anywhere else come from :meth:`finish`, written before the file is checksummed
+    and renamed (the pieces they touch are read back to hash them).
     """
 
     __slots__ = ("name", "rank", "tensors", "_layout")
 
     needs_crc32: bool = False
+    head_bytes: int = 0
+    """How many leading bytes of each entry :meth:`trailer` is given (with ``needs_crc32``)."""
 
     def __init__(self, name: str, rank: int | None, tensors: Sequence[TargetTensor]) -> None:
         self.name = name
@@ -273,6 +278,16 @@ class OutFile:
     def finish(self, crc32s: Sequence[int]) -> Sequence[tuple[int, bytes]]:
         """Bytes to write once all data is written, from the entries' CRC32s (in entry order)."""
         return ()
+
+    def trailer(self, index: int, crc32: int, head: bytes) -> bytes:
+        """The bytes right after entry ``index`` (at its end, up to the next fixed run or entry).
+
+        Args:
+            index: the entry's position in :attr:`entries`.
+            crc32: ``zlib.crc32`` of the entry's bytes (0 for an empty entry).
+            head: its first ``min(head_bytes, nbytes)`` bytes.
+        """
+        return b""
 
     @property
     def layout(self) -> FileLayout:

@@ -23,6 +23,12 @@ and with --pt, on veRL-style per-rank torch.save files of the same tensors (DTen
   pt-hf         reshard convert PT OUT --consolidate
   torch-pt-hf   torch.load each file, cat the local tensors, save_file (one round; --naive-rounds)
 
+and with --dcp-write, writing DCP (torch Distributed Checkpoint, .metadata + .distcp):
+
+  hf-dcp8        reshard convert HF OUT --to dcp --target-layout llama-tp --target-mesh tp=8
+  torch-hf-dcp8  torch: 8 gloo ranks read HF tensor by tensor, distribute_tensor, dcp.save
+                 (one round; --naive-rounds)
+
 and prints one table: median wall time and spread, GB/s, peak RSS of the
 child process (os.wait4), and the ratio to `cp` measured in the same rounds.
 Everything runs in the page cache unless --cold (then sources are evicted
@@ -208,6 +214,40 @@ del ranks
 save_file(full, f"{dst}/model.safetensors")
 """
 
+TORCH_DCP8 = r"""
+import os, re, sys
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch.distributed.checkpoint as dcp
+import torch.distributed.tensor
+import torch.multiprocessing as mp
+
+def dim(n):
+    if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
+    if re.search(r"(o|down)_proj", n): return 1
+    return None
+
+RDV = f"file://{sys.argv[2]}.rendezvous-{os.getpid()}"
+
+def worker(rank, src, out):
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    dist.init_process_group("gloo", init_method=RDV, rank=rank, world_size=8)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+    sd = {}
+    with safe_open(f"{src}/model.safetensors", "pt") as f:
+        for n in f.keys():  # one full tensor at a time; each rank keeps its shard (no communication)
+            pl = [Shard(dim(n))] if dim(n) is not None else [Replicate()]
+            d = distribute_tensor(f.get_tensor(n), mesh, pl, src_data_rank=None)
+            sd[n] = torch.distributed.tensor.DTensor.from_local(
+                d.to_local().clone(), mesh, pl, run_check=False, shape=d.shape, stride=d.stride())
+    dcp.save(sd, checkpoint_id=out)
+    dist.destroy_process_group()
+
+mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=8, join=True, start_method="fork")
+"""
+
 TORCH_CONSOLIDATE = r"""
 import os, sys
 from safetensors import safe_open
@@ -273,6 +313,8 @@ def main() -> int:
     ap.add_argument("--pt", action="store_true",
                     help="also veRL-style per-rank .pt files (DTensors, 4 gloo ranks) -> consolidated: "
                          "reshard (job pt-hf) against torch.load + cat + save_file (naive rounds)")
+    ap.add_argument("--dcp-write", action="store_true",
+                    help="also HF -> DCP TP-8: reshard (job hf-dcp8) against torch's dcp.save (naive rounds)")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -311,9 +353,12 @@ def main() -> int:
         "tp4-hf": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w], [src]),
         "hf-tp8": ([reshard, "convert", str(hf), "OUT", "--target-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [hf]),
         "dcp-hf": ([reshard, "convert", str(dcp_dir), "OUT", "--consolidate", "--quiet", *w], [dcp_dir]),
+        "hf-dcp8": ([reshard, "convert", str(hf), "OUT", "--to", "dcp", "--target-layout", "llama-tp",
+                     "--target-mesh", "tp=8", "--quiet", *w], [hf]),
         "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
     chosen = ["cp"] + [j for j in args.jobs.split(",") if j] + (["dcp-hf"] if args.dcp else [])
+    chosen += ["hf-dcp8"] if args.dcp_write and "hf-dcp8" not in chosen else []
     chosen += ["pt-hf"] if args.pt else []
     times: dict[str, list[float]] = {j: [] for j in chosen}
     rss: dict[str, list[int]] = {j: [] for j in chosen}
@@ -331,6 +376,8 @@ def main() -> int:
             ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"])]
     if args.dcp:
         slow.append(("torch-dcp-hf", [sys.executable, "-c", TORCH_CONSOLIDATE, str(dcp_dir), "OUT"]))
+    if args.dcp_write:
+        slow.append(("torch-hf-dcp8", [sys.executable, "-c", TORCH_DCP8, str(hf), "OUT"]))
     if args.pt:
         slow.append(("torch-pt-hf", [sys.executable, "-c", TORCH_PT_HF, str(pt_dir), "OUT"]))
     for name, slow_cmd in slow:

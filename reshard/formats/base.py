@@ -126,6 +126,12 @@ class Writer:
             a worker then writes up to 8 of them slab by slab, sharing source reads.
         owns: file names (exact) or name suffixes (starting with ``.``) this format
             writes; ``--overwrite`` and failure cleanup remove them.
+        marks: files ``complete`` writes (before ``reshard.json``) whose presence tells
+            other tools the checkpoint is finished (DCP's ``.metadata``): removed before
+            any output file is written (``--resume`` too) and on failure, so an
+            interrupted directory never looks finished.
+        whole_by_default: without ``--target-layout``/``--target-mesh``, write every
+            tensor whole on one rank (instead of asking for a target).
     """
 
     name: str
@@ -135,3 +141,5 @@ class Writer:
     consolidated: bool = False
     lockstep: bool = False
     owns: tuple[str, ...] = ()
+    marks: tuple[str, ...] = ()
+    whole_by_default: bool = False

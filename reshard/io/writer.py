@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from . import checksum
 from .checksum import finish_checksum
@@ -105,6 +105,17 @@ def preallocate(fd: int, size: int) -> None:
     os.ftruncate(fd, size)
 
 
+@functools.cache
+def _crc32() -> Callable[[Any, int], int]:
+    """``zlib.crc32``, or ISA-L's when the optional ``isal`` package is installed: the same
+    CRC-32, about 5x faster (zlib 1.2's runs at 0.6-2 GB/s here, slower than the copy)."""
+    try:
+        from isal.isal_zlib import crc32  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return zlib.crc32
+    return cast(Callable[[Any, int], int], crc32)
+
+
 class Sink:
     """The write stage of one writer: pwrite buffers, hashing 64 MiB pieces on the way.
 
@@ -123,6 +134,8 @@ class Sink:
         self._cur: Any = None  # hasher of the piece being written, if it started with us
         self._cur_index = -1
         self._crc: int | None = None
+        self._head = bytearray()  # the first bytes submitted since start_crc
+        self._head_want = 0
 
     def _hash(self, mv: memoryview) -> None:
         import xxhash
@@ -153,21 +166,25 @@ class Sink:
             else:
                 self._hashing = False  # out of order: the rest is read back
         if self._crc is not None:
-            self._crc = zlib.crc32(mv, self._crc)
+            self._crc = _crc32()(mv, self._crc)
+            if len(self._head) < self._head_want:
+                self._head += mv[: self._head_want - len(self._head)]
         while len(mv):
             w = os.pwrite(self.fd, mv, off)
             mv = mv[w:]
             off += w
 
-    def start_crc(self) -> None:
-        """CRC32 the bytes submitted from now on (one entry's, written in order)."""
+    def start_crc(self, head: int = 0) -> None:
+        """CRC32 the bytes submitted from now on (one entry's, in order); keep the first ``head``."""
         self._crc = 0
+        self._head = bytearray()
+        self._head_want = head
 
-    def end_crc(self) -> int:
-        """The CRC32 of the bytes submitted since :meth:`start_crc`."""
+    def end_crc(self) -> tuple[int, bytes]:
+        """The CRC32 of the bytes submitted since :meth:`start_crc`, and their first ``head`` bytes."""
         crc, self._crc = self._crc, None
         assert crc is not None
-        return crc
+        return crc, bytes(self._head)
 
     def close(self, file_size: int) -> dict[int, bytes]:
         """Digests of the pieces hashed on the way (the last, short piece included)."""

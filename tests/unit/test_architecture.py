@@ -31,7 +31,7 @@ LAYERS = [
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
     {"formats.base", "formats.safetensors", "formats.manifest", "formats.hf_extras"},
     {"formats.dcp_boxes"},
-    {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp"},
+    {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp", "formats.dcp_writer"},
     {"formats.sharded_state", "formats.pt", "formats"},
     {"budget", "execute", "resume", "verify", "check", "report", "show"},
     {"dist", "convert"},
