@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
 from ..errors import UsageError
-from . import dcp, dcp_safetensors, hf, per_rank, pt, sharded_state, dcp_writer
+from . import dcp, dcp_safetensors, dcp_writer, hf, per_rank, pt, sharded_state
 from .base import NO, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, read_manifest
 

@@ -292,30 +292,26 @@ def test_killed_write_never_looks_finished_and_resume_completes(tmp_path: Path) 
     out = tmp_path / "out"
     # a finished checkpoint of something else is there; the new write is killed mid-way
     assert run("convert", str(src), str(out), "--to", "dcp").returncode == 0
-    assert (out / ".metadata").exists()
+    before = {n: (out / n).read_bytes() for n in os.listdir(out) if not n.startswith(".reshard")}
+    assert ".metadata" in before
     proc = subprocess.Popen([RESHARD, "convert", str(src), str(out), *target, "--overwrite"])
-    while proc.poll() is None and not list(out.glob("*.distcp.tmp")):
+    staging = out / ".reshard-staging"
+    while proc.poll() is None and not list(staging.glob("*.tmp")) and not list(staging.glob("*.distcp")):
         pass
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the conversion finished before it could be killed"
-    assert not (out / ".metadata").exists() and not (out / "reshard.json").exists()
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with warnings.catch_warnings(), pytest.raises(CheckpointException, match="metadata"):
+    # the killed write never shows: DST still holds the previous, complete checkpoint
+    after = {n: (out / n).read_bytes() for n in os.listdir(out) if not n.startswith(".reshard")}
+    assert after == before
+    got = {"step": torch.zeros((), dtype=torch.float64)}
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({"step": torch.zeros((), dtype=torch.float64)}, checkpoint_id=str(out), no_dist=True)
-    # as if only rank 0's file had finished before the kill: resume keeps it and redoes the rest
-    shutil.copy(ref / "__0_0.distcp", out / "__0_0.distcp")
-    line = {
-        "name": "__0_0.distcp",
-        "size": (out / "__0_0.distcp").stat().st_size,
-        "checksum": file_checksum(out / "__0_0.distcp"),
-    }
-    (out / ".reshard-progress.jsonl").write_text(json.dumps(line) + "\n")
+        dcp.load(got, checkpoint_id=str(out), no_dist=True)
+    # the new .metadata never appeared half-way: resume finishes byte-identical to a clean run
     p = run("convert", str(src), str(out), *target, "--resume", "--json")
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["resumed_files"] == 1
-    assert sorted(os.listdir(out)) == sorted(os.listdir(ref))
+    names = sorted(n for n in os.listdir(out) if not n.startswith(".reshard"))
+    assert names == sorted(os.listdir(ref))
     for n in os.listdir(ref):
         assert (out / n).read_bytes() == (ref / n).read_bytes(), n
 
