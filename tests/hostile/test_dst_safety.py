@@ -185,7 +185,9 @@ def test_resume_refuses_a_source_that_changed_since_the_interrupted_run(tmp_path
 
 
 def test_ctrl_c_stops_promptly_with_two_writer_threads(tmp_path: Path) -> None:
-    src = model(tmp_path / "src", rows=4096, cols=2048)  # 128 MiB: seconds of work
+    # 256 MiB cut into 16 column slices through small buffers: seconds of work even on a quiet
+    # machine, so the interrupt lands mid-write
+    src = model(tmp_path / "src", rows=8192, cols=2048)
     dst = tmp_path / "dst"
     env = {k: v for k, v in os.environ.items() if k != "RESHARD_DEBUG"}
     layout = tmp_path / "s1.yaml"
@@ -199,7 +201,7 @@ def test_ctrl_c_stops_promptly_with_two_writer_threads(tmp_path: Path) -> None:
         "--workers",
         "2",
         "--max-memory",
-        "2MiB",
+        "256KiB",
     ]
     proc = subprocess.Popen(
         [RESHARD, *args, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
