@@ -203,8 +203,19 @@ def test_ctrl_c_stops_promptly_with_two_writer_threads(tmp_path: Path) -> None:
         "--max-memory",
         "256KiB",
     ]
+
+    def sigint_default() -> None:
+        # a child inherits an ignored SIGINT (earlier tests' worlds can leave the runner so),
+        # and Python then installs no KeyboardInterrupt handler: start it as a shell would
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     proc = subprocess.Popen(
-        [RESHARD, *args, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [RESHARD, *args, "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=sigint_default,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
