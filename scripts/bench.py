@@ -129,15 +129,17 @@ def dim(n):
     if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
     if re.search(r"(o|down)_proj", n): return 1
     return None
-full = {n: (torch.cat([r[n] for r in ranks], dim(n)) if dim(n) is not None else ranks[0][n]) for n in ranks[0]}
+full = {n: (torch.cat([r[n] for r in ranks], dim(n)) if dim(n) is not None else ranks[0][n])
+        for n in ranks[0]}
 del ranks
 W = int(sys.argv[3])
 if W == 1:
     save_file(full, f"{dst}/model.safetensors")
 else:
     for r in range(W):
-        save_file({n: (t.chunk(W, dim(n))[r].contiguous() if dim(n) is not None else t) for n, t in full.items()},
-                  f"{dst}/rank-{r:05d}-of-{W:05d}.safetensors")
+        part = {n: (t.chunk(W, dim(n))[r].contiguous() if dim(n) is not None else t)
+                for n, t in full.items()}
+        save_file(part, f"{dst}/rank-{r:05d}-of-{W:05d}.safetensors")
 """
 
 
@@ -307,14 +309,23 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
     ap.add_argument("--jobs", default="tp4-tp8,tp4-hf,hf-tp8")
     ap.add_argument("--cold", action="store_true")
-    ap.add_argument("--dcp", action="store_true",
-                    help="also DCP safetensors (torch HuggingFaceStorageWriter, 4 ranks) -> consolidated: "
-                         "reshard (job dcp-hf) against torch's consolidate_safetensors_files (naive rounds)")
-    ap.add_argument("--pt", action="store_true",
-                    help="also veRL-style per-rank .pt files (DTensors, 4 gloo ranks) -> consolidated: "
-                         "reshard (job pt-hf) against torch.load + cat + save_file (naive rounds)")
-    ap.add_argument("--dcp-write", action="store_true",
-                    help="also HF -> DCP TP-8: reshard (job hf-dcp8) against torch's dcp.save (naive rounds)")
+    ap.add_argument(
+        "--dcp",
+        action="store_true",
+        help="also DCP safetensors (torch HuggingFaceStorageWriter, 4 ranks) -> consolidated: "
+        "reshard (job dcp-hf) against torch's consolidate_safetensors_files (naive rounds)",
+    )
+    ap.add_argument(
+        "--pt",
+        action="store_true",
+        help="also veRL-style per-rank .pt files (DTensors, 4 gloo ranks) -> consolidated: "
+        "reshard (job pt-hf) against torch.load + cat + save_file (naive rounds)",
+    )
+    ap.add_argument(
+        "--dcp-write",
+        action="store_true",
+        help="also HF -> DCP TP-8: reshard (job hf-dcp8) against torch's dcp.save (naive rounds)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -333,13 +344,26 @@ def main() -> int:
         sys.stderr.write(f"generating {args.size_gb} GB TP-4 checkpoint ({layers} layers) in {src} ...\n")
         # in a child process: the parent stays small, so children forked from it report their own peak RSS
         subprocess.run([sys.executable, __file__, "--generate-only", str(src), str(layers)], check=True)
-        subprocess.run([reshard, "convert", str(src), str(hf), "--source-layout", str(base / "layout.yaml"),
-                        "--consolidate", "--quiet"], check=True)
+        subprocess.run(
+            [
+                reshard,
+                "convert",
+                str(src),
+                str(hf),
+                "--source-layout",
+                str(base / "layout.yaml"),
+                "--consolidate",
+                "--quiet",
+            ],
+            check=True,
+        )
         marker.write_text("")
     dcp_dir = base / "src-dcp"
     if args.dcp and not (base / "generated-dcp").exists():
         shutil.rmtree(dcp_dir, ignore_errors=True)
-        sys.stderr.write(f"writing the DCP safetensors checkpoint with torch (4 gloo ranks) in {dcp_dir} ...\n")
+        sys.stderr.write(
+            f"writing the DCP safetensors checkpoint with torch (4 gloo ranks) in {dcp_dir} ...\n"
+        )
         subprocess.run([sys.executable, "-c", GEN_DCP, str(src), str(dcp_dir)], check=True)
         (base / "generated-dcp").write_text("")
     pt_dir = generate_pt(base, src) if args.pt else base / "src-pt"
@@ -349,12 +373,58 @@ def main() -> int:
     workers_text = str(args.workers) if args.workers > 0 else f"default ({min(4, os.cpu_count() or 1)})"
     jobs = {
         "cp": (["cp", "-r", str(src), "OUT"], [src]),
-        "tp4-tp8": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [src]),
-        "tp4-hf": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w], [src]),
-        "hf-tp8": ([reshard, "convert", str(hf), "OUT", "--target-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [hf]),
+        "tp4-tp8": (
+            [
+                reshard,
+                "convert",
+                str(src),
+                "OUT",
+                "--source-layout",
+                lay,
+                "--target-mesh",
+                "tp=8",
+                "--quiet",
+                *w,
+            ],
+            [src],
+        ),
+        "tp4-hf": (
+            [reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w],
+            [src],
+        ),
+        "hf-tp8": (
+            [
+                reshard,
+                "convert",
+                str(hf),
+                "OUT",
+                "--target-layout",
+                lay,
+                "--target-mesh",
+                "tp=8",
+                "--quiet",
+                *w,
+            ],
+            [hf],
+        ),
         "dcp-hf": ([reshard, "convert", str(dcp_dir), "OUT", "--consolidate", "--quiet", *w], [dcp_dir]),
-        "hf-dcp8": ([reshard, "convert", str(hf), "OUT", "--to", "dcp", "--target-layout", "llama-tp",
-                     "--target-mesh", "tp=8", "--quiet", *w], [hf]),
+        "hf-dcp8": (
+            [
+                reshard,
+                "convert",
+                str(hf),
+                "OUT",
+                "--to",
+                "dcp",
+                "--target-layout",
+                "llama-tp",
+                "--target-mesh",
+                "tp=8",
+                "--quiet",
+                *w,
+            ],
+            [hf],
+        ),
         "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
     chosen = ["cp"] + [j for j in args.jobs.split(",") if j] + (["dcp-hf"] if args.dcp else [])
@@ -372,8 +442,10 @@ def main() -> int:
             times[j].append(t)
             rss[j].append(m)
             sys.stderr.write(f"round {rnd + 1}/{args.rounds} {j}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
-    slow = [("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
-            ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"])]
+    slow = [
+        ("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
+        ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"]),
+    ]
     if args.dcp:
         slow.append(("torch-dcp-hf", [sys.executable, "-c", TORCH_CONSOLIDATE, str(dcp_dir), "OUT"]))
     if args.dcp_write:
@@ -399,22 +471,39 @@ def main() -> int:
             ratio = statistics.median(ratios)
         else:
             ratio = med / cp_med
-        rows.append({
-            "job": j, "runs": len(ts), "median_s": round(med, 3),
-            "spread_s": round(max(ts) - min(ts), 3), "gb_per_s": round(size / med / 1e9, 2),
-            "peak_rss_mib": round(max(rss[j]) / 2**20, 1), "ratio_to_cp": round(ratio, 2),
-        })
+        rows.append(
+            {
+                "job": j,
+                "runs": len(ts),
+                "median_s": round(med, 3),
+                "spread_s": round(max(ts) - min(ts), 3),
+                "gb_per_s": round(size / med / 1e9, 2),
+                "peak_rss_mib": round(max(rss[j]) / 2**20, 1),
+                "ratio_to_cp": round(ratio, 2),
+            }
+        )
     cache = "cold (sources evicted before each run)" if args.cold else "warm page cache"
     if args.json:
-        print(json.dumps({"size_bytes": size, "layers": layers, "workers": workers_text, "cache": cache,
-                          "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {"size_bytes": size, "layers": layers, "workers": workers_text, "cache": cache, "rows": rows},
+                indent=2,
+            )
+        )
     else:
-        print(f"checkpoint: {size / 1e9:.2f} GB TP-4 bf16 ({layers} layers), {cache}, "
-              f"workers={workers_text}, rounds={args.rounds}")
-        print(f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}{'peak RSS MiB':>14}{'x cp':>7}")
+        print(
+            f"checkpoint: {size / 1e9:.2f} GB TP-4 bf16 ({layers} layers), {cache}, "
+            f"workers={workers_text}, rounds={args.rounds}"
+        )
+        print(
+            f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}"
+            f"{'peak RSS MiB':>14}{'x cp':>7}"
+        )
         for r in rows:
-            print(f"{r['job']:<15}{r['runs']:>5}{r['median_s']:>10.3f}{r['spread_s']:>10.3f}"
-                  f"{r['gb_per_s']:>8.2f}{r['peak_rss_mib']:>14.1f}{r['ratio_to_cp']:>7.2f}")
+            print(
+                f"{r['job']:<15}{r['runs']:>5}{r['median_s']:>10.3f}{r['spread_s']:>10.3f}"
+                f"{r['gb_per_s']:>8.2f}{r['peak_rss_mib']:>14.1f}{r['ratio_to_cp']:>7.2f}"
+            )
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
     return 0
