@@ -38,12 +38,17 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     params = 0
     from .plan import natural_key
 
+    shapes: dict[int, tuple[list[list[int]], bool]] = {}
     for name in sorted(ck.tensors, key=natural_key):
         t = ck.tensors[name]
         nbytes = t.numel * DTYPE_SIZES[t.dtype]
         total += nbytes
         params += t.numel
-        locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+        geo = shapes.get(id(t.piece_blocks))
+        if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
+            locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+            geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
+        locals_, uniform = geo
         tensors.append(
             {
                 "name": t.name,
@@ -51,7 +56,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
                 "shape": list(t.shape),
                 "placements": [str(p) for p in t.placements] if t.placements is not None else None,
                 "local_shapes": locals_,
-                "uniform": all(s == locals_[0] for s in locals_),
+                "uniform": uniform,
                 "pieces": len(t.piece_blocks),
                 "bytes": nbytes,
             }

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from ..checkpoint import Checkpoint, TensorSource
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
+from ..intervals import Block
 from ..io.header import Header, TensorEntry, read_header
 from ..io.writer import FileResult
 from ..layout import TensorLayout, infer_global_shape
@@ -139,28 +141,33 @@ def open_per_rank(
     mesh, desc0 = _rank_mesh(directory, paths, headers, mesh, described=placements_for is None)
     coords = list(mesh.coordinates())
     tensors: dict[str, TensorSource] = {}
+    geometries: dict[tuple[object, ...], _Geometry] = {}
     for name in _common_names(paths, headers):
         entries = _entries(name, paths, headers)
+        local_shapes = tuple(en.shape for en in entries)
         if placements_for is not None:
-            pls = placements_for(name)
-            shape = _derived_shape(name, [en.shape for en in entries], mesh, pls, paths, layout_source)
+            pls: Sequence[Placement | str] = placements_for(name)
+            key: tuple[object, ...] = (local_shapes, tuple(pls))
         else:
             assert desc0 is not None
             shape, pls = _described(name, desc0, paths[0])
-        layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
-        _check_local_shapes(name, layout, coords, paths, entries)
-        partial_op = layout.partial_op
+            key = (local_shapes, shape, tuple(pls))
+        geo = geometries.get(key)
+        if geo is None:  # the first tensor of this geometry: derive and check it (errors name it)
+            if placements_for is not None:
+                shape = _derived_shape(name, local_shapes, mesh, pls, paths, layout_source)
+            geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, paths, entries)
         tensors[name] = TensorSource(
             name=name,
             dtype=entries[0].dtype,
-            shape=shape,
-            piece_files=tuple(range(len(paths))),
+            shape=geo.layout.shape,
+            piece_files=geo.files,
             piece_offsets=tuple(h.data_start + en.start for h, en in zip(headers, entries)),
-            piece_blocks=layout.blocks(),
-            signature=("layout", shape, mesh.shape, layout.placements),
-            piece_partials=tuple(layout.partial_index(c) for c in coords) if partial_op else None,
-            reduce_op=partial_op,
-            placements=layout.placements,
+            piece_blocks=geo.blocks,
+            signature=geo.signature,
+            piece_partials=geo.partials,
+            reduce_op=geo.layout.partial_op,
+            placements=geo.layout.placements,
         )
     return Checkpoint(
         path=str(directory),
@@ -169,6 +176,39 @@ def open_per_rank(
         file_sizes=tuple(p.stat().st_size for p in paths),
         tensors=tensors,
         mesh=mesh,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """What tensors of one global shape, placements and local shapes share."""
+
+    layout: TensorLayout
+    files: tuple[int, ...]
+    blocks: tuple[Block, ...]
+    signature: tuple[object, ...]
+    partials: tuple[int, ...] | None
+
+
+def _geometry(
+    name: str,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    pls: Sequence[Placement | str],
+    coords: Sequence[tuple[int, ...]],
+    paths: Sequence[Path],
+    entries: Sequence[TensorEntry],
+) -> _Geometry:
+    """The layout of ``name``, its local shapes checked against every rank's entry."""
+    layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
+    _check_local_shapes(name, layout, coords, paths, entries)
+    partials = tuple(layout.partial_index(c) for c in coords) if layout.partial_op else None
+    return _Geometry(
+        layout,
+        tuple(range(len(paths))),
+        layout.blocks(),
+        ("layout", layout.shape, mesh.shape, layout.placements),
+        partials,
     )
 
 
