@@ -159,6 +159,12 @@ class _Writer:
             if crc:
                 self._flush()
                 self.sink.start_crc()
+            else:
+                runs = self._runs(item)
+                if runs is not None:  # the common case inline: no generator per entry
+                    if self._queue(item.start, item.tensor.src, runs):
+                        yield
+                    continue
             yield from self.entry_steps(item)
             if crc:
                 self._flush()
@@ -169,17 +175,23 @@ class _Writer:
         """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""
         if e.nbytes == 0:
             return
+        runs = self._runs(e)
+        if runs is not None:
+            if self._queue(e.start, e.tensor.src, runs):
+                yield
+            return
+        self._flush()
+        t = e.tensor
+        yield from self._gather(e, t.copies[e.rank], block_shape(t.layout.blocks()[e.rank]))
+
+    @staticmethod
+    def _runs(e: OutEntry) -> tuple[Run, ...] | None:
+        """The entry's contiguous runs, or None when it needs gathering (strided, cast, reduced)."""
         t = e.tensor
         src = t.src
-        copies = t.copies[e.rank]
-        if t.groups == 1 and t.dtype == src.dtype:
-            runs = entry_runs(src, copies, DTYPE_SIZES[src.dtype])
-            if runs is not None:
-                if self._queue(e.start, src, runs):
-                    yield
-                return
-        self._flush()
-        yield from self._gather(e, copies, block_shape(t.layout.blocks()[e.rank]))
+        if t.groups != 1 or t.dtype != src.dtype:
+            return None
+        return entry_runs(src, t.copies[e.rank], DTYPE_SIZES[src.dtype])
 
     def _queue(self, start: int, src: TensorSource, runs: Sequence[Run]) -> bool:
         """Queue an entry's runs; True if the queue was written on the way."""
@@ -201,38 +213,41 @@ class _Writer:
         return flushed
 
     def _flush(self) -> None:
-        """Gather the queued runs into the write buffer (neighbours in a source file as one
-        read) and write them with one ``pwrite``."""
+        """Gather the queued runs into the write buffer and write them with one ``pwrite``.
+
+        Neighbours in a source file are read as one span: long spans with ``pread``, short
+        ones copied from the file's map (no system call each; the pages are released by the
+        page window like any mapped read).
+        """
         queued = self._queued
         if not queued:
             return
         buf = self.bufs.write
+        sources = self.sources
+        mapped: dict[int, int] = {}
         pos = 0
         fi, lo, n = queued[0]
+        queued.append((-1, 0, 0))  # flushes the last span
         for nfi, nlo, nn in queued[1:]:
             if nfi == fi and nlo == lo + n:
                 n += nn
                 continue
-            pos = self._read(fi, lo, n, buf, pos)
+            if n >= _PREAD_MIN:
+                if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
+                    raise OSError(f"unexpected end of source file at offset {lo}")
+            else:
+                buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
+                mapped[fi] = mapped.get(fi, 0) + n
+            pos += n
             fi, lo, n = nfi, nlo, nn
-        pos = self._read(fi, lo, n, buf, pos)
+        for fi, n in mapped.items():
+            self.bufs.pages.touch_range(fi, 0, n)
         self.sink.submit(memoryview(buf)[:pos], self._q_start)
         self.bytes_read += pos
         if self.progress:
             self.progress(pos)
         queued.clear()
         self._q_end = -1
-
-    def _read(self, fi: int, lo: int, n: int, buf: bytearray, pos: int) -> int:
-        """Read file ``fi``'s bytes ``[lo, lo + n)`` into ``buf`` at ``pos``."""
-        if n >= _PREAD_MIN:
-            got = os.preadv(self.sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo)
-            if got != n:
-                raise OSError(f"unexpected end of source file at offset {lo}")
-        else:
-            buf[pos : pos + n] = self.sources.map(fi)[lo : lo + n]
-            self.bufs.pages.touch_range(fi, lo, lo + n)
-        return pos + n
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
         """Copy one contiguous run through the write buffer (hashed on the way)."""
