@@ -369,12 +369,17 @@ class Plan:
     def file_reads(self, f: OutFile) -> dict[int, int]:
         """Bytes read per source file index to produce ``f``."""
         out: dict[int, int] = {}
+        shared: dict[tuple[int, str], list[tuple[int, int]]] = {}  # per geometry (alive in the plan)
         for e in f.entries:
             t = e.tensor
-            isz = DTYPE_SIZES[t.src.dtype]
-            for c in t.copies[e.rank]:
-                fi = t.src.piece_files[c.piece]
-                out[fi] = out.get(fi, 0) + c.numel * isz
+            copies = t.copies[e.rank]
+            per = shared.get((id(copies), t.src.dtype))
+            if per is None:
+                isz = DTYPE_SIZES[t.src.dtype]
+                per = shared[(id(copies), t.src.dtype)] = [(c.piece, c.numel * isz) for c in copies]
+            files = t.src.piece_files
+            for k, n in per:
+                out[files[k]] = out.get(files[k], 0) + n
         return out
 
     @property

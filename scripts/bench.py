@@ -248,6 +248,7 @@ import json, sys, time, shutil
 from pathlib import Path
 from reshard.io.header import read_header
 from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, resolve_target
+import gc; gc.disable()  # as the CLI runs
 from reshard.execute import execute_plan
 src, lay, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 files = sorted(Path(src).glob("*.safetensors"))
