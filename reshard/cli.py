@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .errors import ReshardError
+from .errors import ReshardError, UsageError
 from .formats import readers, writers
 from .formats.base import Reader, Writer
 
@@ -70,7 +70,14 @@ def console() -> Console:
     """rich's stderr console, made on first use: `convert --quiet` never imports rich (~20 ms)."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+    return Console(stderr=True, highlight=False, emoji=False, width=None if sys.stderr.isatty() else 160)
+
+
+def _say(prefix: str, text: object) -> None:
+    """``prefix`` (rich markup) then ``text`` verbatim: names, paths and messages come from files."""
+    from .text import markup_safe
+
+    console().print(prefix + markup_safe(str(text)), soft_wrap=True)
 
 
 def _format_help(what: str, formats: Sequence[Reader | Writer]) -> str:
@@ -130,7 +137,7 @@ WorkersOpt = Annotated[
     typer.Option(
         "--workers",
         min=1,
-        help="Threads writing output files [default: cores, at most 4].",
+        help="Threads writing output files \\[default: cores, at most 4].",
         show_default=False,
     ),
 ]
@@ -145,10 +152,35 @@ def _budget(workers: int | None, max_memory: str) -> Budget:
     return budget_for(total, workers if workers is not None else default_workers())
 
 
-def _source(path: str, from_: str | None, layout: str | None, mesh: str | None) -> SourceSpec:
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        help="Keep only entries whose full name matches (glob, * crosses dots; or re:REGEX); repeatable.",
+        metavar="GLOB",
+    ),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude",
+        help="Drop entries whose full name matches, e.g. 'optimizer.*'; repeatable.",
+        metavar="GLOB",
+    ),
+]
+
+
+def _source(
+    path: str,
+    from_: str | None,
+    layout: str | None,
+    mesh: str | None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> SourceSpec:
     from .convert import SourceSpec
 
-    return SourceSpec(path, from_, layout, mesh)
+    return SourceSpec(path, from_, layout, mesh, tuple(include or ()), tuple(exclude or ()))
 
 
 def _target(
@@ -158,10 +190,11 @@ def _target(
     consolidate: bool,
     dtype: str | None,
     max_shard_size: str,
+    config_from: str | None = None,
 ) -> TargetSpec:
     from .convert import TargetSpec
 
-    return TargetSpec(layout, mesh, to, consolidate, dtype, max_shard_size)
+    return TargetSpec(layout, mesh, to, consolidate, dtype, max_shard_size, config_from)
 
 
 MaxMemoryOpt = Annotated[
@@ -181,8 +214,42 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace the che
 ResumeOpt = Annotated[
     bool, typer.Option("--resume", help="Keep finished, verified output files and redo the rest.")
 ]
+NoVerifySourceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify-source",
+        help="Do not check the source's bytes against the checksums in its reshard.json "
+        "(checked by default, beside the copy).",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or tables on stderr.")]
+ShowOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--show",
+        help="Draw which rank (or file) holds which part of tensor NAME, on stdout, instead of the "
+        "table; plain text when NO_COLOR is set or stdout is not a terminal. Not with --json.",
+        metavar="NAME",
+    ),
+]
+
+
+def _picture(picture: Any) -> None:
+    """A ``--show`` picture on stdout: coloured on a terminal, else plain text (no escape codes)."""
+    from .show import plain, should_color
+
+    if should_color(sys.stdout):
+        from rich.console import Console
+
+        Console(highlight=False, emoji=False).print(picture)
+    else:
+        sys.stdout.write(plain(picture))
+
+
+def _no_json_show(show: str | None, json_: bool) -> None:
+    if show is not None and json_:
+        raise UsageError("--show draws a picture and --json prints data: use one at a time")
 
 
 def _emit(doc: dict[str, Any]) -> None:
@@ -205,9 +272,9 @@ def _errors(as_json: bool) -> Iterator[None]:
         code = e.exit_code
         if as_json:
             _emit({"ok": False, "error": e.to_json(), "exit_code": code})
-        console().print(f"[bold red]error:[/] {e.message}", markup=True, soft_wrap=True)
+        _say("[bold red]error:[/] ", e.message)
         if e.hint:
-            console().print(f"hint: {e.hint}", soft_wrap=True)
+            _say("hint: ", e.hint)
         raise typer.Exit(code) from None
     except KeyboardInterrupt:
         console().print(
@@ -266,12 +333,31 @@ def convert(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
     max_memory: MaxMemoryOpt = "64MiB",
+    config_from: Annotated[
+        str | None,
+        typer.Option(
+            "--config-from",
+            help="hf output: copy config.json, generation config, tokenizer and other non-weight files "
+            "from this model directory (default: the source directory, when it has a config.json).",
+            metavar="DIR",
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="After writing, prove the output equal to the source, bit for bit (exit 1 if not).",
+        ),
+    ] = False,
+    no_verify_source: NoVerifySourceOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -284,10 +370,19 @@ def convert(
       reshard convert ckpt-tp4 hf-out --consolidate --dtype bf16
 
       reshard convert hf-model ckpt-tp4 --target-layout configs/llama-tp.yaml
+
+      reshard convert dcp-step-1000 hf-out --consolidate --exclude 'optimizer.*'
+
+      reshard convert ckpt-tp4 ckpt-tp8 --target-mesh tp=8 --verify
     """
+    from .api import verify_output
     from .convert import convert as run
 
     with _errors(json_):
+        if verify and dtype is not None:
+            raise UsageError(
+                "--verify proves the output bit-identical to the source; --dtype changes the bits"
+            )
         budget = _budget(workers, max_memory)
         with _progress(_show_progress(json_, quiet), "converting") as prog:
 
@@ -296,18 +391,25 @@ def convert(
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
 
             result = run(
-                _source(src, from_, source_layout, source_mesh),
+                _source(src, from_, source_layout, source_mesh, include, exclude),
                 dst,
-                _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size),
+                _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size, config_from),
                 workers=budget.workers,
                 buffer_size=budget.buffer,
                 window=budget.window,
                 overwrite=overwrite,
                 resume=resume,
+                verify_source=not no_verify_source,
                 progress=prog,
                 on_plan=on_plan,
             )
+        if verify:
+            result["verify"] = verify_output(
+                _source(src, from_, source_layout, source_mesh, include, exclude), dst
+            )
         _report_convert(result, json_, quiet)
+    if verify and not result["verify"]["equal"]:
+        raise typer.Exit(1)
 
 
 def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
@@ -316,15 +418,24 @@ def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
     if not coordinator().is_main:
         return  # under torchrun, rank 0 reports for everyone
     for w in result["warnings"]:
-        console().print(f"warning: {w}")
+        _say("warning: ", w)
+    checked = result.get("verify")
+    for d in checked["differences"] if checked else ():
+        _say("[red]differs:[/] ", d["message"])
     if json_:
-        _emit({"ok": True, "command": "convert", **result})
+        _emit({"ok": checked["equal"] if checked else True, "command": "convert", **result})
     elif not quiet:
         d = result["destination"]
-        console().print(
+        _say(
             f"wrote {len(result['files'])} {d['format']} file(s), "
-            f"{result['tensors']} tensors, {_human(result['bytes_written'])} to {d['path']}"
+            f"{result['tensors']} tensors, {_human(result['bytes_written'])} to ",
+            d["path"],
         )
+    if checked and not json_ and (not quiet or not checked["equal"]):
+        if checked["equal"]:
+            _say("verified: ", f"equal to the source ({_human(checked['bytes_compared'])} compared)")
+        else:
+            _say("[red]verify:[/] ", f"{len(checked['differences'])} difference(s) from the source")
 
 
 @app.command()
@@ -338,10 +449,13 @@ def inspect(
     ] = None,
     mesh: SourceMeshOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     check: Annotated[
         bool, typer.Option("--check", help="Also prove coverage, replicas and checksums (reads data).")
     ] = False,
     all_: Annotated[bool, typer.Option("--all", help="One row per tensor (no grouping of layers).")] = False,
+    show: ShowOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -352,19 +466,30 @@ def inspect(
       reshard inspect ckpt-tp4
 
       reshard inspect ckpt-tp4 --check --json
+
+      reshard inspect ckpt-tp4 --show model.layers.0.self_attn.q_proj.weight
     """
     from .convert import open_source
     from .report import inspect_report, render_inspect
 
     with _errors(json_):
-        ck = open_source(_source(ckpt, from_, layout, mesh))
+        _no_json_show(show, json_)
+        ck = open_source(_source(ckpt, from_, layout, mesh, include, exclude))
+        if show is not None:
+            from .show import source_picture
+
+            _picture(source_picture(ck, show))
+            for w in ck.warnings:
+                _say("warning: ", w)
+            if not check:
+                return
         doc = inspect_report(ck)
         problems: list[Problem] = []
         if check:
-            from .check import check_checkpoint
+            from .check import check_checkpoint, checks_made
 
             problems = check_checkpoint(ck)
-            doc["check"] = {"ok": not problems, "problems": problems}
+            doc["check"] = {"ok": not problems, "problems": problems, "verified": checks_made(ck)}
         if json_:
             _emit({"ok": not problems, "command": "inspect", **doc})
         else:
@@ -373,10 +498,10 @@ def inspect(
             if check:
                 if problems:
                     for p in problems:
-                        console().print(f"[red]problem:[/] {p['message']}", soft_wrap=True)
+                        _say("[red]problem:[/] ", p["message"])
                     console().print(f"check: {len(problems)} problem(s) found")
                 elif not quiet:
-                    console().print("check: ok (full coverage, replicas equal, checksums match)")
+                    console().print(f"check: ok ({', '.join(doc['check']['verified'])})")
         if problems:
             raise typer.Exit(1)
 
@@ -391,10 +516,13 @@ def plan(
     consolidate: ConsolidateOpt = False,
     to: ToOpt = None,
     from_: FromOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
     max_memory: MaxMemoryOpt = "64MiB",
+    show: ShowOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -405,17 +533,28 @@ def plan(
       reshard plan ckpt-tp4 --target-mesh tp=8
 
       reshard plan ckpt-tp4 --consolidate --json
+
+      reshard plan ckpt-tp4 --target-mesh tp=8 --show model.layers.0.mlp.down_proj.weight
     """
     from .convert import build_plan, open_source, resolve_target
     from .report import plan_report, render_plan
 
     with _errors(json_):
+        _no_json_show(show, json_)
         budget = _budget(workers, max_memory)
-        ck = open_source(_source(src, from_, source_layout, source_mesh))
+        ck = open_source(_source(src, from_, source_layout, source_mesh, include, exclude))
         p = build_plan(
             ck,
             resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
         )
+        if show is not None:
+            from .show import render_plan as plan_picture
+            from .show import source_picture
+
+            before = source_picture(ck, show)  # an unknown name fails here, with suggestions
+            after = next(t.layout for t in p.tensors if t.name == show)
+            _picture(plan_picture(before, after, show))
+            return
         doc = plan_report(p, budget)
         if json_:
             _emit({"ok": True, "command": "plan", **doc})
@@ -435,6 +574,8 @@ def verify(
         str | None,
         typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE"),
     ] = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -452,14 +593,19 @@ def verify(
     from .verify import verify_checkpoints
 
     with _errors(json_):
+        from .select import select_pair
+
         ca = open_source(SourceSpec(a, None, layout_a, None))
         cb = open_source(SourceSpec(b, None, layout_b, None))
+        ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or ())
+        for w in unmatched:
+            console().print(f"warning: {w}")
         doc = verify_checkpoints(ca, cb)
         if json_:
             _emit({"ok": doc["equal"], "command": "verify", **doc})
         else:
             for d in doc["differences"]:
-                console().print(f"[red]differs:[/] {d['message']}", soft_wrap=True)
+                _say("[red]differs:[/] ", d["message"])
             if doc["equal"]:
                 if not quiet:
                     console().print(

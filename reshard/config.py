@@ -12,10 +12,16 @@ placed on it (SPEC §2)::
       "*": R
 
 Patterns are shell globs over the whole tensor name (``*`` crosses dots,
-``[qkv]`` classes work, as :func:`fnmatch.fnmatchcase`), or a Python regex after
-``re:`` matched with :func:`re.fullmatch`. YAML is read with ``yaml.SafeLoader``
-only, and from its node tree, so duplicate keys (which YAML drops silently) are
-caught and every error names the file and line.
+``[qkv]`` classes work, as :func:`fnmatch.fnmatchcase`), or a regex after
+``re:`` matched against the whole name. Regexes are written in Python syntax but
+run on RE2 (``google-re2``), whose time is linear in the name: ``re:(a+)+$`` cannot
+hang. Lookarounds and backreferences, which need backtracking, are refused, and
+``\\d`` and ``\\w`` are ASCII-only. YAML is read with ``yaml.SafeLoader`` only, and
+from its node tree, so duplicate keys (which YAML drops silently) are caught and
+every error names the file and line. A layout file is bounded before it is
+believed: a regular file (not a FIFO or ``/dev/zero``) of at most
+:data:`~reshard.io.safe.MAX_LAYOUT_BYTES`, expanding (through YAML aliases) to at
+most :data:`MAX_LAYOUT_NODES` nodes.
 
 >>> cfg = parse_layout_text('''
 ... mesh: {fsdp: 2, tp: 4}
@@ -35,14 +41,16 @@ import difflib
 import fnmatch
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeAlias, TypedDict
+from typing import Protocol, TypeAlias, TypedDict
 
 import yaml
 
 from .errors import ConfigError, LayoutError
+from .io.safe import MAX_LAYOUT_BYTES, read_document
 from .mesh import Mesh
 from .placements import Placement, Replicate, StridedShard, parse_placement
 
@@ -56,6 +64,8 @@ __all__ = [
     "resolve_preset",
     "list_presets",
     "REGEX_PREFIX",
+    "MAX_LAYOUT_NODES",
+    "MAX_LAYOUT_DEPTH",
 ]
 
 REGEX_PREFIX = "re:"
@@ -71,9 +81,24 @@ class LayoutJson(TypedDict):
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
 _KINDS = ("positional", "named", "all")
+# A layout with a transforms: section is refused until convert applies transforms
+# (reshard/transforms.py parses them; docs/TRANSFORMS.md): silently ignoring one would write wrong names.
 _TOP_KEYS = ("mesh", "placements", "name", "description")
+_LATER_KEYS = ("config", "transforms", "allow_unused")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
+
+#: Deepest nesting of YAML collections accepted; a layout nests 3 levels.
+MAX_LAYOUT_DEPTH = 64
+
+#: Most YAML nodes a layout may expand to, counting each use of an alias: a
+#: 1 MiB file without aliases has fewer; an alias bomb (each level repeating the
+#: previous one) stops here instead of growing until killed.
+MAX_LAYOUT_NODES = 500_000
+
+
+class Matcher(Protocol):
+    def fullmatch(self, string: str) -> object | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +130,7 @@ class Rule:
     # Where it was written, not what it says: two rules differing only in line are equal.
     line: int = field(default=0, compare=False)
     # Compiled once: matches() runs for every tensor of a checkpoint.
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _regex: Matcher = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -310,6 +335,14 @@ class LayoutConfig:
             path=self.source,
         )
 
+    def rule_location(self, name: str) -> str:
+        """``FILE:LINE: rule 'PATTERN'`` of the rule giving ``name`` its placements, for messages.
+
+        Raises:
+            LayoutError: no rule matches.
+        """
+        return self._where(self.match(name))[:-2]
+
     def placements_for(self, name: str, mesh: Mesh | None = None) -> tuple[Placement, ...]:
         """Placements of tensor ``name`` on ``mesh`` (default: this layout's mesh).
 
@@ -385,20 +418,78 @@ class LayoutConfig:
 # -- patterns ------------------------------------------------------------------
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
+class _Exact:
+    """Matches one name: a literal pattern compiles no regex (``reshard.json`` brings one per tensor)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def fullmatch(self, string: str) -> object | None:
+        return True if string == self.text else None
+
+
+class _Re2:
+    """Whole-name matching by RE2: time linear in the name, whatever the pattern.
+
+    A one-pattern ``re2.Set`` answers match/no-match without building a match
+    object: ~1.4 us a name against ~7 us for ``re2.compile(...).fullmatch``.
+    """
+
+    __slots__ = ("_body", "_set")
+
+    def __init__(self, body: str) -> None:
+        import re2  # lazy: only layouts with re: rules load it
+
+        self._body = body
+        options = re2.Options()
+        options.log_errors = False  # RE2 would also print errors to stderr
+        options.never_capture = True
+        try:
+            re2.compile(body, options)  # for its message: Set.Add only says "failed"
+            self._set = re2.Set.FullMatchSet(options)
+            self._set.Add(body)
+            self._set.Compile()
+        except re2.error as e:
+            why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else e
+            raise ConfigError(
+                f"regex after 're:' is not supported: {why}; re: rules run on RE2, which guarantees "
+                "linear-time matching and so has no lookarounds ((?=, (?!, (?<=, (?<!), backreferences "
+                "(\\1, (?P=name)), atomic groups or possessive repeats; rewrite the rule without them, "
+                "e.g. as several rules (the first match wins)"
+            ) from None
+
+    def fullmatch(self, string: str) -> object | None:
+        return True if self._set.Match(string) else None
+
+    def __reduce__(self) -> tuple[type[_Re2], tuple[str]]:
+        return (_Re2, (self._body,))  # an RE2 set cannot be pickled: compile again
+
+
+def _compile(pattern: str) -> Matcher:
+    if pattern == REGEX_PREFIX:
+        raise ConfigError('the regex after "re:" is empty; write e.g. "re:model\\.layers\\.\\d+\\..*"')
+    literal = _literal(pattern)
+    if literal is not None:
+        return _Exact(literal)
     if pattern.startswith(REGEX_PREFIX):
         body = pattern[len(REGEX_PREFIX) :]
-        if not body:
-            raise ConfigError('the regex after "re:" is empty; write e.g. "re:model\\.layers\\.\\d+\\..*"')
         try:
-            return re.compile(body)
+            with warnings.catch_warnings():  # "possible nested set" FutureWarnings are not errors
+                warnings.simplefilter("ignore")
+                re.compile(body)  # Python's syntax and messages first: rules are written for it
         except re.error as e:
             raise ConfigError(
                 f"invalid regex after 're:': {e.msg} at position {e.pos}; "
-                "fix the regex (it is matched with re.fullmatch against the whole tensor name)"
+                "fix the regex (it is matched against the whole tensor name)"
             ) from None
-    # fnmatch.translate gives fnmatchcase semantics: `*` crosses dots, [..] classes.
-    return re.compile(fnmatch.translate(pattern))
+        return _Re2(body)
+    # fnmatch.translate gives fnmatchcase semantics (`*` crosses dots, [..] classes), and
+    # its `*` groups are atomic, so a glob cannot backtrack catastrophically either.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return re.compile(fnmatch.translate(pattern))
 
 
 def _literal(pattern: str) -> str | None:
@@ -474,6 +565,8 @@ class _Parser:
             return self.loader.construct_object(node, deep=True)
         except yaml.MarkedYAMLError as e:
             raise _yaml_error(e, self.source) from None
+        except ValueError:  # int() refusing a scalar of thousands of digits
+            raise self.error(node, f"the number {_short(node, None)} is too long") from None
 
     def mapping(self, node: yaml.MappingNode, what: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
         """(key text, key node, value node) in order; duplicate keys are an error."""
@@ -508,6 +601,12 @@ class _Parser:
             )
         top = {key: (k, v) for key, k, v in self.mapping(root, "top-level")}
         for key, (k, v) in top.items():
+            if key in _LATER_KEYS:
+                raise self.error(
+                    k,
+                    f"{key!r}: transforms in a layout file are not applied by convert yet "
+                    "(docs/TRANSFORMS.md); remove the config/transforms/allow_unused keys",
+                )
             if key not in _TOP_KEYS:
                 close = difflib.get_close_matches(key, _TOP_KEYS, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
@@ -538,12 +637,18 @@ class _Parser:
         for name, k, v in items:
             if not _NAME.match(name):
                 raise self.error(k, f"mesh dim name {name!r} is not an identifier; use e.g. tp, fsdp, ep")
-            size = self.value(v)
+            # Length first: int() of thousands of digits is slow, and refused past 4300.
+            size = self.value(v) if not isinstance(v, yaml.ScalarNode) or len(v.value) <= 16 else None
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise self.error(v, f"mesh dim {name!r} must have a positive integer size, got {size!r}")
+                raise self.error(
+                    v, f"mesh dim {name!r} must have a positive integer size, got {_short(v, size)}"
+                )
             names.append(name)
             sizes.append(size)
-        return Mesh(tuple(names), tuple(sizes))
+        try:
+            return Mesh(tuple(names), tuple(sizes))
+        except ConfigError as e:
+            raise self.error(node, e.message) from None
 
     def rules(self, key: yaml.Node, node: yaml.Node) -> tuple[Rule, ...]:
         if not isinstance(node, yaml.MappingNode):
@@ -563,8 +668,9 @@ class _Parser:
                 node,
                 f"rule {pattern!r}: a placement must be a string such as R or S(0), got a {_kind(node)}",
             )
+        value = self.value(node)
         try:
-            return _parse_value(self.value(node))
+            return _parse_value(value)
         except ConfigError as e:
             raise self.error(node, f"rule {pattern!r}: {e.message}") from None
 
@@ -586,6 +692,59 @@ class _Parser:
             return Rule(pattern, tuple(spec), kind, _line(key))
         except ConfigError as e:
             raise self.error(key, f"rule {pattern!r}: {e.message}") from None
+
+
+def _short(node: yaml.Node, value: object) -> str:
+    """A bounded rendering of a bad YAML value for a message."""
+    raw = str(node.value) if isinstance(node, yaml.ScalarNode) and len(node.value) > 16 else None
+    text = repr(value if raw is None else raw)  # raw: not constructed, it may be a huge int
+    if len(text) <= 40:
+        return text
+    return f"{text[:37]}... ({len(raw if raw is not None else text)} characters)"
+
+
+# One left-to-right pass: a quoted string (an unterminated one runs to the end, so
+# nothing is scanned twice), a comment, or a bracket.
+_FLOW_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|\'[^\']*(?:\'\'[^\']*)*\'?|(?<!\S)#[^\n]*|[\[\]{}]')
+
+
+def _flow_depth(text: str, limit: int) -> bool:
+    """Whether ``[``/``{`` nest at most ``limit`` deep outside quotes and comments.
+
+    Checked before parsing: PyYAML's scanner takes quadratic time in the flow
+    nesting depth (``[[[[...`` of 5000 levels takes seconds), so depth is bounded
+    on the text, in one linear pass.
+    """
+    depth = 0
+    for m in _FLOW_TOKEN.finditer(text):
+        c = m.group()
+        if c == "[" or c == "{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif depth and (c == "]" or c == "}"):
+            depth -= 1
+    return True
+
+
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """Nodes in ``root`` counting every use of an alias, stopping once past ``limit``.
+
+    Iterative, and stops early: an alias bomb expands exponentially, so only
+    ``limit`` steps are ever taken.
+    """
+    count = 0
+    stack: list[yaml.Node] = [root]
+    while stack and count <= limit:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                stack.append(k)
+                stack.append(v)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return count
 
 
 def _yaml_error(e: yaml.YAMLError, source: str) -> ConfigError:
@@ -618,12 +777,34 @@ def parse_layout_text(text: str, source: str = "<layout>") -> LayoutConfig:
         ConfigError: the text is not a valid layout; the message starts with
             ``"{source}:{line}: "`` when the line is known.
     """
-    loader = yaml.SafeLoader(text)
+    if not _flow_depth(text, MAX_LAYOUT_DEPTH):
+        raise ConfigError(
+            f"{source}: layout file nests [ ] or {{ }} more than {MAX_LAYOUT_DEPTH} levels deep; "
+            "a layout needs 3",
+            path=source,
+        )
+    try:
+        loader = yaml.SafeLoader(text)  # the reader refuses control characters here already
+    except yaml.reader.ReaderError as e:
+        raise ConfigError(
+            f"{source}: invalid YAML: character #x{e.character:04x} at position {e.position} is not "
+            f"allowed ({e.reason}); a layout file is plain text",
+            path=source,
+        ) from None
     try:
         try:
             root = loader.get_single_node()
         except yaml.YAMLError as e:
             raise _yaml_error(e, source) from None
+        except RecursionError:  # the composer recurses once per nesting level
+            raise ConfigError(f"{source}: layout file is nested too deeply", path=source) from None
+        if root is not None and _expanded_size(root, MAX_LAYOUT_NODES) > MAX_LAYOUT_NODES:
+            raise ConfigError(
+                f"{source}: layout file expands to more than {MAX_LAYOUT_NODES} YAML nodes "
+                "(through aliases such as *name); a layout needs a few per rule, so this looks "
+                "like an alias bomb",
+                path=source,
+            )
         return _Parser(loader, source).layout(root)
     finally:
         loader.dispose()
@@ -633,27 +814,23 @@ def load_layout(path: str | os.PathLike[str]) -> LayoutConfig:
     """Read and parse a layout file (use :func:`resolve_preset` for preset names).
 
     Raises:
-        ConfigError: the file cannot be read or is not a valid layout.
+        ConfigError: the file cannot be read, is not a regular file, is over
+            :data:`~reshard.io.safe.MAX_LAYOUT_BYTES`, or is not a valid layout.
     """
     source = os.fspath(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not os.path.exists(source):
         presets = ", ".join(list_presets()) or "none found"
         raise ConfigError(
             f"{source}: layout file not found; check the path, or use a preset ({presets})",
             path=source,
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a directory; pass a layout YAML file", path=source) from None
+        )
+    # Regular files only (a FIFO would hang, /dev/zero never ends), at most MAX_LAYOUT_BYTES.
+    raw = read_document(source, limit=MAX_LAYOUT_BYTES, what="layout file")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{source}: cannot read the layout file: not UTF-8 text ({e.reason} at byte {e.start})",
-            path=source,
-        ) from None
-    except OSError as e:
-        raise ConfigError(
-            f"{source}: cannot read the layout file: {e.strerror or e}; check that it exists and is readable",
             path=source,
         ) from None
     return parse_layout_text(text, source)

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import math
 import os
-import shutil
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
+from .check import Problem, check_metadata, source_checksum_problems
 from .checkpoint import Checkpoint, CheckpointWarning
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
-from .errors import ConfigError, ReshardError, UsageError, WriteError
+from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, UsageError, WriteError
 from .execute import ProgressFn, execute_plan
 from .formats import MANIFEST, open_checkpoint, writer, writers
 from .formats.base import Writer
-from .io.writer import FileResult
+from .formats.hf_extras import copy_model_files, scan_model_files
+from .io.lock import LOCK, DirLock
+from .io.staging import Stage, refuse_non_files
+from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
 from .plan import Plan, WriteOptions, make_plan
-from .resume import JOURNAL, finished_files, record_finished
+from .resume import finished_files, is_journal, record_finished, source_identity, start_journal
 
 __all__ = [
     "SourceSpec",
@@ -29,6 +35,7 @@ __all__ = [
     "open_source",
     "resolve_target",
     "build_plan",
+    "model_files_for",
     "convert",
     "parse_size",
     "DTYPES",
@@ -80,6 +87,8 @@ def parse_size(text: str, *, option: str = "--max-shard-size") -> int:
         value = float(num)
     except ValueError:
         raise ConfigError(f"{option} {text!r}: expected a size such as 5GB, 500MB or 2GiB") from None
+    if not math.isfinite(value) or value * mult >= 2**63:
+        raise ConfigError(f"{option} {text!r}: must be a finite size below 8 EiB, such as 5GB")
     if value <= 0:
         raise ConfigError(f"{option} {text!r}: must be positive")
     return int(value * mult)
@@ -91,6 +100,8 @@ class SourceSpec:
     fmt: str | None = None
     layout: str | None = None
     mesh: str | None = None
+    include: tuple[str, ...] = ()  # --include / --exclude patterns (reshard.select)
+    exclude: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +112,9 @@ class TargetSpec:
     consolidate: bool = False
     dtype: str | None = None
     max_shard_size: str = "5GB"
+    config_from: str | None = None
+    """hf output: the model directory whose config, tokenizer and other non-weight files to copy
+    (default: the source directory, when it has a ``config.json``)."""
 
 
 def _load_layout(text: str) -> LayoutConfig:
@@ -114,6 +128,66 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
     if layout is not None:
         ckpt.warnings.extend(rule_warnings(layout, ckpt.tensors))
+    if spec.include or spec.exclude:
+        from .select import select_checkpoint
+
+        ckpt, _ = select_checkpoint(ckpt, spec.include, spec.exclude)
+    return ckpt
+
+
+def _refuse_inconsistent(ckpt: Checkpoint) -> None:
+    """Refuse a source whose metadata contradicts itself (what ``inspect --check`` finds
+    without reading data): converting it would launder the lie into a fresh checkpoint.
+
+    Raises:
+        HeaderError: naming the first problem.
+    """
+    problems = check_metadata(ckpt)
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise HeaderError(
+            f"{first['message']}{more}; nothing was converted",
+            path=first["path"],
+            tensor=first["tensor"],
+            hint=f"run `reshard inspect --check {ckpt.path}` to see every problem",
+        )
+
+
+class _Verifier:
+    """The source's files hashed against its ``reshard.json`` checksums, on a thread beside the
+    copy (xxh3 runs without the GIL); the result is awaited before ``reshard.json`` is written."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.problems: list[Problem] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(ckpt,), daemon=True, name="verify-source")
+        self.thread.start()
+
+    def _run(self, ckpt: Checkpoint) -> None:
+        try:
+            self.problems = source_checksum_problems(ckpt)
+        except (OSError, ReshardError) as e:  # raised on the main thread by result()
+            self.error = e
+
+    def result(self) -> None:
+        """Raises:
+        SourceChangedError: a source file's bytes do not match its checksum."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        if self.problems:
+            first = self.problems[0]
+            raise SourceChangedError(
+                f"{first['message']}; the copy would carry those bytes under fresh checksums, so "
+                "nothing was converted",
+                path=first["path"],
+                hint="restore the file; or pass --no-verify-source to convert it as it is",
+            )
+
+
+def _not_converted(ckpt: Checkpoint) -> None:
+    """Warn that non-tensor items are left out (``inspect`` lists them itself, so only convert warns)."""
     if ckpt.non_tensors:
         names = ", ".join(n.name for n in ckpt.non_tensors[:3]) + (
             " ..." if len(ckpt.non_tensors) > 3 else ""
@@ -123,7 +197,6 @@ def open_source(spec: SourceSpec) -> Checkpoint:
                 f"{ckpt.path}: {len(ckpt.non_tensors)} non-tensor item(s) ({names}) are not converted"
             )
         )
-    return ckpt
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +236,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
                 f"{to.name} output is one consolidated checkpoint; drop --target-layout/--target-mesh, "
                 f"or write --to {SHARDED}"
             )
-    if to is not None and to.consolidated:
+    if to is not None and (to.consolidated or (to.whole_by_default and not spec.layout and not sizes)):
         return Target(to, Mesh.single(), None, dtype, options)
     mesh, rules = _target_rules(source, spec.layout, sizes)
     w = to or writer(SHARDED if mesh.size > 1 else CONSOLIDATED)
@@ -202,6 +275,42 @@ def _target_rules(
     raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
 
 
+def model_files_for(source: Checkpoint, target: Target, config_from: str | None) -> list[Path]:
+    """The non-weight files an hf output gets, scanned before anything is written.
+
+    From ``--config-from DIR``, else from the source directory when it has a ``config.json``.
+    Files left out, and an hf output that will hold weights only, are warnings on ``source``.
+
+    Raises:
+        UsageError: ``--config-from`` for a non-hf output, or a DIR without ``config.json``.
+        ConfigError: ``config.json`` cannot be parsed (with ``--dtype``, whose dtype it gets).
+    """
+    if target.fmt != CONSOLIDATED:
+        if config_from is not None:
+            raise UsageError(f"--config-from gives hf output its model files; this output is {target.fmt}")
+        return []
+    src = Path(source.path)
+    root = Path(config_from) if config_from is not None else (src if src.is_dir() else src.parent)
+    if config_from is None and not (root / "config.json").is_file():
+        source.warnings.append(
+            CheckpointWarning(
+                f"{source.path}: no config.json; the hf output holds weights only (transformers cannot "
+                "load it as a model): give --config-from DIR (the original model directory)",
+                path=source.path,
+            )
+        )
+        return []
+    scan = scan_model_files(root, dtype=target.dtype)
+    if not any(p.name == "config.json" for p in scan.files):
+        raise UsageError(
+            f"--config-from {root}: no config.json there; name the model's Hugging Face directory",
+            path=str(root),
+        )
+    for p, why in scan.skipped:
+        source.warnings.append(CheckpointWarning(f"{p}: not copied to the output: {why}", path=str(p)))
+    return list(scan.files)
+
+
 def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWarning]:
     """SPEC §2: a rule that matches nothing is a warning."""
     return [
@@ -220,8 +329,9 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             if w not in source.warnings:
                 source.warnings.append(w)
 
-    def placements_for(name: str) -> Sequence[Placement]:
-        assert rules is not None
+    def placements_for(name: str) -> Sequence[Placement | str]:
+        if rules is None:  # no target layout: every tensor whole
+            return ["R"] * target.mesh.ndim
         return rules.placements_for(name)
 
     return make_plan(
@@ -243,8 +353,19 @@ def _is_within(child: Path, parent: Path) -> bool:
         return False
 
 
-def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = False) -> None:
+def check_destination(
+    src: Path, dst: Path, *, overwrite: bool, resume: bool = False, check_empty: bool = True
+) -> None:
     """Refuse a DST inside SRC, a SRC inside DST, and a non-empty DST without --overwrite."""
+    try:
+        _check_destination(src, dst, overwrite=overwrite, resume=resume, check_empty=check_empty)
+    except OSError as e:  # a name over NAME_MAX, a loop of links, no permission
+        raise UsageError(
+            f"{dst}: cannot use it as the destination ({e.strerror or e})", path=str(dst)
+        ) from None
+
+
+def _check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool, check_empty: bool) -> None:
     s = src.resolve()
     d = dst.resolve()
     src_dir = s if s.is_dir() else s.parent
@@ -255,7 +376,7 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = F
         raise UsageError(f"{dst}: the destination contains the source {src}; choose another directory")
     if d.exists() and not d.is_dir():
         raise UsageError(f"{dst}: exists and is not a directory")
-    if d.exists() and any(d.iterdir()) and not (overwrite or resume):
+    if check_empty and d.exists() and any(p.name != LOCK for p in d.iterdir()) and not (overwrite or resume):
         raise UsageError(
             f"{dst}: directory is not empty; pass --overwrite to replace its checkpoint "
             "(or --resume to finish an interrupted conversion)",
@@ -264,20 +385,48 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool = F
 
 
 def _owned(name: str) -> bool:
-    """Whether ``--overwrite`` (and a failed run's cleanup) may remove a file of this name."""
-    if name in (MANIFEST, JOURNAL) or name.endswith(".tmp") or name.startswith(JOURNAL):
+    """Whether ``--overwrite`` may remove a file of this name from DST: a checkpoint file a
+    writer makes, ``reshard.json``, reshard's own temporaries and journals (never a user's
+    ``draft.tmp``)."""
+    if name == MANIFEST or is_temp(name) or is_journal(name):
         return True
     for w in writers():
+        if name in w.marks:
+            return True
         for pattern in w.owns:
             if name == pattern or (pattern.startswith(".") and name.endswith(pattern)):
                 return True
     return False
 
 
-def _clear_outputs(dst: Path) -> None:
-    for p in dst.iterdir():
-        if p.is_file() and _owned(p.name):
-            p.unlink()
+@contextmanager
+def _claimed(dst: Path, main: bool) -> Iterator[None]:
+    """DST created if needed and locked for the run (:class:`~reshard.io.lock.DirLock`).
+
+    A DST this run created is removed again when the run leaves it empty (a failure).
+    Under torchrun only the main process creates and locks it.
+    """
+    if not main:
+        yield
+        return
+    created = not os.path.lexists(dst)
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(
+            f"{dst}: cannot create the destination directory ({e.strerror or e})", path=str(dst)
+        ) from None
+    lock = DirLock(dst)
+    try:
+        lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+    finally:
+        if created:
+            with suppress(OSError):
+                dst.rmdir()  # only when empty: never another run's files
 
 
 def convert(
@@ -290,6 +439,7 @@ def convert(
     window: int = RELEASE_EVERY,
     overwrite: bool = False,
     resume: bool = False,
+    verify_source: bool = True,
     progress: ProgressFn | None = None,
     on_plan: Callable[[Plan], None] | None = None,
 ) -> dict[str, Any]:
@@ -307,14 +457,21 @@ def convert(
     dst_path = Path(dst)
     if not src_path.exists():
         raise UsageError(f"{src_path}: no such file or directory", path=str(src_path))
-    check_destination(src_path, dst_path, overwrite=overwrite, resume=resume)
-    ckpt = open_source(source)
-    tgt = resolve_target(ckpt, target)
-    plan = build_plan(ckpt, tgt)
-    if on_plan is not None:
-        on_plan(plan)
-    run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
-    ordered, kept = run.guarded()
+    check_destination(src_path, dst_path, overwrite=overwrite, resume=resume, check_empty=False)
+    with _claimed(dst_path, coordinator().is_main):
+        check_destination(src_path, dst_path, overwrite=overwrite, resume=resume)
+        ckpt = open_source(source)
+        _not_converted(ckpt)
+        tgt = resolve_target(ckpt, target)
+        plan = build_plan(ckpt, tgt)
+        extras = model_files_for(ckpt, tgt, target.config_from)
+        if on_plan is not None:
+            on_plan(plan)
+        _refuse_inconsistent(ckpt)
+        run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
+        run.verifier = _Verifier(ckpt) if verify_source and coordinator().is_main else None
+        run.extras, run.extras_dtype = extras, tgt.dtype
+        ordered, kept = run.guarded()
     return {
         "source": {
             "path": str(src_path),
@@ -328,12 +485,16 @@ def convert(
         "bytes_read": sum(r.bytes_read for r in ordered),
         "copies": sum(f.copies for f in plan.files),
         "resumed_files": kept,
+        "model_files": [p.name for p in extras],
         "warnings": [str(w) for w in ckpt.warnings],
+        # items that cannot go into safetensors (DCP BYTE_IO): listed, not copied
+        "not_converted": [{"name": n.name, "size": n.size, "kind": n.kind} for n in ckpt.non_tensors],
     }
 
 
 class _Run:
-    """One conversion's writing: every file, then the writer's ``complete``; cleanup on failure.
+    """One conversion's writing: every file into the staging directory, the writer's
+    ``complete``, then the swap into DST (:mod:`reshard.io.staging`); cleanup on failure.
 
     Under torchrun every rank plans the same and writes its share of the files; rank 0
     completes the directory.
@@ -349,7 +510,11 @@ class _Run:
         self.progress = progress
         self.resume = resume
         self.coord: Coordinator = coordinator()
-        self.created_dir = not dst.exists()
+        self.stage = Stage(dst, MANIFEST)
+        self.staged = False  # this run made (or took over) the staging directory
+        self.verifier: _Verifier | None = None
+        self.extras: Sequence[Path] = ()
+        self.extras_dtype: str | None = None
 
     def guarded(self) -> tuple[list[FileResult], int]:
         """Write everything; on failure remove what this run wrote. Returns results and files kept."""
@@ -373,26 +538,38 @@ class _Run:
             self._cleanup(keep=self.resume)
             raise
 
+    def _prepare(self) -> None:
+        """Main process: refuse links/directories under output names, finish an interrupted
+        swap, make the staging directory and start (or check) the resume journal."""
+        names = [f.name for f in self.plan.files] + [MANIFEST]
+        names += [n for n in self.writer.owns if not n.startswith(".")]
+        refuse_non_files(self.dst, names)
+        self.stage.recover(_owned, is_journal)
+        self.staged = True
+        self.stage.prepare(keep=self.resume)
+        start_journal(self.stage.dir, source_identity(self.plan.source), resume=self.resume)
+
     def _write(self) -> tuple[list[FileResult], int]:
-        coord, dst, plan = self.coord, self.dst, self.plan
+        coord, plan, stage = self.coord, self.plan, self.stage
         if coord.is_main:
-            dst.mkdir(parents=True, exist_ok=True)
-            (dst / MANIFEST).unlink(missing_ok=True)
-            if not self.resume:
-                _clear_outputs(dst)
+            self._prepare()
         coord.barrier()
         done: list[FileResult] = []
         mine = coord.share(list(plan.files))
         if self.resume:
-            done, mine = finished_files(plan, dst, mine)
+            done, mine = finished_files(plan, stage.dir, mine)
         results = coord.gather(self._execute(mine))
         done = coord.gather(done) if self.resume else done
         by_name = {r.name: r for r in done + results}
         ordered = [by_name[f.name] for f in plan.files]
         if coord.is_main:
-            self.writer.complete(dst, plan, ordered)
-            for j in dst.glob(JOURNAL + "*"):
-                j.unlink(missing_ok=True)
+            if self.verifier is not None:
+                self.verifier.result()  # a source whose bytes changed is never committed
+            # weights are in place; the model files go before the index and reshard.json,
+            # which mark the directory complete
+            copy_model_files(list(self.extras), stage.dir, dtype=self.extras_dtype)
+            self.writer.complete(stage.dir, plan, ordered)
+            stage.swap(_owned, is_journal)
         coord.barrier()
         return ordered, len(done)
 
@@ -403,13 +580,13 @@ class _Run:
         try:
             results = execute_plan(
                 self.plan,
-                self.dst,
+                self.stage.dir,
                 workers=self.budget.workers,
                 buffer_size=self.budget.buffer,
                 window=self.budget.window,
                 progress=self.progress,
                 files=mine,
-                on_file_done=lambda r: record_finished(self.dst, r, coord.rank),
+                on_file_done=lambda r: record_finished(self.stage.dir, r, coord.rank),
             )
         except (ReshardError, OSError) as e:
             if coord.world == 1:
@@ -424,20 +601,12 @@ class _Run:
         return results
 
     def _cleanup(self, *, keep: bool) -> None:
-        """Remove what this run wrote (with --resume, keep finished files for the next try)."""
-        dst = self.dst
-        if not dst.exists():
+        """Remove what this run wrote: its staging directory (with --resume or after Ctrl-C,
+        only its temporaries: finished files stay for the next try). DST's previous
+        checkpoint is never touched before the swap."""
+        if not (self.staged and self.coord.is_main):
             return
-        for f in self.plan.files:
-            (dst / (f.name + ".tmp")).unlink(missing_ok=True)
-            if not keep:
-                (dst / f.name).unlink(missing_ok=True)
         if keep:
-            return
-        (dst / JOURNAL).unlink(missing_ok=True)
-        for name in self.writer.owns:
-            if not name.startswith("."):  # exact names: what complete() writes (an index)
-                (dst / name).unlink(missing_ok=True)
-        (dst / MANIFEST).unlink(missing_ok=True)
-        if self.created_dir:
-            shutil.rmtree(dst, ignore_errors=True)
+            self.stage.remove_temporaries()
+        else:
+            self.stage.discard()

@@ -34,6 +34,7 @@ from .io.checksum import file_checksum
 from .io.header import encode_header
 from .io.pages import PageWindow, SourceFiles
 from .io.reader import Piece, read_box, uint_dtype
+from .io.writer import create_exclusive, temp_name
 from .layout import TensorLayout
 from .mesh import Mesh
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
@@ -240,21 +241,22 @@ LayoutArg = Union["LayoutConfig", str, "os.PathLike[str]", None]
 """``layout=`` of :func:`load_dtensors`: rules, a layout file or preset name, or None."""
 
 
+def _layout_config(layout: LayoutArg, what: str) -> LayoutConfig | None:
+    """A ``layout=``/``source_layout=`` argument as rules."""
+    if layout is None or isinstance(layout, LayoutConfig):
+        return layout
+    if isinstance(layout, (str, os.PathLike)):
+        return load_layout(resolve_preset(os.fspath(layout)))
+    raise UsageError(
+        f"{what} must be a LayoutConfig, a layout file path, a preset name or None, got {layout!r}"
+    )
+
+
 def _resolve_layout(
     layout: LayoutArg, ckpt: Checkpoint, device_mesh: Any
 ) -> tuple[Mesh, LayoutConfig | None]:
     """The reshard mesh of ``device_mesh`` and the rules to place tensors on it (None: Replicate)."""
-    cfg: LayoutConfig | None
-    if layout is None:
-        cfg = ckpt.layout
-    elif isinstance(layout, LayoutConfig):
-        cfg = layout
-    elif isinstance(layout, (str, os.PathLike)):
-        cfg = load_layout(resolve_preset(os.fspath(layout)))
-    else:
-        raise UsageError(
-            f"layout must be a LayoutConfig, a layout file path, a preset name or None, got {layout!r}"
-        )
+    cfg = ckpt.layout if layout is None else _layout_config(layout, "layout")
     names = _mesh_names(device_mesh)
     if names is None and cfg is not None and cfg.mesh.ndim == len(device_mesh.shape):
         names = cfg.mesh.names  # an unnamed DeviceMesh takes the layout's dim names
@@ -271,7 +273,9 @@ def _resolve_layout(
     return mesh, cfg
 
 
-def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: LayoutArg = None) -> dict[str, Any]:
+def load_dtensors(
+    path: str | os.PathLike[str], mesh: Any, layout: LayoutArg = None, *, source_layout: LayoutArg = None
+) -> dict[str, Any]:
     """Read a checkpoint into DTensors on ``mesh``; each rank reads only its own slices.
 
     Run under torchrun (the default process group is initialised with gloo if it is
@@ -287,13 +291,16 @@ def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: LayoutArg = N
 
     Args:
         path: a checkpoint of any readable format (per-rank directory, hf directory or
-            ``.safetensors`` file, dcp-safetensors directory).
+            ``.safetensors`` file, dcp-safetensors or sharded-state directory).
         mesh: the torch ``DeviceMesh`` to place the tensors on. Its dim names
             (``mesh_dim_names``; ``d0, d1, ...`` or the layout's names when unnamed)
             are the names the layout rules use.
         layout: a :class:`reshard.config.LayoutConfig`, a layout YAML path or preset
             name; None uses the checkpoint's own rules (per-rank checkpoints), else
             replicates every tensor.
+        source_layout: the layout the checkpoint was saved with, for formats that do not
+            describe theirs (``--source-layout``: per-rank files without metadata, vLLM
+            ``sharded_state`` files); its mesh sizes must be the saved ones.
 
     Returns:
         Tensor name -> ``DTensor`` (source dtype, global shape, contiguous strides), in
@@ -307,7 +314,7 @@ def load_dtensors(path: str | os.PathLike[str], mesh: Any, layout: LayoutArg = N
 
     if dist.is_available() and not dist.is_initialized():
         _init_gloo()
-    ckpt = open_checkpoint(Path(path))
+    ckpt = open_checkpoint(Path(path), layout=_layout_config(source_layout, "source_layout"))
     rmesh, cfg = _resolve_layout(layout, ckpt, mesh)
     coord = mesh.get_coordinate()
     if coord is None:
@@ -443,7 +450,7 @@ def save_dtensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -
     ordered sub-mesh of it (FSDP2's dp-only parameters next to dp x tp ones) are
     Replicate on the other dims. Plain tensors are Replicate. With no DTensors the
     mesh is ``world=W``. ``Partial`` DTensors are stored as ``P(op)`` and reduced when
-    converted. Files are written to ``NAME.tmp`` and renamed; rank 0 first removes a
+    converted. Files are written to fresh temporaries and renamed; rank 0 first removes a
     previous ``reshard.json`` and rank files of another world size in ``path``.
 
     Args:
@@ -543,7 +550,6 @@ def _write_manifest(
 def _clear_stale(out: Path, world: int) -> None:
     """Remove the manifest (the checkpoint is incomplete until rewritten) and other worlds' rank files."""
     (out / MANIFEST).unlink(missing_ok=True)
-    (out / (MANIFEST + ".tmp")).unlink(missing_ok=True)
     for p in out.iterdir():
         m = RANK_FILE.match(p.name)
         if m and int(m.group(2)) != world and p.is_file():
@@ -655,13 +661,14 @@ def _local_layout(name: str, value: Any, world_mesh: Any, mesh: Mesh) -> tuple[A
 
 
 def _write_rank_file(out: Path, fname: str, prefix: bytes, datas: Sequence[Any]) -> tuple[str, int, str]:
-    """Write header and tensor bytes to ``fname.tmp``, hash it, rename; returns (name, size, checksum)."""
+    """Write header and tensor bytes to a fresh temporary (never through a link), hash it,
+    rename; returns (name, size, checksum)."""
     import torch
 
     final = out / fname
-    tmp = out / (fname + ".tmp")
+    tmp = out / temp_name(fname)
     try:
-        with open(tmp, "wb") as f:
+        with open(create_exclusive(tmp), "wb") as f:
             f.write(prefix)
             for t in datas:
                 if t.numel() == 0:

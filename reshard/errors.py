@@ -11,6 +11,7 @@ __all__ = [
     "PlanError",
     "UsageError",
     "WriteError",
+    "SourceChangedError",
 ]
 
 
@@ -80,3 +81,7 @@ class WriteError(ReshardError):
     """Failure while writing; partial files were removed."""
 
     exit_code = 3
+
+
+class SourceChangedError(ReshardError):
+    """A source file changed while it was read (another job rewrote it, or since --resume began)."""

@@ -18,16 +18,18 @@ workers split a file's entries. Where bytes go is the writer's
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
+from .errors import SourceChangedError
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, SourceFiles
 from .io.reader import DENSE, Piece, RowCache, read_box
@@ -41,6 +43,8 @@ ProgressFn = Callable[[int], None]
 _PREAD_MIN = 16384
 """Queued source spans at least this long are read with ``pread``; shorter ones are copied from
 the file's map (no system call per span)."""
+
+T = TypeVar("T")
 
 GROUP_FILES = 8
 """Files one thread writes in lockstep: enough for the ranks that split one source row
@@ -134,9 +138,16 @@ class _Writer:
     """
 
     def __init__(
-        self, sources: SourceFiles, fd: int, bufs: _Buffers, progress: ProgressFn | None, lo: int = 0
+        self,
+        sources: SourceFiles,
+        fd: int,
+        bufs: _Buffers,
+        progress: ProgressFn | None,
+        stop: threading.Event,
+        lo: int = 0,
     ) -> None:
         self.sources = sources
+        self.stop = stop
         self.bufs = bufs
         self.progress = progress
         self.bytes_read = 0
@@ -152,13 +163,14 @@ class _Writer:
         """Write ``items`` (fixed bytes and entries, in file order), yielding after each slab."""
         crc = f.needs_crc32
         for i, item in items:
+            _check(self.stop)
             if isinstance(item, bytes):
                 self._flush()
                 self.sink.submit(item, i)
                 continue
             if crc:
                 self._flush()
-                self.sink.start_crc()
+                self.sink.start_crc(f.head_bytes)
             else:
                 runs = self._runs(item)
                 if runs is not None:  # the common case inline: no generator per entry
@@ -168,7 +180,10 @@ class _Writer:
             yield from self.entry_steps(item)
             if crc:
                 self._flush()
-                self.crc32s[i] = self.sink.end_crc()
+                self.crc32s[i], head = self.sink.end_crc()
+                tail = f.trailer(i, self.crc32s[i], head)
+                if tail:
+                    self.sink.submit(tail, item.start + item.nbytes)
         self._flush()
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
@@ -234,8 +249,13 @@ class _Writer:
                 continue
             if n >= _PREAD_MIN:
                 if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
-                    raise OSError(f"unexpected end of source file at offset {lo}")
+                    sources.check(fi)  # names the file when its size changed
+                    raise SourceChangedError(
+                        f"a source file ended early at offset {lo}; it changed while read"
+                    )
             else:
+                if fi not in mapped:
+                    sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
                 buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
                 mapped[fi] = mapped.get(fi, 0) + n
             pos += n
@@ -256,9 +276,13 @@ class _Writer:
         size = len(buf)
         self.bytes_read += n
         while n > 0:
+            _check(self.stop)
             k = os.preadv(sfd, [buf[: min(size, n)]], src_off)
             if k <= 0:
-                raise OSError(f"unexpected end of source file at offset {src_off}")
+                self.sources.check(fi)  # names the file when its size changed
+                raise SourceChangedError(
+                    f"a source file ended early at offset {src_off}; it changed while read"
+                )
             self.sink.submit(buf[:k], dst_off)
             if self.progress:
                 self.progress(k)
@@ -278,6 +302,7 @@ class _Writer:
         plans = [(c.group, Piece.of(self.sources, src, c.piece), list(copy_boxes(c))) for c in copies]
         npt = plans[0][1].arr.dtype
         for slab in slabs(dshape, 1, budget_items):
+            _check(self.stop)
             shape = tuple(b - a for a, b in slab)
             n = 1
             for x in shape:
@@ -360,6 +385,7 @@ def _write_group(
     buffer_size: int,
     window: int,
     progress: ProgressFn | None,
+    stop: threading.Event,
 ) -> list[FileResult]:
     """Write each file in this thread, the files in lockstep.
 
@@ -373,7 +399,7 @@ def _write_group(
     try:
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
-        writers = [_Writer(sources, tmp.fd, bufs, progress) for tmp in opened]
+        writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
         active = [w.file_steps(f, _in_file_order(f)) for w, f in zip(writers, files)]
         while active:
             active = [g for g in active if next(g, _END) is not _END]
@@ -394,6 +420,32 @@ def _write_group(
 _END = object()
 
 
+class _Stopped(Exception):
+    """A writer thread stopping because the run is stopping (Ctrl-C, another thread failed)."""
+
+
+def _check(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise _Stopped
+
+
+def _run_all(jobs: Sequence[Callable[[], T]], stop: threading.Event, workers: int = 0) -> list[T]:
+    """Run ``jobs`` on threads; results in order. On Ctrl-C (raised in this, the main thread,
+    while it waits) or a job's failure, ``stop`` tells the others to stop at their next slab,
+    so the run ends within a slab's time, whatever the worker count."""
+    pool = ThreadPoolExecutor(max_workers=workers or len(jobs))
+    try:
+        futures = [pool.submit(job) for job in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)  # a failure anywhere stops the rest at once
+        out = [fu.result() for fu in futures]
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return out
+
+
 def _write_split(
     f: OutFile,
     dst: Path,
@@ -402,6 +454,7 @@ def _write_split(
     window: int,
     progress: ProgressFn | None,
     parts: int,
+    stop: threading.Event,
 ) -> FileResult:
     """Write one file with ``parts`` threads, each a consecutive run of its entries."""
     tmp = TmpFile(dst, f.name, f.size)
@@ -410,15 +463,14 @@ def _write_split(
         lo: int, items: Sequence[tuple[int, bytes] | tuple[int, OutEntry]]
     ) -> tuple[dict[int, bytes], dict[int, int], int]:
         """Write a run of items; returns its digests, CRC32s and bytes read (its buffers are freed)."""
-        w = _Writer(sources, tmp.fd, _Buffers(buffer_size, sources, window), progress, lo)
+        w = _Writer(sources, tmp.fd, _Buffers(buffer_size, sources, window), progress, stop, lo)
         for _ in w.file_steps(f, items):
             pass
         return w.sink.close(f.size), w.crc32s, w.bytes_read
 
     try:
         runs = _split_items(_in_file_order(f), parts)
-        with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-            parts_done = [fu.result() for fu in [pool.submit(run, lo, items) for lo, items in runs]]
+        parts_done = _run_all([functools.partial(run, lo, items) for lo, items in runs], stop)
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}
         for d, c, _ in parts_done:
@@ -460,8 +512,9 @@ def execute_plan(
     balanced by bytes. Results come back in plan order.
     """
     todo = list(plan.files if files is None else files)
-    sources = SourceFiles(plan.source.files)
+    sources = SourceFiles(plan.source.files, plan.source.file_sizes)
     lock = threading.Lock()
+    stop = threading.Event()  # set on Ctrl-C or a failure: every writer stops at its next slab
 
     def prog(n: int) -> None:
         if progress is not None:
@@ -477,7 +530,7 @@ def execute_plan(
             results_by_name[r.name] = r
 
     def group(fs: list[OutFile]) -> None:
-        for r in _write_group(fs, dst, sources, buffer_size, window, prog):
+        for r in _write_group(fs, dst, sources, buffer_size, window, prog, stop):
             done(r)
 
     # fewer files than workers: the spare workers split the files' entries between them
@@ -485,7 +538,7 @@ def execute_plan(
     try:
         if parts > 1:
             for f in todo:
-                done(_write_split(f, dst, sources, buffer_size, window, prog, parts))
+                done(_write_split(f, dst, sources, buffer_size, window, prog, parts, stop))
         else:
             # lockstep files hold the same tensors cut differently: siblings share reads. Others
             # (hf shards) hold different tensors: one at a time, so each finishes (and is journaled) sooner
@@ -495,11 +548,7 @@ def execute_plan(
                 for g in groups:
                     group(g)
             else:
-                with ThreadPoolExecutor(max_workers=workers) as pool:
-                    for fut in [pool.submit(group, g) for g in groups]:
-                        fut.result()
+                _run_all([functools.partial(group, g) for g in groups], stop, workers)
         return [results_by_name[f.name] for f in todo]
     finally:
-        for f in todo:
-            (dst / (f.name + ".tmp")).unlink(missing_ok=True)
         sources.close()

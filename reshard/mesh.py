@@ -8,9 +8,40 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Mesh", "parse_mesh_spec"]
+__all__ = ["MAX_WORLD_SIZE", "Mesh", "check_world_size", "parse_mesh_spec"]
+
+#: Most ranks a mesh (and each of its dims) may have. Plans, layouts and rank lists
+#: are sized by the world, so a typo such as ``tp=1000000000`` or a rank file named
+#: ``rank-99999999999-of-...`` must stop here, before anything is allocated.
+#: The largest real jobs are ~10^5 ranks.
+MAX_WORLD_SIZE = 1 << 20
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _size_text(n: int) -> str:
+    """``n`` for a message; huge ints as their magnitude (``str()`` refuses > 4300 digits)."""
+    return str(n) if n < 10**15 else f"about 10^{int(n.bit_length() * 0.30103)}"
+
+
+def check_world_size(world: int, *, what: str = "the mesh") -> None:
+    """Refuse a rank count over :data:`MAX_WORLD_SIZE` before anything is sized by it.
+
+    Raises:
+        ConfigError: ``world`` is over the limit; the message starts with ``what``.
+
+    >>> check_world_size(8)
+    >>> check_world_size(99999999999, what="rank-99999999999-of-1.safetensors")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    reshard.errors.ConfigError: rank-...: 99999999999 ranks is over the limit of 1048576 ranks (...); ...
+    """
+    if world > MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"{what}: {_size_text(world)} ranks is over the limit of {MAX_WORLD_SIZE} ranks "
+            "(MAX_WORLD_SIZE); check the mesh sizes"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +68,8 @@ class Mesh:
             if not _NAME.match(n):
                 raise ConfigError(f"mesh dim name {n!r} is not an identifier")
             if not isinstance(s, int) or isinstance(s, bool) or s < 1:
-                raise ConfigError(f"mesh dim {n!r} must have a size >= 1, got {s!r}")
+                raise ConfigError(f"mesh dim {n!r} must have a size >= 1, got {_short(s)}")
+        check_world_size(self.size, what=f"mesh {self}")
 
     @classmethod
     def single(cls) -> Mesh:
@@ -121,7 +153,15 @@ class Mesh:
         return {"names": list(self.names), "shape": list(self.shape)}
 
     def __str__(self) -> str:
-        return ",".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+        return ",".join(f"{n}={_size_text(s)}" for n, s in zip(self.names, self.shape))
+
+
+def _short(value: object) -> str:
+    """A bounded repr of a bad value for a message."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _size_text(value)
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_mesh_spec(text: str, *, option: str = "--mesh") -> dict[str, int]:
@@ -136,16 +176,23 @@ def parse_mesh_spec(text: str, *, option: str = "--mesh") -> dict[str, int]:
         if not part:
             continue
         name, eq, size = part.partition("=")
-        name = name.strip()
-        if not eq or not _NAME.match(name) or not size.strip().isdigit():
+        name, size = name.strip(), size.strip()
+        if not eq or not _NAME.match(name) or not _DIGITS.fullmatch(size):
             raise ConfigError(
                 f"{option} {text!r}: expected NAME=SIZE[,NAME=SIZE...], e.g. tp=8 or fsdp=2,tp=4"
             )
         if name in out:
             raise ConfigError(f"{option} {text!r}: dim {name!r} given twice")
-        value = int(size)
+        # Length first: int() of thousands of digits is slow, or refused past 4300.
+        value = int(size) if len(size) <= 16 else MAX_WORLD_SIZE + 1
         if value < 1:
             raise ConfigError(f"{option} {text!r}: size of {name!r} must be >= 1")
+        if value > MAX_WORLD_SIZE:
+            given = str(value) if len(size) <= 16 else f"a {len(size)}-digit number"
+            raise ConfigError(
+                f"{option}: size of {name!r} is {given}, over the limit of {MAX_WORLD_SIZE} ranks "
+                "(MAX_WORLD_SIZE); check the mesh sizes"
+            )
         out[name] = value
     if not out:
         raise ConfigError(f"{option} {text!r}: empty mesh")

@@ -21,11 +21,16 @@ __all__ = [
     "StridedShard",
     "Partial",
     "REDUCE_OPS",
+    "MAX_SPLIT_FACTOR",
     "chunk_interval",
     "parse_placement",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+
+#: Largest split factor: it is a mesh dim size, so the bound is mesh.MAX_WORLD_SIZE
+#: (not imported: placements sit below mesh). ``split`` loops over it.
+MAX_SPLIT_FACTOR = 1 << 20
 
 
 def chunk_interval(size: int, n: int, i: int) -> Interval:
@@ -106,8 +111,9 @@ class StridedShard:
         sf = self.split_factor
         if isinstance(sf, bool) or not isinstance(sf, (int, str)):
             raise ConfigError(f"StridedShard split_factor must be an int or a mesh dim name, got {sf!r}")
-        if isinstance(sf, int) and sf < 1:
-            raise ConfigError(f"StridedShard split_factor must be >= 1, got {sf}")
+        if isinstance(sf, int) and not 1 <= sf <= MAX_SPLIT_FACTOR:
+            shown = sf if sf < 10**15 else "a huge number"
+            raise ConfigError(f"StridedShard split_factor must be from 1 to {MAX_SPLIT_FACTOR}, got {shown}")
 
     def resolve(self, mesh_sizes: Mapping[str, int]) -> StridedShard:
         if isinstance(self.split_factor, int):
@@ -171,6 +177,9 @@ def _norm_dim(dim: int, ndim: int, p: object) -> int:
 
 
 _CALL = re.compile(r"^\s*([A-Za-z_]+)\s*(?:\((.*)\))?\s*$", re.S)
+# ASCII digits only (str.isdigit accepts '²', which int() refuses), at most 9 of them:
+# no real dim or split factor is longer, and int() of thousands of digits is refused.
+_INT = re.compile(r"[+-]?[0-9]{1,9}")
 
 _NAMES = {
     "r": "R",
@@ -186,11 +195,21 @@ _NAMES = {
 }
 
 
+def _short(value: object) -> str:
+    """A bounded repr for messages: a 1 MB placement string is not echoed back."""
+    if isinstance(value, int) and abs(value) >= 10**15:
+        return "a huge number"  # repr() of a > 4300-digit int raises
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _int(text: str, what: str, full: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ConfigError(f"placement {full!r}: {what} must be an integer, got {text.strip()!r}") from None
+    text = text.strip()
+    if not _INT.fullmatch(text):
+        raise ConfigError(
+            f"placement {_short(full)}: {what} must be an integer of at most 9 digits, got {_short(text)}"
+        )
+    return int(text)
 
 
 def parse_placement(text: object) -> Placement:
@@ -202,12 +221,12 @@ def parse_placement(text: object) -> Placement:
     if isinstance(text, (Replicate, Shard, StridedShard, Partial)):
         return text
     if not isinstance(text, str):
-        raise ConfigError(f"placement must be a string such as R, S(0) or _S(0, 2), got {text!r}")
+        raise ConfigError(f"placement must be a string such as R, S(0) or _S(0, 2), got {_short(text)}")
     m = _CALL.match(text)
     kind = _NAMES.get(m.group(1).lower()) if m else None
     if m is None or kind is None:
         raise ConfigError(
-            f"unknown placement {text!r}: use R, S(d), _S(d, sf), P(sum) or their long forms "
+            f"unknown placement {_short(text)}: use R, S(d), _S(d, sf), P(sum) or their long forms "
             "Replicate(), Shard(d), _StridedShard(d, sf=N), Partial(sum)"
         )
     pos, kw = _arguments(m.group(2), text)
@@ -225,7 +244,7 @@ def _arguments(raw: str | None, text: str) -> tuple[list[str], dict[str, str]]:
             kw[k.strip()] = v.strip()
         else:
             if kw:
-                raise ConfigError(f"placement {text!r}: positional argument after keyword")
+                raise ConfigError(f"placement {_short(text)}: positional argument after keyword")
             pos.append(a)
     return pos, kw
 
@@ -241,28 +260,28 @@ def _arg(pos: list[str], kw: dict[str, str], *names: str) -> str | None:
 
 def _replicate(pos: list[str], kw: dict[str, str], text: str) -> Placement:
     if pos or kw:
-        raise ConfigError(f"placement {text!r}: Replicate takes no arguments")
+        raise ConfigError(f"placement {_short(text)}: Replicate takes no arguments")
     return Replicate()
 
 
 def _partial(pos: list[str], kw: dict[str, str], text: str) -> Placement:
     op = _arg(pos, kw, "reduce_op") or "sum"
     if pos or kw:
-        raise ConfigError(f"placement {text!r}: Partial takes one reduce op (sum, avg, max, min)")
+        raise ConfigError(f"placement {_short(text)}: Partial takes one reduce op (sum, avg, max, min)")
     return Partial(op.strip("'\""))
 
 
 def _dim(pos: list[str], kw: dict[str, str], text: str) -> int:
     dim_text = _arg(pos, kw, "dim")
     if dim_text is None:
-        raise ConfigError(f"placement {text!r}: missing the tensor dim, e.g. S(0)")
+        raise ConfigError(f"placement {_short(text)}: missing the tensor dim, e.g. S(0)")
     return _int(dim_text, "the dim", text)
 
 
 def _shard(pos: list[str], kw: dict[str, str], text: str) -> Placement:
     dim = _dim(pos, kw, text)
     if pos or kw:
-        raise ConfigError(f"placement {text!r}: Shard takes one dim")
+        raise ConfigError(f"placement {_short(text)}: Shard takes one dim")
     return Shard(dim)
 
 
@@ -270,11 +289,13 @@ def _strided(pos: list[str], kw: dict[str, str], text: str) -> Placement:
     dim = _dim(pos, kw, text)
     sf_text = _arg(pos, kw, "sf", "split_factor")
     if sf_text is None:
-        raise ConfigError(f"placement {text!r}: missing the split factor, e.g. _S(0, 2) or _S(0, sf=tp)")
+        raise ConfigError(
+            f"placement {_short(text)}: missing the split factor, e.g. _S(0, 2) or _S(0, sf=tp)"
+        )
     if pos or kw:
-        raise ConfigError(f"placement {text!r}: StridedShard takes a dim and a split factor")
+        raise ConfigError(f"placement {_short(text)}: StridedShard takes a dim and a split factor")
     sf_text = sf_text.strip("'\"")
-    sf: int | str = int(sf_text) if sf_text.lstrip("-").isdigit() else sf_text
+    sf: int | str = _int(sf_text, "the split factor", text) if sf_text[:1] in "+-0123456789" else sf_text
     return StridedShard(dim, sf)
 
 

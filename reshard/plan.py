@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .checkpoint import Checkpoint, TensorSource
 from .dtypes import DTYPE_SIZES, FLOAT_DTYPES
-from .errors import PlanError
+from .errors import LayoutError, PlanError
 from .intervals import Block, IndexList, Segment, block_volume, overlap_segments
 from .layout import TensorLayout
 from .mesh import Mesh
@@ -262,13 +262,18 @@ class OutFile:
 
     Formats whose bytes depend on the data (zip archives with CRC32 fields) set
     ``needs_crc32``: the executor then computes ``zlib.crc32`` of each entry's bytes
-    as it writes them and calls :meth:`finish` with them; the ``(offset, bytes)``
-    patches it returns are written before the file is checksummed and renamed.
+    as it writes them. Bytes right after an entry that depend on it (a zip data
+    descriptor, the records after it) come from :meth:`trailer`, written in order as
+    soon as the entry is, so they are hashed on the way; ``(offset, bytes)`` patches
+    anywhere else come from :meth:`finish`, written before the file is checksummed
+    and renamed (the pieces they touch are read back to hash them).
     """
 
     __slots__ = ("name", "rank", "tensors", "_layout")
 
     needs_crc32: bool = False
+    head_bytes: int = 0
+    """How many leading bytes of each entry :meth:`trailer` is given (with ``needs_crc32``)."""
 
     def __init__(self, name: str, rank: int | None, tensors: Sequence[TargetTensor]) -> None:
         self.name = name
@@ -283,6 +288,16 @@ class OutFile:
     def finish(self, crc32s: Sequence[int]) -> Sequence[tuple[int, bytes]]:
         """Bytes to write once all data is written, from the entries' CRC32s (in entry order)."""
         return ()
+
+    def trailer(self, index: int, crc32: int, head: bytes) -> bytes:
+        """The bytes right after entry ``index`` (at its end, up to the next fixed run or entry).
+
+        Args:
+            index: the entry's position in :attr:`entries`.
+            crc32: ``zlib.crc32`` of the entry's bytes (0 for an empty entry).
+            head: its first ``min(head_bytes, nbytes)`` bytes.
+        """
+        return b""
 
     @property
     def layout(self) -> FileLayout:
@@ -387,6 +402,23 @@ class Plan:
         return sum(sum(self.file_reads(f).values()) for f in self.files)
 
 
+def _target_layout(
+    src: TensorSource, mesh: Mesh, placements: Sequence[Placement | str], rules: LayoutConfig | None
+) -> TensorLayout:
+    """The target layout of ``src``; a placement that does not fit names the rule it came from."""
+    try:
+        return TensorLayout.for_tensor(src.name, src.shape, mesh, placements)
+    except LayoutError as e:
+        if rules is None:
+            raise
+        raise LayoutError(
+            f"{rules.rule_location(src.name)}: {e.message}",
+            path=rules.source,
+            tensor=src.name,
+            hint=e.hint or "change the rule, or add a rule for this tensor before it",
+        ) from None
+
+
 def make_plan(
     source: Checkpoint,
     mesh: Mesh,
@@ -430,7 +462,7 @@ def make_plan(
         lkey = (src.shape, *map(id, pl))
         lay = layouts.get(lkey)
         if lay is None:
-            lay = layouts[lkey] = (pl, TensorLayout.for_tensor(name, src.shape, mesh, pl))
+            lay = layouts[lkey] = (pl, _target_layout(src, mesh, pl, None if whole else rules))
         layout = lay[1]
         mkey = (id(src.piece_blocks), id(src.piece_partials), id(layout))
         hit = matched.get(mkey)

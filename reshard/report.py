@@ -10,8 +10,9 @@ from typing import Any
 from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
-from .intervals import block_shape, box_span, row_major_strides
+from .intervals import Block, block_shape, box_span, format_box, row_major_strides
 from .plan import Plan, copy_boxes
+from .text import markup_safe, shown
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
 
@@ -49,8 +50,15 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
             locals_ = [list(block_shape(b)) for b in t.piece_blocks]
             geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
         locals_, uniform = geo
+        chunks = {}
+        if ck.format == "dcp":
+            chunks["chunks"] = [
+                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
+                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
+            ]
         tensors.append(
             {
+                **chunks,
                 "name": t.name,
                 "dtype": t.dtype,
                 "shape": list(t.shape),
@@ -70,6 +78,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
         "warnings": [str(w) for w in ck.warnings],
+        **({"note": _DCP_NOTE} if ck.format == "dcp" else {}),
     }
     if ck.non_tensors:  # only formats that have them (DCP, torch.save) add the key
         doc["non_tensors"] = [
@@ -82,6 +91,17 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
             for n in ck.non_tensors
         ]
     return doc
+
+
+_DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
+
+
+def _block_text(block: Block) -> str:
+    """A piece's global indices, ``[0:4)x[2:3)`` as :func:`~reshard.intervals.format_box` shows
+    a box; ``[]`` for an empty dim (an empty chunk)."""
+    if not block:
+        return format_box(())
+    return "x".join(",".join(str(iv) for iv in ilist) or "[]" for ilist in block)
 
 
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
@@ -132,15 +152,24 @@ def _local_text(t: dict[str, Any]) -> str:
     return shown + (" ..." if len(ls) > 8 else "")
 
 
+def _chunks_text(t: dict[str, Any], group: bool) -> str:
+    cs = t["chunks"]
+    some = cs[:4] if group else cs
+    text = "; ".join(f"{c['box']} {c['file']}" for c in some)
+    return text + (f"; ... ({len(cs)} chunks)" if len(some) < len(cs) else "")
+
+
 def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
     """Human table of an inspect report."""
     from rich.table import Table
+    from rich.text import Text
 
     mesh = doc["mesh"]
     mesh_text = ",".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh else "-"
     console.print(
-        f"[bold]{doc['path']}[/]  format={doc['format']}  mesh={mesh_text}  "
-        f"files={len(doc['files'])} ({human(doc['file_bytes'])})"
+        f"[bold]{markup_safe(doc['path'])}[/]  format={doc['format']}  mesh={markup_safe(mesh_text)}  "
+        f"files={len(doc['files'])} ({human(doc['file_bytes'])})",
+        soft_wrap=True,
     )
     table = Table(show_edge=False, pad_edge=False)
     for col in ("tensor", "count", "dtype", "shape", "placements", "local shape(s)", "bytes"):
@@ -160,24 +189,25 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     for label, ts in rows:
         t = ts[0]
         table.add_row(
-            label,
+            Text(shown(label)),
             str(len(ts)) if len(ts) > 1 else "",
             t["dtype"],
             str(t["shape"]),
-            ", ".join(t["placements"]) if t["placements"] else f"{t['pieces']} piece(s)",
-            _local_text(t),
+            Text(shown(", ".join(t["placements"]))) if t["placements"] else f"{t['pieces']} piece(s)",
+            Text(shown(_chunks_text(t, group))) if "chunks" in t else _local_text(t),
             human(sum(x["bytes"] for x in ts)),
         )
     console.print(table)
     tot = doc["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
+    if doc.get("note"):
+        console.print(Text(shown(doc["note"])), soft_wrap=True)
     for n in doc.get("non_tensors", ()):
         where = f" in {n['file']}" if n["file"] else ""
-        console.print(
-            f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
-        )
+        text = f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
+        console.print(Text(shown(text)), soft_wrap=True)
     for w in doc["warnings"]:
-        console.print(f"warning: {w}")
+        console.print(Text("warning: " + shown(w)), soft_wrap=True)
 
 
 def _relative_spans(src: Any, copies: Any) -> list[tuple[int, int, int]]:
@@ -274,11 +304,13 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
 
 def render_plan(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     t = doc["target"]
+    mesh = ",".join(f"{n}={s}" for n, s in zip(t["mesh"]["names"], t["mesh"]["shape"]))
     console.print(
-        f"[bold]plan[/]: {doc['source']['path']} ({doc['source']['format']}) -> "
-        f"{t['format']} mesh={','.join(f'{n}={s}' for n, s in zip(t['mesh']['names'], t['mesh']['shape']))}, "
+        f"[bold]plan[/]: {markup_safe(doc['source']['path'])} ({doc['source']['format']}) -> "
+        f"{t['format']} mesh={markup_safe(mesh)}, "
         f"{doc['tensors']} tensors"
     )
     table = Table(show_edge=False, pad_edge=False)
@@ -287,10 +319,10 @@ def render_plan(doc: dict[str, Any], console: Any) -> None:
     for f in doc["files"]:
         srcs = ", ".join(s["file"] for s in f["sources"][:3]) + (" ..." if len(f["sources"]) > 3 else "")
         table.add_row(
-            f["name"],
+            Text(shown(f["name"])),
             human(f["bytes_written"]),
             human(f["bytes_read"]),
-            srcs,
+            Text(shown(srcs)),
             str(f["copies"]),
             f"{f['read_amplification']:.2f}",
         )

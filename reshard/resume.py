@@ -1,8 +1,11 @@
 """``convert --resume``: keep output files an interrupted run finished and verified, redo the rest.
 
-Each finished file is recorded in ``DST/.reshard-progress.jsonl`` (name, size,
-checksum) as soon as it is renamed into place; ``reshard.json`` replaces the
-journal when the conversion completes. A file is kept only when it is in the
+The journal ``.reshard-progress.jsonl`` lives in the staging directory
+(:mod:`reshard.io.staging`). Its first line records the source's identity (file
+names, sizes, mtimes, and checksums where the source's ``reshard.json`` has
+them); each finished file is appended (name, size, checksum) as soon as it is
+renamed into place. A resume onto a source that changed since is refused: the
+kept files were made from other bytes. A file is kept only when it is in the
 journal, its size and checksum still match, and its header is the one the
 current plan would write (same options, same source).
 """
@@ -12,35 +15,110 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+from .checkpoint import Checkpoint
+from .errors import UsageError
 from .io.checksum import file_checksum
 from .io.writer import FileResult
 from .plan import OutFile, Plan
+from .text import shown
 
-__all__ = ["JOURNAL", "record_finished", "finished_files"]
+__all__ = ["JOURNAL", "is_journal", "source_identity", "start_journal", "record_finished", "finished_files"]
 
 JOURNAL = ".reshard-progress.jsonl"
 
 
-def record_finished(dst: Path, result: FileResult, rank: int = 0) -> None:
-    """Append one finished file to the journal (one line, flushed; one journal per torchrun rank)."""
-    line = json.dumps({"name": result.name, "size": result.size, "checksum": result.checksum})
-    name = JOURNAL if rank == 0 else f"{JOURNAL}.{rank}"
-    with open(dst / name, "a", encoding="utf-8") as f:
+def is_journal(name: str) -> bool:
+    """Whether ``name`` is a resume journal (rank 0's, or another torchrun rank's)."""
+    return name == JOURNAL or name.startswith(JOURNAL + ".")
+
+
+def _append(path: Path, line: str) -> None:
+    """Append one line, flushed to disk; never through a link planted at ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def _journal(dst: Path) -> dict[str, dict[str, object]]:
+def source_identity(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
+    """Per source file name: size, mtime (ns) and, where its ``reshard.json`` lists one, checksum."""
+    listed = (ckpt.manifest or {}).get("files")
+    out: dict[str, dict[str, Any]] = {}
+    for f in ckpt.files:
+        st = os.stat(f)
+        rec: dict[str, Any] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        info = listed.get(Path(f).name) if isinstance(listed, dict) else None
+        if isinstance(info, dict) and isinstance(info.get("checksum"), str):
+            rec["checksum"] = info["checksum"]
+        out[Path(f).name] = rec
+    return out
+
+
+def _recorded(stage: Path) -> dict[str, Any] | None:
+    p = stage / JOURNAL
+    if not p.is_file():
+        return None
+    first = p.read_text(encoding="utf-8").partition("\n")[0]
+    try:
+        rec = json.loads(first)
+    except ValueError:
+        return {}
+    return rec.get("source", {}) if isinstance(rec, dict) else {}
+
+
+def _changes(old: dict[str, Any], new: dict[str, dict[str, Any]]) -> list[str]:
+    out = [f"{shown(n)} is new" for n in new if n not in old]
+    out += [f"{shown(n)} is gone" for n in old if n not in new]
+    for n, rec in new.items():
+        was = old.get(n)
+        if isinstance(was, dict):
+            out += [
+                f"{shown(n)}: {key} {was.get(key)} -> {rec.get(key)}"
+                for key in ("size", "checksum", "mtime_ns")
+                if was.get(key) != rec.get(key)
+            ][:1]
+    return out
+
+
+def start_journal(stage: Path, identity: dict[str, dict[str, Any]], *, resume: bool) -> None:
+    """Begin (or, resuming, check) the journal of a run writing into ``stage``.
+
+    Raises:
+        UsageError: resuming onto a source that changed since the interrupted run.
+    """
+    old = _recorded(stage) if resume else None
+    if old is not None:
+        changed = _changes(old, identity) if old else ["the interrupted run did not record it"]
+        if changed:
+            raise UsageError(
+                f"{stage.parent}: the source changed since the interrupted run ({'; '.join(changed[:3])}); "
+                "the files kept would mix two sources: rerun with --overwrite instead of --resume",
+                path=str(stage.parent),
+            )
+        return
+    for p in stage.glob(JOURNAL + "*"):
+        p.unlink()
+    _append(stage / JOURNAL, json.dumps({"source": identity}, sort_keys=True))
+
+
+def record_finished(stage: Path, result: FileResult, rank: int = 0) -> None:
+    """Append one finished file to the journal (one line, flushed; one journal per torchrun rank)."""
+    line = json.dumps({"name": result.name, "size": result.size, "checksum": result.checksum})
+    _append(stage / (JOURNAL if rank == 0 else f"{JOURNAL}.{rank}"), line)
+
+
+def _journal(stage: Path) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
-    for p in sorted(dst.glob(JOURNAL + "*")):
+    for p in sorted(stage.glob(JOURNAL + "*")):
         for line in p.read_text(encoding="utf-8").splitlines():
             try:
                 rec = json.loads(line)
                 out[str(rec["name"])] = rec
             except (ValueError, KeyError, TypeError):
-                continue  # a torn last line from an interrupted run
+                continue  # the source record, or a torn last line from an interrupted run
     return out
 
 
@@ -50,18 +128,19 @@ def _header_matches(path: Path, f: OutFile) -> bool:
 
 
 def finished_files(
-    plan: Plan, dst: Path, files: list[OutFile] | None = None
+    plan: Plan, stage: Path, files: list[OutFile] | None = None
 ) -> tuple[list[FileResult], list[OutFile]]:
     """Split ``files`` (default: all the plan's) into (kept results, files still to write)."""
-    journal = _journal(dst)
+    journal = _journal(stage)
     done: list[FileResult] = []
     todo: list[OutFile] = []
     for f in plan.files if files is None else files:
-        p = dst / f.name
+        p = stage / f.name
         rec = journal.get(f.name)
         if (
             rec is not None
             and p.is_file()
+            and not p.is_symlink()
             and p.stat().st_size == f.size == rec.get("size")
             and _header_matches(p, f)
             and file_checksum(p) == rec.get("checksum")

@@ -13,7 +13,6 @@ from .dtypes import TORCH_NAMES
 __all__ = ["torch_dtype", "cast_reduce"]
 
 
-
 def torch_dtype(name: str) -> Any:
     """The torch dtype of a safetensors dtype string."""
     import torch

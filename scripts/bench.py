@@ -30,6 +30,18 @@ take the commands whose cost grows with the tensor count:
 plus an in-process phase split (µs per tensor per rank file: header parsing, planning,
 copying) that should not grow with N (e.g. --tensors 10000, 100000, 200000).
 
+With --pt, on veRL-style per-rank torch.save files of the same tensors (DTensors on a
+("tp",) mesh, model_world_size_4_rank_{r}.pt, written by 4 gloo ranks):
+
+  pt-hf         reshard convert PT OUT --consolidate
+  torch-pt-hf   torch.load each file, cat the local tensors, save_file (one round; --naive-rounds)
+
+and with --dcp-write, writing DCP (torch Distributed Checkpoint, .metadata + .distcp):
+
+  hf-dcp8        reshard convert HF OUT --to dcp --target-layout llama-tp --target-mesh tp=8
+  torch-hf-dcp8  torch: 8 gloo ranks read HF tensor by tensor, distribute_tensor, dcp.save
+                 (one round; --naive-rounds)
+
 It prints one table: median wall time and spread, GB/s, peak RSS of the
 child process (os.wait4), and the ratio to `cp` measured in the same rounds.
 Everything runs in the page cache unless --cold (then sources are evicted
@@ -130,14 +142,16 @@ def dim(n):
     if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
     if re.search(r"(o|down)_proj", n): return 1
     return None
-full = {n: (torch.cat([r[n] for r in ranks], dim(n)) if dim(n) is not None else ranks[0][n]) for n in ranks[0]}
+full = {n: (torch.cat([r[n] for r in ranks], dim(n)) if dim(n) is not None else ranks[0][n])
+        for n in ranks[0]}
 del ranks
 W = int(sys.argv[3])
 if W == 1:
     save_file(full, f"{dst}/model.safetensors")
 else:
     for r in range(W):
-        save_file({n: (t.chunk(W, dim(n))[r].contiguous() if dim(n) is not None else t) for n, t in full.items()},
+        save_file({n: (t.chunk(W, dim(n))[r].contiguous() if dim(n) is not None else t)
+                   for n, t in full.items()},
                   f"{dst}/rank-{r:05d}-of-{W:05d}.safetensors")
 """
 
@@ -169,6 +183,84 @@ def worker(rank, src, out):
     dist.destroy_process_group()
 
 mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=4, join=True, start_method="fork")
+"""
+
+GEN_PT = r"""
+import os, re, sys
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
+import torch.multiprocessing as mp
+
+def dim(n):
+    if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
+    if re.search(r"(o|down)_proj", n): return 1
+    return None
+
+def worker(rank, src, out):
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    dist.init_process_group("gloo", init_method=f"file://{out}.rendezvous", rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    local = load_file(f"{src}/rank-{rank:05d}-of-00004.safetensors")
+    sd = {n: DTensor.from_local(t, mesh, [Shard(dim(n))] if dim(n) is not None else [Replicate()],
+                                run_check=False) for n, t in local.items()}
+    os.makedirs(out, exist_ok=True)
+    torch.save(sd, f"{out}/model_world_size_4_rank_{rank}.pt")
+    dist.destroy_process_group()
+
+mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=4, join=True, start_method="fork")
+"""
+
+TORCH_PT_HF = r"""
+import os, sys, torch
+import torch.distributed.tensor  # registers DTensor for weights_only loading
+from torch.distributed.tensor import Shard
+from safetensors.torch import save_file
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+ranks = [torch.load(f"{src}/model_world_size_4_rank_{r}.pt", weights_only=True, mmap=True) for r in range(4)]
+full = {}
+for n, dt in ranks[0].items():
+    p = dt.placements[0]
+    full[n] = torch.cat([r[n].to_local() for r in ranks], p.dim) if isinstance(p, Shard) else dt.to_local()
+del ranks
+save_file(full, f"{dst}/model.safetensors")
+"""
+
+TORCH_DCP8 = r"""
+import os, re, sys
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch.distributed.checkpoint as dcp
+import torch.distributed.tensor
+import torch.multiprocessing as mp
+
+def dim(n):
+    if re.search(r"(q|k|v|gate|up)_proj|embed_tokens|lm_head", n): return 0
+    if re.search(r"(o|down)_proj", n): return 1
+    return None
+
+RDV = f"file://{sys.argv[2]}.rendezvous-{os.getpid()}"
+
+def worker(rank, src, out):
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    dist.init_process_group("gloo", init_method=RDV, rank=rank, world_size=8)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+    sd = {}
+    with safe_open(f"{src}/model.safetensors", "pt") as f:
+        for n in f.keys():  # one full tensor at a time; each rank keeps its shard (no communication)
+            pl = [Shard(dim(n))] if dim(n) is not None else [Replicate()]
+            d = distribute_tensor(f.get_tensor(n), mesh, pl, src_data_rank=None)
+            sd[n] = torch.distributed.tensor.DTensor.from_local(
+                d.to_local().clone(), mesh, pl, run_check=False, shape=d.shape, stride=d.stride())
+    dcp.save(sd, checkpoint_id=out)
+    dist.destroy_process_group()
+
+mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=8, join=True, start_method="fork")
 """
 
 TORCH_CONSOLIDATE = r"""
@@ -203,11 +295,17 @@ def moe_tensors(n: int, mix: str) -> list[tuple[str, tuple[int, ...], int | None
     layer = 0
     while len(out) < n:
         p = f"model.layers.{layer}."
-        out += [(p + "input_layernorm.weight", (192,), None), (p + "post_attention_layernorm.weight", (192,), None)]
+        out += [
+            (p + "input_layernorm.weight", (192,), None),
+            (p + "post_attention_layernorm.weight", (192,), None),
+        ]
         for e in range(EXPERTS):
             q = f"{p}mlp.experts.{e}."
-            out += [(q + "gate_proj.weight", (32, 192), 0), (q + "up_proj.weight", (32, 192), 0),
-                    (q + "down_proj.weight", (192, 32), 1)]
+            out += [
+                (q + "gate_proj.weight", (32, 192), 0),
+                (q + "up_proj.weight", (32, 192), 0),
+                (q + "down_proj.weight", (192, 32), 1),
+            ]
         layer += 1
     return out[:n]
 
@@ -267,6 +365,17 @@ print(json.dumps({"tensors": n, "parse_us": parse * us, "open_us": opened * us /
 """
 
 
+def generate_pt(base: Path, src: Path) -> Path:
+    """The veRL-style per-rank .pt checkpoint of the TP-4 source, written once by torch."""
+    pt_dir = base / "src-pt"
+    if not (base / "generated-pt").exists():
+        shutil.rmtree(pt_dir, ignore_errors=True)
+        sys.stderr.write(f"writing the per-rank .pt checkpoint with torch (4 gloo ranks) in {pt_dir} ...\n")
+        subprocess.run([sys.executable, "-c", GEN_PT, str(src), str(pt_dir)], check=True)
+        (base / "generated-pt").write_text("")
+    return pt_dir
+
+
 def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one child process."""
     if cold:
@@ -305,9 +414,23 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
     ap.add_argument("--jobs", default="", help="comma-separated (default: all that apply)")
     ap.add_argument("--cold", action="store_true")
-    ap.add_argument("--dcp", action="store_true",
-                    help="also DCP safetensors (torch HuggingFaceStorageWriter, 4 ranks) -> consolidated: "
-                         "reshard (job dcp-hf) against torch's consolidate_safetensors_files (naive rounds)")
+    ap.add_argument(
+        "--dcp",
+        action="store_true",
+        help="also DCP safetensors (torch HuggingFaceStorageWriter, 4 ranks) -> consolidated: "
+        "reshard (job dcp-hf) against torch's consolidate_safetensors_files (naive rounds)",
+    )
+    ap.add_argument(
+        "--pt",
+        action="store_true",
+        help="also veRL-style per-rank .pt files (DTensors, 4 gloo ranks) -> consolidated: "
+        "reshard (job pt-hf) against torch.load + cat + save_file (naive rounds)",
+    )
+    ap.add_argument(
+        "--dcp-write",
+        action="store_true",
+        help="also HF -> DCP TP-8: reshard (job hf-dcp8) against torch's dcp.save (naive rounds)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -329,35 +452,114 @@ def main() -> int:
         # in a child process: the parent stays small, so children forked from it report their own peak RSS
         gen = [str(args.tensors), args.mix] if args.tensors else [str(layers)]
         subprocess.run([sys.executable, __file__, "--generate-only", str(src), *gen], check=True)
-        subprocess.run([reshard, "convert", str(src), str(hf), "--source-layout", str(base / "layout.yaml"),
-                        "--consolidate", "--quiet"], check=True)
+        subprocess.run(
+            [
+                reshard,
+                "convert",
+                str(src),
+                str(hf),
+                "--source-layout",
+                str(base / "layout.yaml"),
+                "--consolidate",
+                "--quiet",
+            ],
+            check=True,
+        )
         if args.tensors:  # the self-described TP-8 output that inspect, check and verify read
-            subprocess.run([reshard, "convert", str(src), str(tp8), "--source-layout", str(base / "layout.yaml"),
-                            "--target-mesh", "tp=8", "--quiet"], check=True)
+            subprocess.run(
+                [
+                    reshard,
+                    "convert",
+                    str(src),
+                    str(tp8),
+                    "--source-layout",
+                    str(base / "layout.yaml"),
+                    "--target-mesh",
+                    "tp=8",
+                    "--quiet",
+                ],
+                check=True,
+            )
         marker.write_text("")
     dcp_dir = base / "src-dcp"
     if args.dcp and not (base / "generated-dcp").exists():
         shutil.rmtree(dcp_dir, ignore_errors=True)
-        sys.stderr.write(f"writing the DCP safetensors checkpoint with torch (4 gloo ranks) in {dcp_dir} ...\n")
+        sys.stderr.write(
+            f"writing the DCP safetensors checkpoint with torch (4 gloo ranks) in {dcp_dir} ...\n"
+        )
         subprocess.run([sys.executable, "-c", GEN_DCP, str(src), str(dcp_dir)], check=True)
         (base / "generated-dcp").write_text("")
+    pt_dir = generate_pt(base, src) if args.pt else base / "src-pt"
     size = sum(p.stat().st_size for p in src.iterdir())
     lay = str(base / "layout.yaml")
     w = ["--workers", str(args.workers)] if args.workers > 0 else []
     workers_text = str(args.workers) if args.workers > 0 else f"default ({min(4, os.cpu_count() or 1)})"
     jobs = {
         "cp": (["cp", "-r", str(src), "OUT"], [src]),
-        "tp4-tp8": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [src]),
-        "tp4-hf": ([reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w], [src]),
-        "hf-tp8": ([reshard, "convert", str(hf), "OUT", "--target-layout", lay, "--target-mesh", "tp=8", "--quiet", *w], [hf]),
+        "tp4-tp8": (
+            [
+                reshard,
+                "convert",
+                str(src),
+                "OUT",
+                "--source-layout",
+                lay,
+                "--target-mesh",
+                "tp=8",
+                "--quiet",
+                *w,
+            ],
+            [src],
+        ),
+        "tp4-hf": (
+            [reshard, "convert", str(src), "OUT", "--source-layout", lay, "--consolidate", "--quiet", *w],
+            [src],
+        ),
+        "hf-tp8": (
+            [
+                reshard,
+                "convert",
+                str(hf),
+                "OUT",
+                "--target-layout",
+                lay,
+                "--target-mesh",
+                "tp=8",
+                "--quiet",
+                *w,
+            ],
+            [hf],
+        ),
         "dcp-hf": ([reshard, "convert", str(dcp_dir), "OUT", "--consolidate", "--quiet", *w], [dcp_dir]),
         "inspect": ([reshard, "inspect", str(tp8), "--json"], [tp8]),
         "plan": ([reshard, "plan", str(src), "--source-layout", lay, "--target-mesh", "tp=8"], [src]),
         "check": ([reshard, "inspect", str(tp8), "--check", "--quiet"], [tp8]),
         "verify": ([reshard, "verify", str(tp8), str(hf), "--quiet"], [tp8, hf]),
+        "hf-dcp8": (
+            [
+                reshard,
+                "convert",
+                str(hf),
+                "OUT",
+                "--to",
+                "dcp",
+                "--target-layout",
+                "llama-tp",
+                "--target-mesh",
+                "tp=8",
+                "--quiet",
+                *w,
+            ],
+            [hf],
+        ),
+        "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
     default_jobs = "tp4-tp8,tp4-hf,hf-tp8" + (",inspect,plan,check,verify" if args.tensors else "")
-    chosen = ["cp"] + [j for j in (args.jobs or default_jobs).split(",") if j] + (["dcp-hf"] if args.dcp else [])
+    chosen = (
+        ["cp"] + [j for j in (args.jobs or default_jobs).split(",") if j] + (["dcp-hf"] if args.dcp else [])
+    )
+    chosen += ["hf-dcp8"] if args.dcp_write and "hf-dcp8" not in chosen else []
+    chosen += ["pt-hf"] if args.pt else []
     times: dict[str, list[float]] = {j: [] for j in chosen}
     rss: dict[str, list[int]] = {j: [] for j in chosen}
     out = base / "out"
@@ -373,14 +575,28 @@ def main() -> int:
     phases = None
     if args.tensors:
         shutil.rmtree(out, ignore_errors=True)
-        got = subprocess.run([sys.executable, "-c", PHASES, str(src), lay, str(out)], check=True,
-                             capture_output=True, text=True)
+        got = subprocess.run(
+            [sys.executable, "-c", PHASES, str(src), lay, str(out)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         phases = json.loads(got.stdout)
         sys.stderr.write(f"phases (us per tensor per rank file): {phases}\n")
-    slow = [] if args.tensors else [("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
-            ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"])]
+    slow = (
+        []
+        if args.tensors
+        else [
+            ("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
+            ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"]),
+        ]
+    )
     if args.dcp:
         slow.append(("torch-dcp-hf", [sys.executable, "-c", TORCH_CONSOLIDATE, str(dcp_dir), "OUT"]))
+    if args.dcp_write:
+        slow.append(("torch-hf-dcp8", [sys.executable, "-c", TORCH_DCP8, str(hf), "OUT"]))
+    if args.pt:
+        slow.append(("torch-pt-hf", [sys.executable, "-c", TORCH_PT_HF, str(pt_dir), "OUT"]))
     for name, slow_cmd in slow:
         for _ in range(args.naive_rounds):
             shutil.rmtree(out, ignore_errors=True)
@@ -400,25 +616,54 @@ def main() -> int:
             ratio = statistics.median(ratios)
         else:
             ratio = med / cp_med
-        rows.append({
-            "job": j, "runs": len(ts), "median_s": round(med, 3),
-            "spread_s": round(max(ts) - min(ts), 3), "gb_per_s": round(size / med / 1e9, 2),
-            "peak_rss_mib": round(max(rss[j]) / 2**20, 1), "ratio_to_cp": round(ratio, 2),
-        })
+        rows.append(
+            {
+                "job": j,
+                "runs": len(ts),
+                "median_s": round(med, 3),
+                "spread_s": round(max(ts) - min(ts), 3),
+                "gb_per_s": round(size / med / 1e9, 2),
+                "peak_rss_mib": round(max(rss[j]) / 2**20, 1),
+                "ratio_to_cp": round(ratio, 2),
+            }
+        )
     cache = "cold (sources evicted before each run)" if args.cold else "warm page cache"
     if args.json:
-        print(json.dumps({"size_bytes": size, "layers": layers, "tensors": args.tensors, "mix": args.mix,
-                          "workers": workers_text, "cache": cache, "rows": rows, "phases": phases}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "size_bytes": size,
+                    "layers": layers,
+                    "tensors": args.tensors,
+                    "mix": args.mix,
+                    "workers": workers_text,
+                    "cache": cache,
+                    "rows": rows,
+                    "phases": phases,
+                },
+                indent=2,
+            )
+        )
     else:
         kind = f"{args.tensors} int16 tensors ({args.mix})" if args.tensors else f"bf16 ({layers} layers)"
-        print(f"checkpoint: {size / 1e9:.2f} GB TP-4 {kind}, {cache}, workers={workers_text}, rounds={args.rounds}")
+        print(
+            f"checkpoint: {size / 1e9:.2f} GB TP-4 {kind}, {cache}, "
+            f"workers={workers_text}, rounds={args.rounds}"
+        )
         if phases:
-            print("us per tensor per rank file: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()
-                                                             if k != "tensors"))
-        print(f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}{'peak RSS MiB':>14}{'x cp':>7}")
+            print(
+                "us per tensor per rank file: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "tensors")
+            )
+        print(
+            f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}"
+            f"{'peak RSS MiB':>14}{'x cp':>7}"
+        )
         for r in rows:
-            print(f"{r['job']:<15}{r['runs']:>5}{r['median_s']:>10.3f}{r['spread_s']:>10.3f}"
-                  f"{r['gb_per_s']:>8.2f}{r['peak_rss_mib']:>14.1f}{r['ratio_to_cp']:>7.2f}")
+            print(
+                f"{r['job']:<15}{r['runs']:>5}{r['median_s']:>10.3f}{r['spread_s']:>10.3f}"
+                f"{r['gb_per_s']:>8.2f}{r['peak_rss_mib']:>14.1f}{r['ratio_to_cp']:>7.2f}"
+            )
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
     return 0

@@ -50,23 +50,35 @@ def main() -> int:
         name = f"model.layers.{i // len(KINDS)}.{suffix}"
         lay = TensorLayout.make(shape, src_mesh, [pl])
         tensors[name] = TensorSource(
-            name=name, dtype="BF16", shape=lay.shape,
-            piece_files=tuple(range(src_mesh.size)), piece_offsets=tuple(range(src_mesh.size)),
-            piece_blocks=lay.blocks(), signature=("layout", lay.shape, src_mesh.shape, lay.placements),
+            name=name,
+            dtype="BF16",
+            shape=lay.shape,
+            piece_files=tuple(range(src_mesh.size)),
+            piece_offsets=tuple(range(src_mesh.size)),
+            piece_blocks=lay.blocks(),
+            signature=("layout", lay.shape, src_mesh.shape, lay.placements),
             placements=lay.placements,
         )
         rule[name] = [pl]
-    ck = Checkpoint("synthetic", "per-rank", tuple(f"r{r}" for r in range(src_mesh.size)),
-                    (0,) * src_mesh.size, tensors, mesh=src_mesh)
+    ck = Checkpoint(
+        "synthetic",
+        "per-rank",
+        tuple(f"r{r}" for r in range(src_mesh.size)),
+        (0,) * src_mesh.size,
+        tensors,
+        mesh=src_mesh,
+    )
     t1 = time.perf_counter()
     plan = make_plan(ck, Mesh(("tp",), (args.target_tp,)), rule.__getitem__, writer=writer("per-rank"))
     t2 = time.perf_counter()
     copies = sum(len(c) for t in plan.tensors for c in t.copies)
     entries = len(plan.tensors) * len(plan.files)
-    print(f"{args.tensors} tensors, tp={args.source_tp} -> tp={args.target_tp}: "
-          f"source description {t1 - t0:.2f} s, plan {t2 - t1:.2f} s, "
-          f"{len(plan.files)} files, {entries} file entries, {copies} copies, "
-          f"{len({id(t.copies) for t in plan.tensors})} distinct copy templates")
+    print(
+        f"{args.tensors} tensors, tp={args.source_tp} -> tp={args.target_tp}: "
+        f"source description {t1 - t0:.2f} s, plan {t2 - t1:.2f} s, "
+        f"{len(plan.files)} files, {entries} file entries, {copies} copies, "
+        f"{len({id(t.copies) for t in plan.tensors})} distinct copy templates"
+    )
     return 0
 
 

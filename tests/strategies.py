@@ -120,9 +120,7 @@ def placements(
 
 
 @st.composite
-def layouts_on(
-    draw: st.DrawFn, mesh: Mesh, *, shape: Sequence[int] | None = None, **kw: Any
-) -> TensorLayout:
+def layouts_on(draw: st.DrawFn, mesh: Mesh, *, shape: Sequence[int] | None = None, **kw: Any) -> TensorLayout:
     """A random layout of a random (or the given) shape on ``mesh``.
 
     Keyword options go to :func:`placements`, except ``min_dims``/``max_dims``/``max_numel``
@@ -217,9 +215,7 @@ def torch_placements(pls: Sequence[Placement], ndim: int) -> list[Any]:
     return [torch_placement(p, ndim) for p in pls]
 
 
-def torch_local(
-    full: Any, mesh_shape: Sequence[int], coord: Sequence[int], pls: Sequence[Any]
-) -> Any:
+def torch_local(full: Any, mesh_shape: Sequence[int], coord: Sequence[int], pls: Sequence[Any]) -> Any:
     """The local tensor torch's own placement splitting gives ``coord``.
 
     ``pls`` are torch placements; they apply left to right on the local tensor,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
 from ..errors import UsageError
-from . import dcp_safetensors, hf, per_rank
+from . import dcp, dcp_safetensors, dcp_writer, hf, per_rank, pt, sharded_state
 from .base import NO, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, read_manifest
 
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 # Detection priority: on equal confidence the earlier format wins.
-_FORMATS = [dcp_safetensors, hf, per_rank]
+_FORMATS = [dcp, dcp_safetensors, hf, per_rank, sharded_state, pt, dcp_writer]
 
 _READERS: dict[str, Reader] = {}
 _WRITERS: dict[str, Writer] = {}

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
+from ..errors import UsageError
+from ..io.safe import file_kind
 from ..mesh import Mesh
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions
 
@@ -58,6 +60,15 @@ class Probe:
 
     @classmethod
     def of(cls, path: Path) -> Probe:
+        """Probe ``path``.
+
+        Raises:
+            UsageError: ``path`` is neither a regular file nor a directory (a FIFO,
+                ``/dev/zero``): reading it would block or never end.
+        """
+        kind = file_kind(path.stat().st_mode)
+        if kind is not None and not path.is_dir():
+            raise UsageError(f"{path}: is {kind}, not a checkpoint file or directory", path=str(path))
         if path.is_file():
             return cls(path, True, (path.name,))
         return cls(path, False, tuple(sorted(p.name for p in path.iterdir() if p.is_file())))
@@ -115,6 +126,12 @@ class Writer:
             a worker then writes up to 8 of them slab by slab, sharing source reads.
         owns: file names (exact) or name suffixes (starting with ``.``) this format
             writes; ``--overwrite`` and failure cleanup remove them.
+        marks: files ``complete`` writes (before ``reshard.json``) whose presence tells
+            other tools the checkpoint is finished (DCP's ``.metadata``): removed before
+            any output file is written (``--resume`` too) and on failure, so an
+            interrupted directory never looks finished.
+        whole_by_default: without ``--target-layout``/``--target-mesh``, write every
+            tensor whole on one rank (instead of asking for a target).
     """
 
     name: str
@@ -124,3 +141,5 @@ class Writer:
     consolidated: bool = False
     lockstep: bool = False
     owns: tuple[str, ...] = ()
+    marks: tuple[str, ...] = ()
+    whole_by_default: bool = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..errors import LayoutError
 from ..intervals import Box, Interval, index_list_size
@@ -84,42 +85,46 @@ def save_items(tensors: Sequence[tuple[str, TensorLayout, int]]) -> list[tuple[s
 
     Returns:
         ``(fqn, box, item)`` per distinct ``(fqn, offsets)``: rank 0's chunks in
-        tensor order, then chunks first held by rank 1, and so on.
+        tensor order, then chunks first held by rank 1, and so on. Linear in
+        tensors x ranks: the boxes are worked out once per distinct layout.
 
     Raises:
         LayoutError: a rank's local data is not one box (names the tensor and rank).
     """
-    boxes: list[list[Box]] = []
-    for fqn, layout, _ in tensors:
-        per_rank: list[Box] = []
-        for r in range(layout.mesh.size):
-            box = rank_box(layout, r)
-            if box is None:
-                raise LayoutError(
-                    f'tensor "{fqn}": {layout.placement_strs()} leaves rank {r} a local tensor that is '
-                    "not one box; DCP stores one box per rank and cannot express it",
-                    tensor=fqn,
-                    hint="choose placements whose local shards are contiguous (S(d) rather than _S(d, k))",
-                )
-            per_rank.append(box)
-        boxes.append(per_rank)
     world = max((lay.mesh.size for _, lay, _ in tensors), default=0)
-    out: list[tuple[str, Box, WriteItem]] = []
-    seen: set[tuple[str, tuple[int, ...]]] = set()
-    for r in range(world):
-        for (fqn, layout, itemsize), per_rank in zip(tensors, boxes):
-            if r >= len(per_rank):
-                continue
-            offsets = tuple(iv.start for iv in per_rank[r])
-            if (fqn, offsets) in seen:
-                continue
-            seen.add((fqn, offsets))
-            holders = tuple(q for q, b in enumerate(per_rank) if tuple(iv.start for iv in b) == offsets)
-            nbytes = itemsize
-            for n in layout.shape:
-                nbytes *= n
-            out.append((fqn, per_rank[r], WriteItem((fqn, offsets), holders, nbytes)))
-    return out
+    by_rank: list[list[tuple[str, Box, WriteItem]]] = [[] for _ in range(world)]
+    for fqn, layout, itemsize in tensors:
+        chunks, bad = _distinct_chunks(layout)
+        if bad is not None:
+            raise LayoutError(
+                f'tensor "{fqn}": {layout.placement_strs()} leaves rank {bad} a local tensor that is '
+                "not one box; DCP stores one box per rank and cannot express it",
+                tensor=fqn,
+                hint="choose placements whose local shards are contiguous (S(d) rather than _S(d, k))",
+            )
+        nbytes = itemsize
+        for n in layout.shape:
+            nbytes *= n
+        for first, box, holders in chunks:
+            offsets = tuple(iv.start for iv in box)
+            by_rank[first].append((fqn, box, WriteItem((fqn, offsets), holders, nbytes)))
+    return [item for items in by_rank for item in items]
+
+
+@lru_cache(maxsize=65536)
+def _distinct_chunks(layout: TensorLayout) -> tuple[tuple[tuple[int, Box, tuple[int, ...]], ...], int | None]:
+    """Per distinct box offset: the first rank holding it, its box, every rank holding it (ascending);
+    or, as the second value, the first rank whose local data is not one box."""
+    holders: dict[tuple[int, ...], list[int]] = {}
+    first: dict[tuple[int, ...], tuple[int, Box]] = {}
+    for r in range(layout.mesh.size):
+        box = rank_box(layout, r)
+        if box is None:
+            return (), r
+        offsets = tuple(iv.start for iv in box)
+        holders.setdefault(offsets, []).append(r)
+        first.setdefault(offsets, (r, box))
+    return tuple((r, box, tuple(holders[off])) for off, (r, box) in first.items()), None
 
 
 def dedup_owners(items: Sequence[WriteItem]) -> list[int]:

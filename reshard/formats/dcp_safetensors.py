@@ -46,6 +46,7 @@ from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, LayoutError
 from ..intervals import Block, Box, Interval, format_box, normalize, overlapping_pairs
 from ..io.header import Header, read_header
+from ..io.safe import load_json
 from .base import NO, YES, Probe, Reader, ReadOptions
 
 __all__ = [
@@ -180,10 +181,7 @@ def read_sharding_info(header: Header, path: Path) -> dict[str, dict[str, object
             "checkpoint with --from hf.",
             path=str(path),
         )
-    try:
-        info = json.loads(raw)
-    except ValueError as e:
-        raise HeaderError(f"{path}: {SHARDING_INFO_KEY} is not valid JSON ({e})", path=str(path)) from None
+    info = load_json(raw.encode(), path=str(path), what=SHARDING_INFO_KEY, error=HeaderError)
     if not isinstance(info, dict):
         raise HeaderError(
             f"{path}: {SHARDING_INFO_KEY} must be a JSON object mapping tensor names to "

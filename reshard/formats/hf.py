@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -15,13 +14,11 @@ from ..io.writer import FileResult, write_json
 from ..mesh import Mesh
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
 from .base import MAYBE, NO, YES, Probe, Reader, Writer
+from .hf_extras import INDEX, SINGLE, hf_weight_files
 from .manifest import manifest_for, write_manifest
-from .safetensors import SafetensorsFile, header_order
+from .safetensors import SafetensorsFile, header_order, split_parts
 
 __all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 @lru_cache(maxsize=65536)
@@ -47,13 +44,19 @@ def _tensor(name: str, header: Header, file_index: int) -> TensorSource:
 def open_hf(path: Path) -> Checkpoint:
     """Open ``model.safetensors``, a sharded checkpoint with its index, or one ``.safetensors`` file.
 
+    The weight files are those transformers would load (:func:`hf_weight_files`):
+    with both ``model.safetensors`` and an index present, the single file, and a warning.
+
     Raises:
         HeaderError: unreadable index or headers, a shard named by the index missing.
         TensorNotFoundError: the index names a tensor its shard does not hold.
     """
-    files, weight_map = _hf_files(path)
+    if path.is_file():
+        files, weight_map, warning = [path], None, None
+    else:
+        files, weight_map, warning = hf_weight_files(path)
     headers = [read_header(f) for f in files]
-    warnings: list[CheckpointWarning] = []
+    warnings = [CheckpointWarning(warning, path=str(path))] if warning else []
     tensors: dict[str, TensorSource] = {}
     if weight_map is None:
         for name in headers[0].names:
@@ -70,6 +73,7 @@ def open_hf(path: Path) -> Checkpoint:
                     path=str(files[i]),
                     tensor=name,
                 ) from None
+        warnings += _duplicates(files, headers, weight_map)
         for f, h in zip(files, headers):
             extra = [n for n in h.names if n not in weight_map]
             if extra:
@@ -85,42 +89,36 @@ def open_hf(path: Path) -> Checkpoint:
     )
 
 
-def _hf_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The shard files and, for a sharded checkpoint, the index's tensor -> file map."""
-    if path.is_file():
-        return [path], None
-    if (path / INDEX).exists():
-        weight_map = _read_index(path / INDEX)
-        names = sorted(set(weight_map.values()))
-        for n in names:
-            if "/" in n or n.startswith("."):
+def _duplicates(
+    files: Sequence[Path], headers: Sequence[Header], weight_map: dict[str, str]
+) -> list[CheckpointWarning]:
+    """Tensors that shards other than the index's choice hold too.
+
+    The index decides which file is read; a second copy of another dtype or shape
+    means the shards disagree (a stale file from another save), which is refused
+    rather than silently resolved. Same dtype and shape: a warning.
+
+    Raises:
+        HeaderError: naming both files and both descriptions.
+    """
+    pos = {f.name: i for i, f in enumerate(files)}
+    out: list[CheckpointWarning] = []
+    for f, h in zip(files, headers):
+        for n in h.names:
+            home = weight_map.get(n)
+            if home is None or home == f.name:
+                continue
+            a, b = headers[pos[home]].entry(n), h.entry(n)
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
                 raise HeaderError(
-                    f"{path / INDEX}: shard name {n!r} points outside the checkpoint", path=str(path / INDEX)
+                    f'tensor "{n}" is {a.dtype} {list(a.shape)} in {home} ({INDEX} names that file) but '
+                    f"{b.dtype} {list(b.shape)} in {f.name}: two shards disagree; remove the stale file",
+                    path=str(f),
+                    tensor=n,
                 )
-        files = [path / n for n in names]
-        for f in files:
-            if not f.exists():
-                raise HeaderError(f"{f}: listed in {INDEX} but missing", path=str(f))
-        return files, weight_map
-    if (path / SINGLE).exists():
-        return [path / SINGLE], None
-    cands = sorted(p for p in path.glob("*.safetensors"))
-    if len(cands) != 1:
-        raise HeaderError(f"{path}: no {SINGLE} or {INDEX} found", path=str(path))
-    return cands, None
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise TypeError("weight_map must map tensor names to file names")
-    except (ValueError, KeyError, TypeError) as e:
-        raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
-    return weight_map
+            msg = f'{f.name}: tensor "{n}" is also in {home}; reading {home}, as {INDEX} says'
+            out.append(CheckpointWarning(msg, path=str(f), tensor=n))
+    return out
 
 
 def _detect(probe: Probe) -> int:
@@ -141,15 +139,7 @@ READER = Reader(
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     """Consolidated tensors in natural order, split into files of at most ``max_shard_size``."""
-    groups: list[list[TargetTensor]] = [[]]
-    acc = 0
-    for t in tensors:
-        n = local_nbytes(t, 0)
-        if groups[-1] and acc + n > options.max_shard_size:
-            groups.append([])
-            acc = 0
-        groups[-1].append(t)
-        acc += n
+    groups = split_parts(tensors, 0, options.max_shard_size)
     total = len(groups)
     return [
         SafetensorsFile(

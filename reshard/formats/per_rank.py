@@ -15,9 +15,10 @@ from ..dtypes import DTYPE_RANK
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..intervals import Block, block_shape
 from ..io.header import Header, TensorEntry, read_header
+from ..io.safe import expect_object, expect_shape, expect_strings, load_json
 from ..io.writer import FileResult
 from ..layout import TensorLayout, infer_global_shape
-from ..mesh import Mesh
+from ..mesh import Mesh, check_world_size
 from ..placements import Placement, Shard, StridedShard, parse_placement
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
@@ -39,6 +40,13 @@ __all__ = [
     "open_per_rank",
     "self_description",
     "RankMetadata",
+    "RankFiles",
+    "Describe",
+    "layout_describe",
+    "rank_checkpoint",
+    "source_layout",
+    "manifest_layout",
+    "exact_rules",
 ]
 
 RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
@@ -76,6 +84,7 @@ def rank_files(directory: Path, *, strict: bool) -> dict[int, Path]:
         )
     if worlds:
         (world,) = worlds
+        check_world_size(world, what=str(directory / f"rank-*-of-{world}.safetensors"))
         missing = [r for r in range(world) if r not in out]
         if missing:
             raise HeaderError(
@@ -115,17 +124,23 @@ def self_description(header: Header, path: Path, *, tensors: bool = True) -> Ran
     raw = meta.get("reshard")
     if raw is None:
         return None
+    where = str(path)
+    data = expect_object(
+        load_json(raw.encode(), path=where, what="reshard metadata", error=HeaderError),
+        path=where,
+        field="the reshard metadata",
+        error=HeaderError,
+    )
     try:
-        data = json.loads(raw)
-        if not isinstance(data, dict) or data.get("format_version") not in (1, 2):
+        version = data.get("format_version")
+        if version not in (1, 2):
             raise ValueError("unsupported format_version")
-        mesh = Mesh(tuple(data["mesh"]["names"]), tuple(data["mesh"]["shape"]))
+        mesh = _described_mesh(data, where)
         data["rank"] = int(data["rank"])
-        if data["format_version"] == 2:
-            data["tensors"] = _v2_tensors(data, header, mesh) if tensors else {}
-        if not isinstance(data["tensors"], dict):
-            raise ValueError("tensors is not an object")
-    except (ValueError, KeyError, TypeError, IndexError, ArithmeticError, ReshardError) as e:
+        if version == 2:
+            data["tensors"] = _v2_tensors(data, header, mesh, where) if tensors else {}
+        _check_tensors(data["tensors"], where)
+    except (ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
         raise HeaderError(f"{path}: invalid reshard metadata ({e})", path=str(path)) from None
     return cast(RankMetadata, data)  # the fields used are checked above
 
@@ -134,9 +149,42 @@ _CODES = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Format version 2: a tensor's index into the placements table, one character each."""
 
 
-def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh) -> dict[str, TensorDescription]:
+def _described_mesh(data: dict[str, Any], where: str) -> Mesh:
+    """The mesh a file's reshard metadata names, checked as untrusted input."""
+    mesh = expect_object(data["mesh"], path=where, field="reshard.mesh", error=HeaderError)
+    shape = expect_shape(mesh["shape"], path=where, field="reshard.mesh.shape", error=HeaderError)
+    for d in shape:
+        check_world_size(d, what=f"{where}: reshard.mesh.shape")
+    names = expect_strings(mesh["names"], path=where, field="reshard.mesh.names", error=HeaderError)
+    return Mesh(tuple(names), shape)
+
+
+def _check_tensors(tensors: object, where: str) -> None:
+    """Each described tensor has a shape and a list of placement strings (untrusted input).
+
+    Version 2's descriptions share their values per placement code and geometry, so each
+    distinct value is checked once.
+    """
+    tensors = expect_object(tensors, path=where, field="reshard.tensors", error=HeaderError)
+    seen: set[int] = set()
+    for name, info in tensors.items():
+        field = f"reshard.tensors[{json.dumps(name)}]"
+        info = expect_object(info, path=where, field=field, error=HeaderError)
+        shape, pls = info.get("shape"), info.get("placements")
+        if id(shape) not in seen:
+            expect_shape(shape, path=where, field=field + ".shape", error=HeaderError)
+            seen.add(id(shape))
+        if id(pls) not in seen:
+            expect_strings(pls, path=where, field=field + ".placements", error=HeaderError)
+            seen.add(id(pls))
+
+
+def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) -> dict[str, TensorDescription]:
     """Format version 2's description, per tensor (in this file's data order) global shape and placements."""
-    table = [[str(p) for p in pls] for pls in data["placements"]]
+    table = [
+        list(expect_strings(pls, path=where, field="reshard.placements[]", error=HeaderError))
+        for pls in data["placements"]
+    ]
     codes = data["layout"]
     shapes = data.get("shapes", {})
     if not isinstance(codes, str) or len(codes) != len(header.entries) or not isinstance(shapes, dict):
@@ -160,10 +208,76 @@ def _even_global(local: tuple[int, ...], mesh: Mesh, pls: Sequence[str]) -> list
     """The global shape of an evenly split tensor: each sharded dim times its mesh sizes."""
     shape = list(local)
     for p, n in zip(pls, mesh.shape):
-        q = parse_placement(p)
+        try:
+            q = parse_placement(p)
+        except ReshardError as e:  # a bad placement in the file: reported as invalid metadata
+            raise ValueError(e.message) from None
         if isinstance(q, (Shard, StridedShard)):
             shape[q.dim % len(shape)] *= n
     return shape
+
+
+@dataclass(frozen=True, slots=True)
+class RankFiles:
+    """The files of a checkpoint saved one rank at a time, and which of them hold each rank's tensors.
+
+    Attributes:
+        paths: every file, by index.
+        headers: their safetensors headers.
+        ranks: per rank (flat mesh rank), the indices of its files (a rank may have several parts).
+    """
+
+    paths: tuple[Path, ...]
+    headers: tuple[Header, ...]
+    ranks: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def one_per_rank(cls, paths: Sequence[Path]) -> RankFiles:
+        """File ``r`` holds rank ``r``'s tensors; reads every header."""
+        return cls(tuple(paths), tuple(read_header(p) for p in paths), tuple((r,) for r in range(len(paths))))
+
+    def entries(self) -> list[dict[str, tuple[int, TensorEntry]]]:
+        """Per rank: tensor name -> (file index, header entry); no name twice in one rank's files."""
+        out: list[dict[str, tuple[int, TensorEntry]]] = []
+        for files in self.ranks:
+            where: dict[str, tuple[int, TensorEntry]] = {}
+            for i in files:
+                for name in self.headers[i].names:
+                    if name in where:
+                        p = self.paths[i]
+                        raise HeaderError(
+                            f'{p}: tensor "{name}" is also in {self.paths[where[name][0]].name} '
+                            "(files of one rank must not repeat a tensor)",
+                            path=str(p),
+                            tensor=name,
+                        )
+                    where[name] = (i, self.headers[i].entry(name))
+            out.append(where)
+        return out
+
+
+Describe = Callable[[str, Sequence[tuple[int, ...]]], tuple[tuple[int, ...], Sequence[Placement | str]]]
+"""Tensor name, local shapes per rank -> global shape and placements."""
+
+
+def layout_describe(
+    placements_for: Callable[[str], Sequence[Placement | str]], mesh: Mesh, where: Path, layout_source: str
+) -> Describe:
+    """Placements from a layout, the global shape derived from the local shapes (checked on every rank)."""
+
+    shapes: dict[tuple[object, ...], tuple[int, ...]] = {}  # per geometry: derived once
+
+    def describe(
+        name: str, local_shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
+        pls = placements_for(name)
+        key = (tuple(local_shapes), tuple(pls))
+        shape = shapes.get(key)
+        if shape is None:
+            shape = shapes[key] = _derived_shape(name, local_shapes, mesh, pls, where, layout_source)
+        return shape, pls
+
+    return describe
 
 
 def open_per_rank(
@@ -185,32 +299,55 @@ def open_per_rank(
         TensorNotFoundError: a tensor missing on some rank.
     """
     paths = _rank_paths(directory, strict=placements_for is None)
-    headers = [read_header(p) for p in paths]
-    mesh, desc0 = _rank_mesh(directory, paths, headers, mesh, described=placements_for is None)
+    files = RankFiles.one_per_rank(paths)
+    mesh, desc0 = _rank_mesh(directory, paths, files.headers, mesh, described=placements_for is None)
+    describe: Describe
+    if placements_for is not None:
+        describe = layout_describe(placements_for, mesh, paths[0], layout_source)
+    else:
+        assert desc0 is not None
+        described = desc0
+        describe = lambda name, _shapes: _described(name, described, paths[0])  # noqa: E731
+    return rank_checkpoint(directory, "per-rank", files, mesh, describe)
+
+
+def rank_checkpoint(
+    directory: Path, fmt: str, files: RankFiles, mesh: Mesh, describe: Describe
+) -> Checkpoint:
+    """The checkpoint of rank files: each rank's local tensors, their global shapes and placements
+    from ``describe``, every rank's local shape checked against them.
+
+    Raises:
+        LayoutError: rank count != mesh size, local shapes that do not fit, dtypes that differ.
+        TensorNotFoundError: a tensor missing on some rank.
+    """
+    if mesh.size != len(files.ranks):
+        raise LayoutError(
+            f"{directory}: {len(files.ranks)} rank files but the mesh {mesh} has {mesh.size} ranks; "
+            "fix --source-mesh or the layout's mesh",
+            path=str(directory),
+        )
     coords = list(mesh.coordinates())
+    where = files.entries()
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
-    for name in _common_names(paths, headers):
-        entries = _entries(name, paths, headers)
+    for name in _common_names(files, where):
+        found = _rank_entries(name, files, where)
+        entries = [en for _, en in found]
         local_shapes = tuple(en.shape for en in entries)
-        if placements_for is not None:
-            pls: Sequence[Placement | str] = placements_for(name)
-            key: tuple[object, ...] = (local_shapes, tuple(pls))
-        else:
-            assert desc0 is not None
-            shape, pls = _described(name, desc0, paths[0])
-            key = (local_shapes, shape, tuple(pls))
+        shape, pls = describe(name, local_shapes)
+        piece_files = tuple(i for i, _ in found)
+        key = (local_shapes, shape, tuple(pls), piece_files)
         geo = geometries.get(key)
-        if geo is None:  # the first tensor of this geometry: derive and check it (errors name it)
-            if placements_for is not None:
-                shape = _derived_shape(name, local_shapes, mesh, pls, paths, layout_source)
-            geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, paths, entries)
+        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+            paths = [files.paths[i] for i in piece_files]
+            geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, piece_files, paths, entries)
         tensors[name] = TensorSource(
             name=name,
             dtype=entries[0].dtype,
             shape=geo.layout.shape,
             piece_files=geo.files,
-            piece_offsets=tuple(h.data_start + en.start for h, en in zip(headers, entries)),
+            piece_offsets=tuple(files.headers[i].data_start + en.start for i, en in found),
             piece_blocks=geo.blocks,
             signature=geo.signature,
             piece_partials=geo.partials,
@@ -219,9 +356,9 @@ def open_per_rank(
         )
     return Checkpoint(
         path=str(directory),
-        format="per-rank",
-        files=tuple(str(p) for p in paths),
-        file_sizes=tuple(p.stat().st_size for p in paths),
+        format=fmt,
+        files=tuple(str(p) for p in files.paths),
+        file_sizes=tuple(p.stat().st_size for p in files.paths),
         tensors=tensors,
         mesh=mesh,
     )
@@ -244,6 +381,7 @@ def _geometry(
     mesh: Mesh,
     pls: Sequence[Placement | str],
     coords: Sequence[tuple[int, ...]],
+    piece_files: tuple[int, ...],
     paths: Sequence[Path],
     entries: Sequence[TensorEntry],
 ) -> _Geometry:
@@ -253,7 +391,7 @@ def _geometry(
     partials = tuple(layout.partial_index(c) for c in coords) if layout.partial_op else None
     return _Geometry(
         layout,
-        tuple(range(len(paths))),
+        piece_files,
         layout.blocks(),
         ("layout", layout.shape, mesh.shape, layout.placements),
         partials,
@@ -266,6 +404,7 @@ def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
     if not files:
         raise HeaderError(f"{directory}: no rank files found", path=str(directory))
     world = max(files) + 1
+    check_world_size(world, what=str(files[world - 1]))
     missing = [r for r in range(world) if r not in files]
     if missing:
         raise HeaderError(f"{directory}: no file for rank(s) {missing[:8]}", path=str(directory))
@@ -288,12 +427,6 @@ def _rank_mesh(
             mesh = Mesh(tuple(desc0["mesh"]["names"]), tuple(desc0["mesh"]["shape"]))
     if mesh is None:
         raise LayoutError(f"{directory}: no mesh given", path=str(directory))
-    if mesh.size != len(paths):
-        raise LayoutError(
-            f"{directory}: {len(paths)} rank files but the mesh {mesh} has {mesh.size} ranks; "
-            "fix --source-mesh or the layout's mesh",
-            path=str(directory),
-        )
     if described:
         assert desc0 is not None
         for r, (p, h) in enumerate(zip(paths, headers)):
@@ -305,15 +438,16 @@ def _rank_mesh(
     return mesh, desc0
 
 
-def _common_names(paths: Sequence[Path], headers: Sequence[Header]) -> list[str]:
-    """Rank 0's tensor names; no other rank may hold a tensor rank 0 does not."""
-    names = list(headers[0].names)
-    name_set = set(names)
-    for p, h in zip(paths[1:], headers[1:]):
-        extra = [n for n in h.names if n not in name_set]
+def _common_names(files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
+    """Rank 0's tensor names (in its files' order); no other rank may hold a tensor rank 0 does not."""
+    names = list(where[0])
+    first = files.paths[files.ranks[0][0]]
+    for found in where[1:]:
+        extra = [n for n in found if n not in where[0]]
         if extra:
+            p = files.paths[found[extra[0]][0]]
             raise TensorNotFoundError(
-                f'{p}: tensor "{extra[0]}" is not in {paths[0].name}; every rank file must '
+                f'{p}: tensor "{extra[0]}" is not in {first.name}; every rank must '
                 "hold every tensor (an empty shard has a 0-size dim)",
                 path=str(p),
                 tensor=extra[0],
@@ -321,26 +455,31 @@ def _common_names(paths: Sequence[Path], headers: Sequence[Header]) -> list[str]
     return names
 
 
-def _entries(name: str, paths: Sequence[Path], headers: Sequence[Header]) -> list[TensorEntry]:
-    """The tensor's header entry in every rank file, all of one dtype."""
-    entries = []
-    for p, h in zip(paths, headers):
-        try:
-            entries.append(h.entry(name))
-        except TensorNotFoundError:
+def _rank_entries(
+    name: str, files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]
+) -> list[tuple[int, TensorEntry]]:
+    """The tensor's (file index, header entry) on every rank, all of one dtype."""
+    found = []
+    first = files.paths[where[0][name][0]]
+    for r, w in enumerate(where):
+        hit = w.get(name)
+        if hit is None:
+            p = files.paths[files.ranks[r][0]]
             raise TensorNotFoundError(
-                f'{p}: tensor "{name}" is missing (it is in {paths[0].name})', path=str(p), tensor=name
-            ) from None
-    dtype = entries[0].dtype
-    for p, en in zip(paths, entries):
+                f'{p}: tensor "{name}" is missing (it is in {first.name})', path=str(p), tensor=name
+            )
+        found.append(hit)
+    dtype = found[0][1].dtype
+    for i, en in found:
         if en.dtype != dtype:
+            p = files.paths[i]
             raise LayoutError(
-                f'{p}: tensor "{name}" is {en.dtype} but {dtype} in {paths[0].name}; '
+                f'{p}: tensor "{name}" is {en.dtype} but {dtype} in {first.name}; '
                 "all ranks must hold the same dtype",
                 path=str(p),
                 tensor=name,
             )
-    return entries
+    return found
 
 
 def _derived_shape(
@@ -348,21 +487,21 @@ def _derived_shape(
     local_shapes: Sequence[tuple[int, ...]],
     mesh: Mesh,
     pls: Sequence[Placement | str],
-    paths: Sequence[Path],
+    where: Path,
     layout_source: str,
 ) -> tuple[int, ...]:
-    """The global shape the local shapes imply under the layout's placements."""
+    """The global shape the local shapes imply under the layout's placements (``where``: for messages)."""
     try:
         shape = infer_global_shape(local_shapes, mesh, list(pls))
     except ReshardError as e:  # a placement that cannot apply to this tensor at all
         raise LayoutError(
-            f'tensor "{name}" (local shape {list(local_shapes[0])} in {paths[0].name}): '
+            f'tensor "{name}" (local shape {list(local_shapes[0])} in {where.name}): '
             f"{e.message}, from {layout_source}. Check the rule that matches it.",
-            path=str(paths[0]),
+            path=str(where),
             tensor=name,
         ) from None
     if shape is None:
-        _raise_bad_local(name, local_shapes, mesh, pls, paths, layout_source)
+        _raise_bad_local(name, local_shapes, mesh, pls, where, layout_source)
     assert shape is not None
     return shape
 
@@ -401,7 +540,7 @@ def _raise_bad_local(
     local_shapes: Sequence[tuple[int, ...]],
     mesh: Mesh,
     pls: Sequence[Placement | str],
-    paths: Sequence[Path],
+    where: Path,
     layout_source: str,
 ) -> None:
     pl = [str(p) for p in pls]
@@ -411,7 +550,7 @@ def _raise_bad_local(
         f"do not fit placements {pl} on mesh {mesh} from {layout_source} for any global shape. "
         "Check that --source-layout and --source-mesh name the layout this checkpoint was saved with.",
         tensor=name,
-        path=str(paths[0].parent),
+        path=str(where.parent),
     )
 
 
@@ -427,7 +566,7 @@ def _detect(probe: Probe) -> int:
     return MAYBE if len(st) > 1 else NO
 
 
-def _source_layout(options: ReadOptions) -> LayoutConfig | None:
+def source_layout(options: ReadOptions) -> LayoutConfig | None:
     """``--source-layout`` on the mesh ``--source-mesh`` resizes."""
     cfg = options.layout
     if cfg is None:
@@ -440,11 +579,31 @@ def _source_layout(options: ReadOptions) -> LayoutConfig | None:
     return cfg.with_mesh(mesh)
 
 
+def manifest_layout(directory: Path, manifest: dict[str, object] | None) -> LayoutConfig | None:
+    """The placement rules (on its mesh) ``reshard.json`` records, or None when it has none.
+
+    Raises:
+        LayoutError: the recorded rules are not a valid layout.
+    """
+    from ..config import LayoutConfig  # YAML is not needed to list formats (reshard --help)
+
+    if manifest is None or "rules" not in manifest:
+        return None
+    try:
+        return LayoutConfig.from_json(
+            {"mesh": manifest["mesh"], "rules": manifest["rules"]}, source=str(directory / MANIFEST)
+        )
+    except (ConfigError, KeyError, TypeError) as e:
+        raise LayoutError(
+            f"{directory / MANIFEST}: invalid layout rules ({e})", path=str(directory / MANIFEST)
+        ) from None
+
+
 def _open(path: Path, options: ReadOptions) -> Checkpoint:
     """Open a per-rank directory; its layout rules: the given layout, ``reshard.json``'s, or exact names."""
     if not path.is_dir():
         raise UsageError(f"{path}: a per-rank checkpoint is a directory", path=str(path))
-    cfg = _source_layout(options)
+    cfg = source_layout(options)
     ckpt = open_per_rank(
         path,
         mesh=cfg.mesh if cfg is not None else None,
@@ -453,22 +612,13 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
     )
     manifest = read_manifest(path)
     ckpt.manifest = manifest
-    from ..config import LayoutConfig  # YAML is not needed to list formats (reshard --help)
-
-    if cfg is None and manifest is not None and "rules" in manifest:
-        try:
-            cfg = LayoutConfig.from_json(
-                {"mesh": manifest["mesh"], "rules": manifest["rules"]}, source=str(path / MANIFEST)
-            )
-        except (ConfigError, KeyError, TypeError) as e:
-            raise LayoutError(
-                f"{path / MANIFEST}: invalid layout rules ({e})", path=str(path / MANIFEST)
-            ) from None
-    ckpt.layout = cfg if cfg is not None else _exact_rules(ckpt)
+    if cfg is None:
+        cfg = manifest_layout(path, manifest)
+    ckpt.layout = cfg if cfg is not None else exact_rules(ckpt)
     return ckpt
 
 
-def _exact_rules(ckpt: Checkpoint) -> LayoutConfig:
+def exact_rules(ckpt: Checkpoint) -> LayoutConfig:
     """One exact-name rule per tensor, from a self-described checkpoint's placements."""
     from ..config import LayoutConfig
 

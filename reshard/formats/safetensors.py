@@ -16,9 +16,9 @@ from ..dtypes import DTYPE_RANK, DTYPE_SIZES
 from ..intervals import block_shape
 from ..io.header import header_prefix
 from ..layout import TensorLayout
-from ..plan import FileLayout, OutEntry, OutFile, TargetTensor
+from ..plan import FileLayout, OutEntry, OutFile, TargetTensor, local_nbytes
 
-__all__ = ["SafetensorsFile", "header_order", "metadata_text"]
+__all__ = ["SafetensorsFile", "header_order", "metadata_text", "split_parts"]
 
 
 class SafetensorsFile(OutFile):
@@ -26,8 +26,11 @@ class SafetensorsFile(OutFile):
 
     __slots__ = ("_meta",)
 
-    def __init__(self, name: str, rank: int | None, tensors: Sequence[TargetTensor], meta: str) -> None:
-        """``tensors`` in header order (:func:`header_order`); ``meta`` the JSON text of ``__metadata__``."""
+    def __init__(
+        self, name: str, rank: int | None, tensors: Sequence[TargetTensor], meta: str | None
+    ) -> None:
+        """``tensors`` in header order (:func:`header_order`); ``meta`` the JSON text of ``__metadata__``
+        (None: no ``__metadata__``, as ``save_file`` without metadata writes)."""
         super().__init__(name, rank, tensors)
         self._meta = meta
 
@@ -55,6 +58,22 @@ def metadata_text(metadata: dict[str, str]) -> str:
 def header_order(tensors: Sequence[TargetTensor]) -> list[TargetTensor]:
     """The reference writer's order: dtype rank (Rust enum) descending, then name."""
     return sorted(tensors, key=lambda t: (-DTYPE_RANK[t.dtype], t.name))
+
+
+def split_parts(tensors: Sequence[TargetTensor], rank: int, max_size: int) -> list[list[TargetTensor]]:
+    """Rank ``rank``'s tensors in order, in files of at most ``max_size`` bytes: a new file when the
+    next tensor would take this one over (as Hugging Face's and vLLM's savers split); a tensor
+    larger than ``max_size`` gets a file of its own, and no file is empty."""
+    parts: list[list[TargetTensor]] = [[]]
+    acc = 0
+    for t in tensors:
+        n = local_nbytes(t, rank)
+        if parts[-1] and acc + n > max_size:
+            parts.append([])
+            acc = 0
+        parts[-1].append(t)
+        acc += n
+    return parts
 
 
 _QUOTED: dict[str, str] = {}

@@ -34,16 +34,17 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from reshard.dtypes import DTYPE_RANK, DTYPE_SIZES, FLOAT_DTYPES, SUBBYTE_DTYPES
 from reshard.errors import HeaderError, TensorNotFoundError
+from reshard.io.safe import open_regular, parse_json_text
 
 __all__ = [
     "DTYPE_SIZES",
     "DTYPE_RANK",
     "FLOAT_DTYPES",
     "MAX_HEADER_SIZE",
+    "MAX_INT64",
     "TensorEntry",
     "Header",
     "decode_header",
@@ -56,6 +57,13 @@ __all__ = [
 MAX_HEADER_SIZE = 100_000_000
 
 _RANK = DTYPE_RANK
+
+#: Largest dim, element count, byte count or offset accepted: torch holds sizes in
+#: int64, and safetensors refuses a shape whose running product overflows.
+MAX_INT64 = (1 << 63) - 1
+
+# Longest rendering of a bad value in a message: a 5000-entry shape stays readable.
+_RENDER_LIMIT = 200
 
 _METADATA_KEY = "__metadata__"
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
@@ -168,9 +176,10 @@ def _q(name: str) -> str:
 def _render(value: object) -> str:
     """Render a JSON value for an error message (``[2, 3]``, ``"x"``, ``null``)."""
     try:
-        return json.dumps(value, ensure_ascii=False)
+        text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
-        return repr(value)
+        text = repr(value)
+    return text if len(text) <= _RENDER_LIMIT else text[: _RENDER_LIMIT - 3] + "..."
 
 
 def _json_type(value: object) -> str:
@@ -196,29 +205,23 @@ def _is_uint(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class _DuplicateKeyError(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
+def _numel(shape: object) -> int | None:
+    """Element count of a header shape; None unless a list of non-negative ints.
 
-
-class _BadConstantError(Exception):
-    def __init__(self, constant: str) -> None:
-        super().__init__(constant)
-        self.constant = constant
-
-
-def _pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKeyError(key)
-        out[key] = value
-    return out
-
-
-def _reject_constant(constant: str) -> Any:
-    raise _BadConstantError(constant)
+    More than :data:`MAX_INT64` when a dim or the running product does (safetensors'
+    checked fold, in torch's int64): ``[0, 2**64, 2**64]`` holds no element but is
+    still refused, as safetensors refuses it.
+    """
+    if not isinstance(shape, list):
+        return None
+    n = 1
+    for d in shape:
+        if not _is_uint(d):
+            return None
+        n *= d
+        if n > MAX_INT64 or d > MAX_INT64:
+            return MAX_INT64 + 1
+    return n
 
 
 def _layout_key(e: TensorEntry) -> tuple[int, int, int, str]:
@@ -289,10 +292,18 @@ def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
         )
     _check_dtype(dtype, name, where, path)
     shape = value["shape"]
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+    numel = _numel(shape)
+    if numel is None:
         raise HeaderError(
             f"{where}tensor {_q(name)} has invalid shape {_render(shape)}: "
             "must be a list of non-negative integers",
+            path=path,
+            tensor=name,
+        )
+    if numel > MAX_INT64:
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has impossible shape {_render(shape)}: a dim or the product "
+            f"of the dims so far exceeds {MAX_INT64} (int64; safetensors and torch refuse it)",
             path=path,
             tensor=name,
         )
@@ -305,6 +316,13 @@ def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
             tensor=name,
         )
     start, stop = offsets
+    if stop > MAX_INT64:
+        raise HeaderError(
+            f"{where}tensor {_q(name)} has impossible data_offsets {_render(offsets)}: "
+            f"over {MAX_INT64} (int64)",
+            path=path,
+            tensor=name,
+        )
     if start > stop:
         raise HeaderError(
             f"{where}tensor {_q(name)} has data_offsets {_render(offsets)} with begin after end",
@@ -312,7 +330,7 @@ def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
             tensor=name,
         )
     entry = TensorEntry(name, dtype, tuple(shape), start, stop)
-    need = entry.numel * entry.itemsize
+    need = numel * DTYPE_SIZES[dtype]
     if entry.nbytes != need:
         raise HeaderError(
             f"{where}tensor {_q(name)} has data_offsets {_render(offsets)} but shape "
@@ -342,13 +360,15 @@ def _well_formed_entries(obj: dict[str, object]) -> list[TensorEntry] | None:
         isz = sizes.get(dtype)
         if isz is None or type(shape) is not list or type(offs) is not list or len(offs) != 2:
             return None
-        n = isz
+        m = 1
         for d in shape:
             if type(d) is not int or d < 0:
                 return None
-            n *= d
+            m *= d
+            if m > MAX_INT64 or d > MAX_INT64:  # impossible (int64): named by _parse_entry
+                return None
         a, b = offs
-        if type(a) is not int or type(b) is not int or a < 0 or b - a != n:
+        if type(a) is not int or type(b) is not int or a < 0 or b > MAX_INT64 or b - a != m * isz:
             return None
         out.append(TensorEntry(name, dtype, tuple(shape), a, b))
     return out
@@ -430,19 +450,8 @@ def _header_object(raw: bytes, path: str) -> dict[str, object]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise HeaderError(f"{path}: header is not valid UTF-8 (byte {exc.start})", path=path) from None
-    try:
-        obj: object = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise HeaderError(
-            f"{path}: header is not valid JSON: {exc.msg} (char {exc.pos})", path=path
-        ) from None
-    except _DuplicateKeyError as exc:
-        raise HeaderError(f"{path}: duplicate key {_q(exc.key)} in header", path=path) from None
-    except _BadConstantError as exc:
-        msg = f"{path}: header is not valid JSON: non-standard constant {exc.constant}"
-        raise HeaderError(msg, path=path) from None
-    except RecursionError:
-        raise HeaderError(f"{path}: header is not valid JSON: nested too deeply", path=path) from None
+    # Nesting needs no limit of its own: every value's structure is checked below.
+    obj = parse_json_text(text, path=path, what="header", error=HeaderError)
     if not isinstance(obj, dict):
         raise HeaderError(f"{path}: header must be a JSON object, got {_json_type(obj)}", path=path)
     if not text.startswith("{"):
@@ -460,18 +469,14 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         The validated :class:`Header`; the file size is checked against it.
 
     Raises:
-        HeaderError: the file is missing, unreadable, or not valid safetensors.
+        HeaderError: the file is missing, unreadable, not a regular file (a FIFO or
+            a device would block or never end), or not valid safetensors.
     """
     name = os.fspath(path)
-    try:
-        f = open(name, "rb")
-    except FileNotFoundError:
-        raise HeaderError(f"{name}: no such file", path=name) from None
-    except OSError as exc:
-        raise HeaderError(f"{name}: cannot open: {exc.strerror}", path=name) from None
-    with f:
+    fd, st = open_regular(name, what="safetensors file", error=HeaderError)
+    with open(fd, "rb") as f:
         try:
-            size = os.fstat(f.fileno()).st_size
+            size = st.st_size
             prefix = f.read(8)
             if size < 8 or len(prefix) < 8:
                 raise HeaderError(

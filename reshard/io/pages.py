@@ -4,6 +4,12 @@ Pages read through a memory map count in the process's RSS until released;
 :class:`PageWindow` records what was read and drops whole mappings
 (``MADV_DONTNEED``; the page cache keeps the data) every ``every`` bytes, so
 memory stays bounded however large the source files are.
+
+A mapped page past the end of a file that shrank (another job rewriting the
+source) would kill the process with SIGBUS. So a file's size is taken when it is
+opened (or given: the size its header was read at) and checked with ``fstat``
+before every read through its map (:meth:`SourceFiles.check`); a shrunk or grown
+file is a :class:`~reshard.errors.SourceChangedError` (exit 2) naming it.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import os
 import threading
 from collections.abc import Sequence
 
+from ..errors import HeaderError, SourceChangedError
 from ..intervals import box_span
+from .safe import open_regular
 
 __all__ = ["SourceFiles", "PageWindow"]
 
@@ -21,8 +29,9 @@ __all__ = ["SourceFiles", "PageWindow"]
 class SourceFiles:
     """Open source files once: a file descriptor and a read-only map each, shared by threads."""
 
-    def __init__(self, paths: Sequence[str]) -> None:
+    def __init__(self, paths: Sequence[str], sizes: Sequence[int] | None = None) -> None:
         self._paths = list(paths)
+        self._sizes: dict[int, int] = dict(enumerate(sizes)) if sizes is not None else {}
         self._fds: dict[int, int] = {}
         self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
@@ -33,9 +42,26 @@ class SourceFiles:
             with self._lock:
                 fd = self._fds.get(i)
                 if fd is None:
-                    fd = os.open(self._paths[i], os.O_RDONLY)
+                    fd, st = open_regular(self._paths[i], what="source file", error=HeaderError)
+                    self._sizes.setdefault(i, st.st_size)
                     self._fds[i] = fd
+                    self.check(i)
         return fd
+
+    def check(self, i: int) -> None:
+        """Raise if file ``i`` no longer has the size it was read at (before a mapped read).
+
+        Raises:
+            SourceChangedError: naming the file and both sizes.
+        """
+        now = os.fstat(self.fd(i)).st_size
+        if now != self._sizes[i]:
+            path = self._paths[i]
+            raise SourceChangedError(
+                f"{path}: the source file changed while it was being read (size {self._sizes[i]} -> {now} "
+                "bytes); is another job rewriting it? Convert again once it is finished",
+                path=path,
+            )
 
     def map(self, i: int) -> mmap.mmap:
         mm = self._maps.get(i)
@@ -89,6 +115,7 @@ class PageWindow:
 
     def touch_range(self, fi: int, lo: int, hi: int) -> None:
         """Record that bytes ``[lo, hi)`` of file ``fi`` were read through its map."""
+        self.sources.check(fi)
         self._touched.add(fi)
         self._touched_bytes += hi - lo
         if self._touched_bytes >= self.every:

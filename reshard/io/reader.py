@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import TensorSource
 from ..dtypes import DTYPE_SIZES
+from ..errors import SourceChangedError
 from ..intervals import box_span, row_major_strides
 from .pages import PageWindow, SourceFiles
 
@@ -110,7 +111,9 @@ class RowCache:
         n = whi - wlo
         got = os.preadv(fd, [memoryview(self.buf)[:n]], wlo)
         if got != n:
-            raise OSError(f"short read at offset {wlo} (file changed while reading?)")
+            raise SourceChangedError(
+                f"a source file ended early: {got} of {n} bytes at offset {wlo}; it changed while being read"
+            )
         self.window = (fi, wlo, whi)
         return lo - wlo
 
@@ -134,14 +137,18 @@ def read_box(pages: PageWindow, piece: Piece, key: tuple[slice, ...], rows: RowC
             wfirst = first - first % row
             wstop = min(piece.count, -(-stop // row) * row)
             base = piece.base
-            at = rows.read(
-                pages.sources.fd(piece.fi),
-                piece.fi,
-                base + first * isz,
-                base + stop * isz,
-                base + wfirst * isz,
-                base + wstop * isz,
-            )
+            try:
+                at = rows.read(
+                    pages.sources.fd(piece.fi),
+                    piece.fi,
+                    base + first * isz,
+                    base + stop * isz,
+                    base + wfirst * isz,
+                    base + wstop * isz,
+                )
+            except SourceChangedError:
+                pages.sources.check(piece.fi)  # names the file when its size changed
+                raise
             if at is not None:
                 import numpy as np
 

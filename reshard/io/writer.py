@@ -1,9 +1,11 @@
-"""Writing output files: preallocated ``NAME.tmp`` files, hashed as written, renamed when complete.
+"""Writing output files: preallocated temporaries, hashed as written, renamed when complete.
 
 :class:`Sink` is the write stage of one writer thread: ``pwrite`` at absolute
 offsets, hashing the 64 MiB checksum pieces it writes in order (and, when the
 format asks, each entry's CRC32) as the bytes go by, so neither costs a second
-pass. :class:`TmpFile` owns one ``NAME.tmp`` from creation to the rename.
+pass. :class:`TmpFile` owns one temporary from creation to the rename. Temporaries are
+created exclusively, never through a link, under names no user file has
+(:func:`temp_name`).
 """
 
 from __future__ import annotations
@@ -12,16 +14,50 @@ import errno
 import functools
 import json
 import os
+import secrets
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from . import checksum
 from .checksum import finish_checksum
 
-__all__ = ["FileResult", "preallocate", "Sink", "TmpFile", "write_json", "write_atomic"]
+__all__ = [
+    "FileResult",
+    "preallocate",
+    "Sink",
+    "TmpFile",
+    "write_json",
+    "write_atomic",
+    "TEMP_PREFIX",
+    "temp_name",
+    "is_temp",
+    "create_exclusive",
+]
+
+TEMP_PREFIX = ".reshard-"
+"""Every temporary reshard makes starts so: ``.reshard-<pid>-<random>-NAME.tmp``."""
+
+
+def temp_name(name: str) -> str:
+    """A fresh temporary name for ``name``: hidden, unique to this process and call.
+
+    A user's ``NAME.tmp`` (or a link planted under that name) is never written through
+    or removed: reshard's temporaries carry its prefix, the pid and 64 random bits.
+    """
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-{name}.tmp"
+
+
+def is_temp(name: str) -> bool:
+    """Whether ``name`` is a temporary of some reshard run (what a cleanup may remove)."""
+    return name.startswith(TEMP_PREFIX) and name.endswith(".tmp")
+
+
+def create_exclusive(path: Path, flags: int = os.O_WRONLY) -> int:
+    """Create ``path`` as a new file (never an existing one, never through a symbolic link)."""
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +105,17 @@ def preallocate(fd: int, size: int) -> None:
     os.ftruncate(fd, size)
 
 
+@functools.cache
+def _crc32() -> Callable[[Any, int], int]:
+    """``zlib.crc32``, or ISA-L's when the optional ``isal`` package is installed: the same
+    CRC-32, about 5x faster (zlib 1.2's runs at 0.6-2 GB/s here, slower than the copy)."""
+    try:
+        from isal.isal_zlib import crc32  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return zlib.crc32
+    return cast(Callable[[Any, int], int], crc32)
+
+
 class Sink:
     """The write stage of one writer: pwrite buffers, hashing 64 MiB pieces on the way.
 
@@ -87,6 +134,8 @@ class Sink:
         self._cur: Any = None  # hasher of the piece being written, if it started with us
         self._cur_index = -1
         self._crc: int | None = None
+        self._head = bytearray()  # the first bytes submitted since start_crc
+        self._head_want = 0
 
     def _hash(self, mv: memoryview) -> None:
         import xxhash
@@ -117,21 +166,25 @@ class Sink:
             else:
                 self._hashing = False  # out of order: the rest is read back
         if self._crc is not None:
-            self._crc = zlib.crc32(mv, self._crc)
+            self._crc = _crc32()(mv, self._crc)
+            if len(self._head) < self._head_want:
+                self._head += mv[: self._head_want - len(self._head)]
         while len(mv):
             w = os.pwrite(self.fd, mv, off)
             mv = mv[w:]
             off += w
 
-    def start_crc(self) -> None:
-        """CRC32 the bytes submitted from now on (one entry's, written in order)."""
+    def start_crc(self, head: int = 0) -> None:
+        """CRC32 the bytes submitted from now on (one entry's, in order); keep the first ``head``."""
         self._crc = 0
+        self._head = bytearray()
+        self._head_want = head
 
-    def end_crc(self) -> int:
-        """The CRC32 of the bytes submitted since :meth:`start_crc`."""
+    def end_crc(self) -> tuple[int, bytes]:
+        """The CRC32 of the bytes submitted since :meth:`start_crc`, and their first ``head`` bytes."""
         crc, self._crc = self._crc, None
         assert crc is not None
-        return crc
+        return crc, bytes(self._head)
 
     def close(self, file_size: int) -> dict[int, bytes]:
         """Digests of the pieces hashed on the way (the last, short piece included)."""
@@ -141,16 +194,17 @@ class Sink:
 
 
 class TmpFile:
-    """``DIR/NAME.tmp`` of one output file: created preallocated, patched, checksummed, renamed.
+    """A temporary (:func:`temp_name`) of one output file: created preallocated, patched,
+    checksummed, renamed to ``DIR/NAME``.
 
     On any failure the caller calls :meth:`discard`; nothing of it is left behind.
     """
 
     def __init__(self, directory: Path, name: str, size: int) -> None:
-        self.path = directory / (name + ".tmp")
+        self.path = directory / temp_name(name)
         self.name = name
         self.size = size
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = create_exclusive(self.path)
         self._open = True
         try:
             preallocate(self.fd, size)
@@ -184,10 +238,10 @@ class TmpFile:
 
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = False) -> None:
-    """Write ``path`` through ``path.tmp`` and a rename (``fsync``: durable before the rename)."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write ``path`` through a fresh temporary and a rename (``fsync``: durable before the rename)."""
+    tmp = path.with_name(temp_name(path.name))
     try:
-        with open(tmp, "wb") as f:
+        with open(create_exclusive(tmp), "wb") as f:
             f.write(data)
             if fsync:
                 f.flush()

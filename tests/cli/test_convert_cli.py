@@ -76,7 +76,9 @@ def tp4(tmp_path: Path) -> Path:
 
 def test_tp4_to_tp8_to_hf_round_trip_matches_torch(tp4: Path, tmp_path: Path) -> None:
     lay = str(tmp_path / "tp.yaml")
-    p = run("convert", str(tp4), str(tmp_path / "tp8"), "--source-layout", lay, "--target-mesh", "tp=8", "--json")
+    p = run(
+        "convert", str(tp4), str(tmp_path / "tp8"), "--source-layout", lay, "--target-mesh", "tp=8", "--json"
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["schema"] == 1 and doc["ok"] and len(doc["files"]) == 8
@@ -94,13 +96,21 @@ def test_tp4_to_tp8_to_hf_round_trip_matches_torch(tp4: Path, tmp_path: Path) ->
         assert torch.equal(got[n], t), n
     manifest = json.loads((tmp_path / "hf" / "reshard.json").read_text())
     assert manifest["format"] == "hf"
-    assert manifest["files"]["model.safetensors"]["size"] == (tmp_path / "hf" / "model.safetensors").stat().st_size
+    assert (
+        manifest["files"]["model.safetensors"]["size"]
+        == (tmp_path / "hf" / "model.safetensors").stat().st_size
+    )
 
 
 def test_outputs_are_deterministic(tp4: Path, tmp_path: Path) -> None:
     lay = str(tmp_path / "tp.yaml")
     for d in ("a", "b"):
-        assert run("convert", str(tp4), str(tmp_path / d), "--source-layout", lay, "--target-mesh", "tp=3").returncode == 0
+        assert (
+            run(
+                "convert", str(tp4), str(tmp_path / d), "--source-layout", lay, "--target-mesh", "tp=3"
+            ).returncode
+            == 0
+        )
     names = sorted(os.listdir(tmp_path / "a"))
     assert names == sorted(os.listdir(tmp_path / "b"))
     for n in names:
@@ -110,8 +120,18 @@ def test_outputs_are_deterministic(tp4: Path, tmp_path: Path) -> None:
 def test_dtype_cast_and_sharded_hf(tp4: Path, tmp_path: Path) -> None:
     lay = str(tmp_path / "tp.yaml")
     out = tmp_path / "hf"
-    p = run("convert", str(tp4), str(out), "--source-layout", lay, "--consolidate", "--dtype", "bf16",
-            "--max-shard-size", "300B")
+    p = run(
+        "convert",
+        str(tp4),
+        str(out),
+        "--source-layout",
+        lay,
+        "--consolidate",
+        "--dtype",
+        "bf16",
+        "--max-shard-size",
+        "300B",
+    )
     assert p.returncode == 0, p.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -160,7 +180,9 @@ def test_bad_input_exits_2_and_writes_nothing(tp4: Path, tmp_path: Path, damage:
             t["layers.0.wq"] = torch.zeros(2, 6)
         save_file(t, str(f1))
     dst = tmp_path / "out"
-    p = run("convert", str(tp4), str(dst), "--source-layout", str(tmp_path / "tp.yaml"), "--target-mesh", "tp=2")
+    p = run(
+        "convert", str(tp4), str(dst), "--source-layout", str(tmp_path / "tp.yaml"), "--target-mesh", "tp=2"
+    )
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert expect in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
@@ -168,8 +190,16 @@ def test_bad_input_exits_2_and_writes_nothing(tp4: Path, tmp_path: Path, damage:
 
 
 def test_rank_count_differs_from_mesh(tp4: Path, tmp_path: Path) -> None:
-    p = run("convert", str(tp4), str(tmp_path / "o"), "--source-layout", str(tmp_path / "tp.yaml"),
-            "--source-mesh", "tp=8", "--consolidate")
+    p = run(
+        "convert",
+        str(tp4),
+        str(tmp_path / "o"),
+        "--source-layout",
+        str(tmp_path / "tp.yaml"),
+        "--source-mesh",
+        "tp=8",
+        "--consolidate",
+    )
     assert p.returncode == 2
     assert "4 rank files but the mesh tp=8 has 8 ranks" in p.stderr
 
@@ -215,15 +245,31 @@ def test_destination_rules(tp4: Path, tmp_path: Path) -> None:
 def test_partial_target_refused(tp4: Path, tmp_path: Path) -> None:
     lay = tmp_path / "p.yaml"
     lay.write_text('mesh: {tp: 2}\nplacements:\n  "*": P(sum)\n')
-    p = run("convert", str(tp4), str(tmp_path / "o"), "--source-layout", str(tmp_path / "tp.yaml"),
-            "--target-layout", str(lay))
+    p = run(
+        "convert",
+        str(tp4),
+        str(tmp_path / "o"),
+        "--source-layout",
+        str(tmp_path / "tp.yaml"),
+        "--target-layout",
+        str(lay),
+    )
     assert p.returncode == 2 and "Partial target" in p.stderr
     _assert_nothing_written(tmp_path / "o")
 
 
 def test_non_float_cast_is_left_alone_and_said(tp4: Path, tmp_path: Path) -> None:
-    p = run("convert", str(tp4), str(tmp_path / "o"), "--source-layout", str(tmp_path / "tp.yaml"),
-            "--consolidate", "--dtype", "fp16", "--json")
+    p = run(
+        "convert",
+        str(tp4),
+        str(tmp_path / "o"),
+        "--source-layout",
+        str(tmp_path / "tp.yaml"),
+        "--consolidate",
+        "--dtype",
+        "fp16",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     h = read_header(tmp_path / "o" / "model.safetensors")
     assert h.entry("layers.0.gate_up").dtype == "I32"
@@ -237,15 +283,30 @@ def test_usage_errors(tp4: Path, tmp_path: Path) -> None:
     assert p.returncode == 2 and "no such file" in p.stderr
     p = run("convert", str(tp4), str(tmp_path / "o"), "--consolidate")
     assert p.returncode == 2 and "--source-layout" in p.stderr
-    p = run("convert", str(tp4), str(tmp_path / "o"), "--source-layout", str(tmp_path / "tp.yaml"),
-            "--target-mesh", "tp=x")
+    p = run(
+        "convert",
+        str(tp4),
+        str(tmp_path / "o"),
+        "--source-layout",
+        str(tmp_path / "tp.yaml"),
+        "--target-mesh",
+        "tp=x",
+    )
     assert p.returncode == 2 and "NAME=SIZE" in p.stderr
 
 
 def test_write_failure_exits_3_and_removes_partial_files(tp4: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out"
-    p = run("convert", str(tp4), str(dst), "--source-layout", str(tmp_path / "tp.yaml"),
-            "--target-mesh", "tp=2", fsize_limit=700)
+    p = run(
+        "convert",
+        str(tp4),
+        str(dst),
+        "--source-layout",
+        str(tmp_path / "tp.yaml"),
+        "--target-mesh",
+        "tp=2",
+        fsize_limit=700,
+    )
     assert p.returncode == 3, (p.returncode, p.stderr)
     assert "partial files were removed" in p.stderr and "Traceback" not in p.stderr
     assert not dst.exists() or not any(dst.iterdir())
@@ -255,26 +316,37 @@ def test_resume_keeps_verified_files_and_redoes_the_rest(tp4: Path, tmp_path: Pa
     lay = str(tmp_path / "tp.yaml")
     ref = tmp_path / "ref"
     assert run("convert", str(tp4), str(ref), "--source-layout", lay, "--target-mesh", "tp=4").returncode == 0
-    # an interrupted run: two files finished (journal written), one torn .tmp, no reshard.json
+    # an interrupted run: two files finished in the staging directory (journal written, its
+    # first line the source's identity), one torn temporary, no reshard.json
     out = tmp_path / "out"
-    out.mkdir()
+    stage = out / ".reshard-staging"
+    stage.mkdir(parents=True)
     import shutil
 
+    from reshard.config import load_layout
+    from reshard.formats import open_checkpoint
     from reshard.io.checksum import file_checksum
+    from reshard.resume import source_identity
 
-    lines = []
+    ident = source_identity(open_checkpoint(tp4, layout=load_layout(lay)))
+    lines = [json.dumps({"source": ident})]
     for r in (0, 1):
         name = f"rank-{r:05d}-of-00004.safetensors"
-        shutil.copy(ref / name, out / name)
-        lines.append(json.dumps({"name": name, "size": (out / name).stat().st_size,
-                                 "checksum": file_checksum(out / name)}))
-    (out / ".reshard-progress.jsonl").write_text("\n".join(lines) + "\n")
+        shutil.copy(ref / name, stage / name)
+        lines.append(
+            json.dumps(
+                {"name": name, "size": (stage / name).stat().st_size, "checksum": file_checksum(stage / name)}
+            )
+        )
+    (stage / ".reshard-progress.jsonl").write_text("\n".join(lines) + "\n")
     # rank 1 was damaged after it finished: resume must redo it
-    data = bytearray((out / "rank-00001-of-00004.safetensors").read_bytes())
+    data = bytearray((stage / "rank-00001-of-00004.safetensors").read_bytes())
     data[-1] ^= 0xFF
-    (out / "rank-00001-of-00004.safetensors").write_bytes(bytes(data))
-    (out / "rank-00002-of-00004.safetensors.tmp").write_bytes(b"torn")
-    p = run("convert", str(tp4), str(out), "--source-layout", lay, "--target-mesh", "tp=4", "--resume", "--json")
+    (stage / "rank-00001-of-00004.safetensors").write_bytes(bytes(data))
+    (stage / ".reshard-1-00ff-rank-00002-of-00004.safetensors.tmp").write_bytes(b"torn")
+    p = run(
+        "convert", str(tp4), str(out), "--source-layout", lay, "--target-mesh", "tp=4", "--resume", "--json"
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["resumed_files"] == 1
     assert sorted(os.listdir(out)) == sorted(os.listdir(ref))
@@ -283,9 +355,25 @@ def test_resume_keeps_verified_files_and_redoes_the_rest(tp4: Path, tmp_path: Pa
 
 
 ALL_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
-    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e8m0fnu,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
 ]
 
 
@@ -293,13 +381,22 @@ def test_every_safetensors_dtype_is_carried_byte_exactly(tmp_path: Path) -> None
     gen = torch.Generator().manual_seed(1)
     full = {}
     for i, dt in enumerate(ALL_DTYPES):
-        raw = torch.randint(0, 256, (11, 5 * torch.empty(0, dtype=dt).element_size()), generator=gen,
-                            dtype=torch.uint8)
+        raw = torch.randint(
+            0, 256, (11, 5 * torch.empty(0, dtype=dt).element_size()), generator=gen, dtype=torch.uint8
+        )
         full[f"t{i}.w"] = raw.view(dt) if dt != torch.bool else (raw % 2).to(torch.bool)
     save_file(full, str(tmp_path / "model.safetensors"))
     (tmp_path / "l.yaml").write_text('mesh: {tp: 4}\nplacements:\n  "t1*": {tp: S(0)}\n  "*": {tp: S(1)}\n')
-    assert run("convert", str(tmp_path / "model.safetensors"), str(tmp_path / "tp4"), "--target-layout",
-               str(tmp_path / "l.yaml")).returncode == 0
+    assert (
+        run(
+            "convert",
+            str(tmp_path / "model.safetensors"),
+            str(tmp_path / "tp4"),
+            "--target-layout",
+            str(tmp_path / "l.yaml"),
+        ).returncode
+        == 0
+    )
     p = run("convert", str(tmp_path / "tp4"), str(tmp_path / "tp3"), "--target-mesh", "tp=3")
     assert p.returncode == 0, p.stderr
     p = run("convert", str(tmp_path / "tp3"), str(tmp_path / "hf"), "--consolidate")
@@ -321,5 +418,6 @@ def test_rule_matching_nothing_is_a_warning(tp4: Path, tmp_path: Path) -> None:
     p = run("convert", str(tp4), str(tmp_path / "o"), "--source-layout", str(lay), "--consolidate", "--json")
     assert p.returncode == 0, p.stderr
     warnings = json.loads(p.stdout)["warnings"]
-    assert warnings == [f"{lay}:6: rule '*.never' matches no tensor"]
+    assert warnings[0] == f"{lay}:6: rule '*.never' matches no tensor"
+    assert len(warnings) == 2 and "no config.json" in warnings[1]  # hf output without model files
     assert "matches no tensor" in p.stderr

@@ -1,4 +1,7 @@
-"""`reshard plan` figures are what `convert` then does; workers do not change a byte; no torch on the copy path."""
+"""`reshard plan` figures are what `convert` then does.
+
+Workers do not change a byte; no torch on the copy path.
+"""
 
 from __future__ import annotations
 
@@ -35,8 +38,9 @@ _MEASURE = (
 def peak_rss(*args: str) -> int:
     """Peak RSS of `reshard ARGS`, forked from a small interpreter: a child forked from this
     test process (torch imported) would start its high-water mark at our size."""
-    p = subprocess.run([sys.executable, "-c", _MEASURE, RESHARD, *args], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _MEASURE, RESHARD, *args], capture_output=True, text=True, timeout=120
+    )
     code, rss = p.stdout.split()
     assert code == "0", p.stderr
     return int(rss)
@@ -51,14 +55,21 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     "target",
-    [["--target-mesh", "tp=8"], ["--consolidate"], ["--target-mesh", "tp=3"], ["--consolidate", "--dtype", "fp32"]],
+    [
+        ["--target-mesh", "tp=8"],
+        ["--consolidate"],
+        ["--target-mesh", "tp=3"],
+        ["--consolidate", "--dtype", "fp32"],
+    ],
 )
 def test_plan_figures_match_the_conversion(demo: Path, tmp_path: Path, target: list[str]) -> None:
     code, out, err, _ = reshard("plan", str(demo), "--source-layout", LAYOUT, *target, "--json")
     assert code == 0, err
     plan = json.loads(out)
     assert not any(tmp_path.iterdir()), "plan must not write"
-    code, out, err, _ = reshard("convert", str(demo), str(tmp_path / "o"), "--source-layout", LAYOUT, *target, "--json")
+    code, out, err, _ = reshard(
+        "convert", str(demo), str(tmp_path / "o"), "--source-layout", LAYOUT, *target, "--json"
+    )
     assert code == 0, err
     done = json.loads(out)
     assert [f["name"] for f in plan["files"]] == [f["name"] for f in done["files"]]
@@ -78,8 +89,19 @@ def test_workers_do_not_change_a_byte(demo: Path, tmp_path: Path) -> None:
     outs = []
     for w in (1, 2, 3):
         o = tmp_path / f"w{w}"
-        code, _, err, _ = reshard("convert", str(demo), str(o), "--source-layout", LAYOUT, "--target-mesh", "tp=8",
-                                  "--workers", str(w), "--max-memory", "1MiB")
+        code, _, err, _ = reshard(
+            "convert",
+            str(demo),
+            str(o),
+            "--source-layout",
+            LAYOUT,
+            "--target-mesh",
+            "tp=8",
+            "--workers",
+            str(w),
+            "--max-memory",
+            "1MiB",
+        )
         assert code == 0, err
         outs.append(o)
     names = sorted(os.listdir(outs[0]))
@@ -93,8 +115,8 @@ def test_copy_path_never_imports_torch(demo: Path, tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from reshard.cli import app\n"
-        f"sys.argv = ['reshard', 'convert', {str(demo)!r}, {str(tmp_path / 'o')!r}, '--source-layout', {LAYOUT!r},"
-        " '--target-mesh', 'tp=8', '--quiet']\n"
+        f"sys.argv = ['reshard', 'convert', {str(demo)!r}, {str(tmp_path / 'o')!r}, "
+        f"'--source-layout', {LAYOUT!r}, '--target-mesh', 'tp=8', '--quiet']\n"
         "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         f"sys.argv = ['reshard', 'inspect', {str(tmp_path / 'o')!r}, '--check', '--quiet']\n"

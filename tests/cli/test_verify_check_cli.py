@@ -131,7 +131,11 @@ def test_inspect_check_good_exit_0(ckpts: dict[str, Path]) -> None:
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["ok"] is True
-    assert doc["check"] == {"ok": True, "problems": []}
+    assert doc["check"] == {
+        "ok": True,
+        "problems": [],
+        "verified": ["full coverage", "replicas equal", "checksums in reshard.json match"],
+    }
 
 
 def test_inspect_check_flipped_exit_1(flipped: Path) -> None:

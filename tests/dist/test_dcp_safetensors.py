@@ -165,7 +165,9 @@ def test_consolidate_bit_equal_to_full(world: Path, tmp_path: Path, ckpt: str) -
     out = tmp_path / "hf"
     result = convert(SourceSpec(str(world / ckpt)), out, TargetSpec(consolidate=True))
     assert result["source"]["format"] == "dcp-safetensors"
-    assert result["warnings"] == []
+    # the one warning: DCP directories carry no config.json for the hf output (see --config-from)
+    (warning,) = result["warnings"]
+    assert "no config.json; the hf output holds weights only" in warning
     got = st.load_file(str(out / "model.safetensors"))
     want = full(world)
     assert sorted(got) == sorted(want)
@@ -457,3 +459,12 @@ def test_bad_input(
     with pytest.raises(error, match=message) as ei:
         open_checkpoint(tmp_path, fmt="dcp-safetensors")
     assert getattr(ei.value, "path", None)
+
+
+@pytest.mark.dist
+def test_check_claims_no_checksums_for_dcp(world: Path) -> None:
+    """DCP safetensors record no checksums: inspect --check must not say it matched any."""
+    proc = run_cli("inspect", str(world / "ckpt"), "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert "check: ok (full coverage, no checksums recorded (reshard.json absent))" in proc.stderr
+    assert "checksums match" not in proc.stderr

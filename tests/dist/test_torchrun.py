@@ -83,12 +83,11 @@ def reshard_exe() -> list[str]:
 
 
 def reshard(*args: str | Path, code: int = 0) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([*reshard_exe(), *map(str, args)], capture_output=True, text=True,
-                         timeout=TIMEOUT, env=_env())
+    res = subprocess.run(
+        [*reshard_exe(), *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT, env=_env()
+    )
     assert res.returncode == code, f"reshard {' '.join(map(str, args))} -> {res.returncode}:\n{res.stderr}"
     return res
-
-
 
 
 def assert_same_dirs(got: Path, want: Path) -> None:
@@ -206,16 +205,33 @@ def test_saving_loaded_dtensors_equals_reshard_convert(loaded: Path, model: Path
 def tp2(model: Path) -> Path:
     """A self-describing per-rank tp=2 checkpoint, written by a one-process conversion."""
     src = model / "tp2"
-    reshard("convert", model / "hf", src, "--target-layout", model / "tp4.yaml", "--target-mesh", "tp=2",
-            "--quiet")
+    reshard(
+        "convert",
+        model / "hf",
+        src,
+        "--target-layout",
+        model / "tp4.yaml",
+        "--target-mesh",
+        "tp=2",
+        "--quiet",
+    )
     return src
 
 
 def test_convert_under_torchrun_equals_one_process(tp2: Path, tmp_path: Path) -> None:
     reshard("convert", tp2, tmp_path / "single", "--target-mesh", "tp=4", "--quiet")
     # the console script itself (`torchrun -m reshard.cli` would import the module and do nothing)
-    torchrun(2, *reshard_exe(), "convert", tp2, tmp_path / "dist", "--target-mesh", "tp=4", "--quiet",
-             teardown_abort_ok=True)
+    torchrun(
+        2,
+        *reshard_exe(),
+        "convert",
+        tp2,
+        tmp_path / "dist",
+        "--target-mesh",
+        "tp=4",
+        "--quiet",
+        teardown_abort_ok=True,
+    )
     assert_same_dirs(tmp_path / "dist", tmp_path / "single")
     reshard("verify", tmp_path / "dist", tp2)
 
@@ -254,3 +270,30 @@ def test_save_dtensors_without_torchrun_writes_a_one_rank_checkpoint(tmp_path: P
     with pytest.raises(UsageError, match=r'"step" \(int\) is not a tensor'):
         save_dtensors({"w": full["w.s0"], "step": 3}, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+# --------------------------------------------------------------------------- sharded-state
+
+
+def test_load_dtensors_reads_sharded_state(model: Path, tmp_path: Path) -> None:
+    """vLLM-named files with ``source_layout=``, and reshard's own sharded-state output without a layout."""
+    mesh = Mesh(("tp",), (L.WORLD,))
+    vllm = tmp_path / "vllm"
+    vllm.mkdir()
+    full, pls = L.full_tensors(), L.placements()
+    for r, coord in enumerate(mesh.coordinates()):
+        local = {name: torch_local(t, mesh.shape, coord, pls[name]).clone() for name, t in full.items()}
+        names = sorted(local)  # two parts per rank, as vLLM's max_size would split them
+        save_file({n: local[n] for n in names[:4]}, str(vllm / f"model-rank-{r}-part-0.safetensors"))
+        save_file({n: local[n] for n in names[4:]}, str(vllm / f"model-rank-{r}-part-1.safetensors"))
+    reshard(
+        "convert",
+        model / "hf",
+        tmp_path / "ss",
+        "--to",
+        "sharded-state",
+        "--target-layout",
+        model / "tp4.yaml",
+        "--quiet",
+    )
+    torchrun(L.WORLD, SCRIPTS / "load_sharded_state.py", vllm, tmp_path / "ss", model / "tp4.yaml")

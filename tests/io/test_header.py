@@ -181,9 +181,7 @@ def test_all_dtypes_byte_identical(metadata: dict[str, str] | None) -> None:
     ids=lambda t: ",".join(f"{k!r}" for k in t)[:40] or "empty",
 )
 @pytest.mark.parametrize("metadata", [None, {"k": "v"}])
-def test_byte_identical_cases(
-    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
-) -> None:
+def test_byte_identical_cases(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
     assert_same_as_reference(tensors, metadata)
 
 
@@ -282,9 +280,7 @@ def test_read_header_roundtrip(tmp_path: Path, metadata: dict[str, str] | None) 
     assert read_header(str(path)) == header
 
 
-def test_read_header_never_reads_tensor_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_read_header_never_reads_tensor_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tensors = {"big": make_tensor("U8", (4096,))}
     path = write(tmp_path, save(tensors))
     reads: list[int] = []
@@ -338,9 +334,7 @@ def test_file_shorter_than_length_prefix(tmp_path: Path) -> None:
 
 def test_header_length_larger_than_file(tmp_path: Path) -> None:
     p = write(tmp_path, struct.pack("<Q", 1000) + b"{}")
-    with _raises(
-        f"{p}: header length 1000 is larger than the file: only 2 bytes follow the length prefix"
-    ):
+    with _raises(f"{p}: header length 1000 is larger than the file: only 2 bytes follow the length prefix"):
         read_header(p)
 
 
@@ -361,8 +355,7 @@ def test_trailing_garbage(tmp_path: Path) -> None:
     blob = save({"a": make_tensor("F32", (2, 3))})
     p = write(tmp_path, blob + b"junk")
     with _raises(
-        f"{p}: file has 4 trailing bytes after the data section: "
-        "header says 24 data bytes, file has 28"
+        f"{p}: file has 4 trailing bytes after the data section: header says 24 data bytes, file has 28"
     ):
         read_header(p)
 
@@ -417,8 +410,7 @@ def test_empty_checkpoint_is_valid(tmp_path: Path) -> None:
         ),
         (
             hdr({"a": entry_json("F4", [2], 0, 1)}),
-            'tensor "a" has unsupported dtype "F4": sub-byte dtypes (F4, F6_E2M3, F6_E3M2) '
-            "are not supported",
+            'tensor "a" has unsupported dtype "F4": sub-byte dtypes (F4, F6_E2M3, F6_E3M2) are not supported',
         ),
         (
             hdr({"a": entry_json("F32", [2, -1], 0, 4)}),
@@ -430,13 +422,11 @@ def test_empty_checkpoint_is_valid(tmp_path: Path) -> None:
         ),
         (
             hdr({"a": {**entry_json("F32", [1], 0, 4), "data_offsets": [0, 4, 8]}}),
-            'tensor "a" has invalid data_offsets [0, 4, 8]: '
-            "must be [begin, end] with non-negative integers",
+            'tensor "a" has invalid data_offsets [0, 4, 8]: must be [begin, end] with non-negative integers',
         ),
         (
             hdr({"a": {**entry_json("F32", [1], 0, 4), "data_offsets": [0.0, 4]}}),
-            'tensor "a" has invalid data_offsets [0.0, 4]: '
-            "must be [begin, end] with non-negative integers",
+            'tensor "a" has invalid data_offsets [0.0, 4]: must be [begin, end] with non-negative integers',
         ),
         (
             hdr({"a": entry_json("F32", [0], 4, 0)}),
@@ -489,8 +479,7 @@ def test_decode_file_size_checks() -> None:
     with _raises("<bytes>: file is truncated: header says 8 data bytes, file has 7"):
         decode_header(raw, file_size=start + 7)
     with _raises(
-        "<bytes>: file has 1 trailing bytes after the data section: "
-        "header says 8 data bytes, file has 9"
+        "<bytes>: file has 1 trailing bytes after the data section: header says 8 data bytes, file has 9"
     ):
         decode_header(raw, file_size=start + 9)
 
@@ -531,14 +520,12 @@ def test_decode_sorts_by_offset_and_accepts_padding() -> None:
         (
             [("a", "F32", [2, -1])],
             None,
-            'cannot encode header: tensor "a" has invalid shape [2, -1]: '
-            "must be non-negative integers",
+            'cannot encode header: tensor "a" has invalid shape [2, -1]: must be non-negative integers',
         ),
         (
             [("a", "F32", [1.5])],
             None,
-            'cannot encode header: tensor "a" has invalid shape [1.5]: '
-            "must be non-negative integers",
+            'cannot encode header: tensor "a" has invalid shape [1.5]: must be non-negative integers',
         ),
         (
             [("__metadata__", "F32", [1])],
@@ -547,9 +534,7 @@ def test_decode_sorts_by_offset_and_accepts_padding() -> None:
         ),
     ],
 )
-def test_encode_errors(
-    tensors: list[tuple[str, str, list[Any]]], metadata: Any, message: str
-) -> None:
+def test_encode_errors(tensors: list[tuple[str, str, list[Any]]], metadata: Any, message: str) -> None:
     with _raises(message):
         encode_header(tensors, metadata)
 

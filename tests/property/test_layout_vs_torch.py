@@ -73,9 +73,7 @@ def _check_against_torch(mesh: Mesh, shape: tuple[int, ...], pls: tuple) -> None
         assert tuple(got.shape) == tuple(want.shape), where
         assert torch.equal(got, want), where
         assert lay.local_shape(coord) == tuple(want.shape), where
-        t_shape, t_offset = _compute_local_shape_and_global_offset(
-            shape, mesh.shape, list(coord), tpls
-        )
+        t_shape, t_offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coord), tpls)
         assert lay.local_shape(coord) == tuple(t_shape), where
         for d, ilist in enumerate(block):
             if t_shape[d] > 0:
@@ -107,11 +105,7 @@ def test_blocks_tile_the_tensor(case):
     flat = np.arange(n).reshape(shape)
     distinct: dict[frozenset[int], int] = {}
     for r, blk in enumerate(lay.blocks()):
-        sel = (
-            flat[np.ix_(*[np.array(index_array(il), dtype=np.int64) for il in blk])]
-            if shape
-            else flat
-        )
+        sel = flat[np.ix_(*[np.array(index_array(il), dtype=np.int64) for il in blk])] if shape else flat
         elems = frozenset(np.asarray(sel).ravel().tolist())
         assert len(elems) == block_volume(blk) == np.asarray(sel).size, f"rank {r}"
         distinct.setdefault(elems, r)
@@ -162,9 +156,7 @@ def test_negative_dims_mean_the_same_as_positive(case):
         else p
         for p in pls
     )
-    assert (
-        TensorLayout.make(shape, mesh, pls).blocks() == TensorLayout.make(shape, mesh, pos).blocks()
-    )
+    assert TensorLayout.make(shape, mesh, pls).blocks() == TensorLayout.make(shape, mesh, pos).blocks()
 
 
 # --- interval algebra --------------------------------------------------------------

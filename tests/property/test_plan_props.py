@@ -83,19 +83,15 @@ def _check_cover(src: TensorSource, dst_blocks, copies, groups: int) -> None:
             if src.piece_partials is not None:
                 # the copy's group is the rank of the piece's partial group among all groups
                 gids = sorted(
-                    {
-                        g
-                        for g, b in zip(src.piece_partials, src.piece_blocks, strict=True)
-                        if block_volume(b)
-                    }
+                    {g for g, b in zip(src.piece_partials, src.piece_blocks, strict=True) if block_volume(b)}
                 )
                 assert gids[c.group] == src.piece_partials[c.piece]
             src_idx = [index_array(il) for il in sblk]
             for s0, d0, size in copy_boxes(c):
                 for d in range(len(dshape)):
-                    assert (
-                        src_idx[d][s0[d] : s0[d] + size[d]] == dst_idx[d][d0[d] : d0[d] + size[d]]
-                    ), f"rank {r} dim {d}: copy maps different global indices"
+                    assert src_idx[d][s0[d] : s0[d] + size[d]] == dst_idx[d][d0[d] : d0[d] + size[d]], (
+                        f"rank {r} dim {d}: copy maps different global indices"
+                    )
                 sl = tuple(slice(a, a + n) for a, n in zip(d0, size, strict=True))
                 counts[(c.group, *sl)] += 1
         assert (counts == 1).all(), (
@@ -123,9 +119,7 @@ def test_match_blocks_covers_every_destination_element_once(case):
     copies, groups = match_blocks(src, lb.blocks())
     assert len(copies) == lb.mesh.size
     if math.prod(la.shape) > 0:
-        k = math.prod(
-            s for p, s in zip(la.placements, la.mesh.shape, strict=True) if isinstance(p, Partial)
-        )
+        k = math.prod(s for p, s in zip(la.placements, la.mesh.shape, strict=True) if isinstance(p, Partial))
         assert groups == k
     _check_cover(src, lb.blocks(), copies, groups)
 
@@ -161,13 +155,9 @@ def test_make_plan_lays_out_each_rank_file(case):
         "a.w": source_from_layout("a.w", la, "F32"),
         "b.w": source_from_layout("b.w", la, "BF16"),
     }
-    ckpt = Checkpoint(
-        path="mem", format="per-rank", files=(), file_sizes=(), tensors=tensors, mesh=la.mesh
-    )
+    ckpt = Checkpoint(path="mem", format="per-rank", files=(), file_sizes=(), tensors=tensors, mesh=la.mesh)
     plan = make_plan(ckpt, lb.mesh, lambda name: lb.placements, writer=writer("per-rank"))
-    assert [f.name for f in plan.files] == [
-        rank_file_name(r, lb.mesh.size) for r in range(lb.mesh.size)
-    ]
+    assert [f.name for f in plan.files] == [rank_file_name(r, lb.mesh.size) for r in range(lb.mesh.size)]
     for r, f in enumerate(plan.files):
         assert f.rank == r
         pos = len(f.prefix)
@@ -184,7 +174,6 @@ def test_make_plan_lays_out_each_rank_file(case):
 # --- real files ----------------------------------------------------------------------
 
 
-
 def placement_text(p: Placement, mesh: Mesh, named_sf: bool) -> str:
     """Text form; with ``named_sf`` a split factor equal to a mesh dim's size is written
     as that dim's name (``_S(0, d1)``), which the layout resolves on its mesh."""
@@ -193,9 +182,7 @@ def placement_text(p: Placement, mesh: Mesh, named_sf: bool) -> str:
     return str(p)
 
 
-def layout_yaml(
-    mesh: Mesh, pls: dict[str, tuple[Placement, ...]], *, named_sf: bool = False
-) -> str:
+def layout_yaml(mesh: Mesh, pls: dict[str, tuple[Placement, ...]], *, named_sf: bool = False) -> str:
     sizes = ", ".join(f"{n}: {s}" for n, s in zip(mesh.names, mesh.shape, strict=True))
     lines = [f"mesh: {{{sizes}}}", "placements:"]
     for name, p in pls.items():
@@ -230,9 +217,7 @@ def check_per_rank(directory: Path, mesh: Mesh, full: dict[str, torch.Tensor], p
         assert set(got) == set(full)
         for name, t in full.items():
             want = torch_local(t, mesh.shape, coord, torch_placements(pls[name], t.ndim))
-            assert same_bits(got[name], want), (
-                f"{directory.name} rank {r} coord {coord} tensor {name}"
-            )
+            assert same_bits(got[name], want), f"{directory.name} rank {r} coord {coord} tensor {name}"
 
 
 def check_consolidated(directory: Path, full: dict[str, torch.Tensor]) -> None:
@@ -503,9 +488,7 @@ def test_partial_source_reduces_to_the_full_tensor(case):
         check_per_rank(root / "B", mb, {"w": full}, {"w": pb})
 
 
-def _refused(
-    tmp_path: Path, src_pls: tuple[Placement, ...], layout_text: str | None, *extra: str
-) -> None:
+def _refused(tmp_path: Path, src_pls: tuple[Placement, ...], layout_text: str | None, *extra: str) -> None:
     mesh = Mesh(("tp",), (2,))
     full = torch.arange(8, dtype=torch.float32).reshape(4, 2)
     (tmp_path / "a.yaml").write_text(layout_yaml(mesh, {"w": src_pls}))
@@ -529,9 +512,7 @@ def _refused(
 
 @pytest.mark.parametrize("target", ["P(sum)", "Partial(max)", "P", "Partial()"])
 def test_partial_target_layout_is_refused_with_exit_code_2(tmp_path, target):
-    _refused(
-        tmp_path, (Shard(0),), f'mesh: {{tp: 2}}\nplacements:\n  "w": [{json.dumps(target)}]\n'
-    )
+    _refused(tmp_path, (Shard(0),), f'mesh: {{tp: 2}}\nplacements:\n  "w": [{json.dumps(target)}]\n')
 
 
 def test_partial_source_rules_reused_on_a_target_mesh_are_refused_with_exit_code_2(tmp_path):

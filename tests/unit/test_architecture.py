@@ -9,18 +9,33 @@ ROOT = Path(__file__).parents[2] / "reshard"
 
 # lowest first; a module may import its own layer or any lower one (docs/ARCHITECTURE.md)
 LAYERS = [
-    {"version", "errors", "dtypes", "intervals"},
+    {"version", "errors", "dtypes", "intervals", "text"},
+    {"io.safe"},
     {"placements", "mesh"},
-    {"layout", "config", "checkpoint"},
-    {"plan"},
-    {"io", "io.header", "io.checksum", "io.pages", "io.reader", "io.writer", "torch_ops"},
+    {"layout", "config", "checkpoint", "indexmap"},
+    {"transforms"},
+    {"plan", "select"},
+    {
+        "io",
+        "io.header",
+        "io.torchzip",
+        "io.unpickle",
+        "io.checksum",
+        "io.pages",
+        "io.reader",
+        "io.writer",
+        "io.lock",
+        "io.staging",
+        "torch_ops",
+    },
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
-    {"formats.base", "formats.safetensors", "formats.manifest"},
+    {"formats.base", "formats.safetensors", "formats.manifest", "formats.hf_extras"},
     {"formats.dcp_boxes"},
-    {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats"},
-    {"budget", "execute", "resume", "verify", "check", "report"},
+    {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp", "formats.dcp_writer"},
+    {"formats.sharded_state", "formats.pt", "formats"},
+    {"budget", "execute", "resume", "verify", "check", "report", "show"},
     {"dist", "convert"},
-    {"cli", "demo", "__main__", "formats.__main__", ""},
+    {"cli", "demo", "api", "__main__", "formats.__main__", ""},
 ]
 
 

@@ -15,8 +15,9 @@ from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, res
 
 @pytest.mark.parametrize("piece", [4096, 5000, 1 << 20])
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_piecewise_checksum_matches_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int,
-                                         workers: int) -> None:
+def test_piecewise_checksum_matches_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int, workers: int
+) -> None:
     monkeypatch.setattr(cs, "PIECE", piece)
     gen = torch.Generator().manual_seed(0)
     full = {f"l.{i}.w": torch.randn(37, 29, generator=gen) for i in range(12)}

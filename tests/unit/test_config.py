@@ -489,9 +489,7 @@ def test_json_round_trip(name: str) -> None:
 
 
 def test_from_json_accepts_layout_file_shapes() -> None:
-    back = LayoutConfig.from_json(
-        {"mesh": {"fsdp": 2, "tp": 4}, "rules": {"*.w": {"tp": "S(0)"}, "*": "R"}}
-    )
+    back = LayoutConfig.from_json({"mesh": {"fsdp": 2, "tp": 4}, "rules": {"*.w": {"tp": "S(0)"}, "*": "R"}})
     assert back.mesh == MESH2
     assert back.placements_for("a.w") == (Replicate(), Shard(0))
     assert back.source == "<reshard.json>"
@@ -645,13 +643,9 @@ def test_two_documents(tmp_path: Path) -> None:
 
 
 def test_unsafe_tag_rejected(tmp_path: Path) -> None:
-    path = write(
-        tmp_path, 'mesh: {tp: 2}\nplacements:\n  "*": !!python/object/apply:os.getcwd []\n'
-    )
+    path = write(tmp_path, 'mesh: {tp: 2}\nplacements:\n  "*": !!python/object/apply:os.getcwd []\n')
     assert_error_at(path, "python/object", "unsupported YAML tag", "python/object/apply:os.getcwd")
-    path = write(
-        tmp_path, 'mesh: {tp: 2}\nplacements:\n  "*": !!python/name:os.getcwd R\n', "b.yaml"
-    )
+    path = write(tmp_path, 'mesh: {tp: 2}\nplacements:\n  "*": !!python/name:os.getcwd R\n', "b.yaml")
     assert_error_at(path, "python/name", "invalid YAML", "could not determine a constructor")
     path = write(tmp_path, 'mesh: !!omap [tp: 2]\nplacements: {"*": R}\n', "c.yaml")
     assert_error_at(path, "omap", "mesh must be a mapping")
@@ -660,16 +654,12 @@ def test_unsafe_tag_rejected(tmp_path: Path) -> None:
 @pytest.mark.parametrize("text", ["- mesh\n- placements\n", "just text\n", "42\n"])
 def test_top_level_not_mapping(tmp_path: Path, text: str) -> None:
     path = write(tmp_path, text)
-    assert_error_at(
-        path, text.splitlines()[0], "top level must be a mapping", "mesh:", "placements:"
-    )
+    assert_error_at(path, text.splitlines()[0], "top level must be a mapping", "mesh:", "placements:")
 
 
 def test_unknown_top_level_key(tmp_path: Path) -> None:
     path = write(tmp_path, 'mesh: {tp: 2}\nplacement:\n  "*": R\n')
-    assert_error_at(
-        path, "placement:", "unknown top-level key 'placement'", "did you mean 'placements'"
-    )
+    assert_error_at(path, "placement:", "unknown top-level key 'placement'", "did you mean 'placements'")
 
 
 def test_name_and_description_allowed(tmp_path: Path) -> None:
@@ -715,9 +705,7 @@ def test_mesh_errors(tmp_path: Path, text: str, needle: str, words: list[str]) -
         ("mesh: {tp: 2}\nplacements:\n", "placements", ["ordered mapping"]),
     ],
 )
-def test_placements_section_errors(
-    tmp_path: Path, text: str, needle: str, words: list[str]
-) -> None:
+def test_placements_section_errors(tmp_path: Path, text: str, needle: str, words: list[str]) -> None:
     assert_error_at(write(tmp_path, text), needle, *words)
 
 
@@ -808,9 +796,7 @@ def test_duplicate_dim_in_named_rule(tmp_path: Path) -> None:
 
 def test_bare_shard_on_2d_mesh_at_load(tmp_path: Path) -> None:
     path = write(tmp_path, 'mesh: {fsdp: 2, tp: 4}\nplacements:\n  "*.w": S(0)\n  "*": R\n')
-    assert_error_at(
-        path, "*.w", "rule '*.w': S(0) on a 2-d mesh", "write {tp: S(0)} to say which dim"
-    )
+    assert_error_at(path, "*.w", "rule '*.w': S(0) on a 2-d mesh", "write {tp: S(0)} to say which dim")
 
 
 def test_split_factor_names_missing_dim(tmp_path: Path) -> None:
@@ -899,8 +885,5 @@ def test_resolve_preset(tmp_path: Path) -> None:
 
 
 def test_import_does_not_pull_torch() -> None:
-    code = (
-        "import reshard.config, sys; "
-        "assert 'torch' not in sys.modules; assert 'numpy' not in sys.modules"
-    )
+    code = "import reshard.config, sys; assert 'torch' not in sys.modules; assert 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

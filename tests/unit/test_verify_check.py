@@ -123,9 +123,7 @@ TOTAL_BYTES = sum(t.numel() * t.element_size() for t in _tensors().values())
     ],
 )
 @pytest.mark.parametrize("max_bytes", [1, 64 << 20])
-def test_verify_equal_across_layouts(
-    ckpts: dict[str, Path], a: str, b: str, max_bytes: int
-) -> None:
+def test_verify_equal_across_layouts(ckpts: dict[str, Path], a: str, b: str, max_bytes: int) -> None:
     doc = verify_checkpoints(_open(ckpts[a]), _open(ckpts[b]), max_bytes=max_bytes)
     assert doc["equal"] is True
     assert doc["differences"] == []
@@ -151,9 +149,7 @@ def test_verify_reports_the_flipped_element(ckpts: dict[str, Path], tmp_path: Pa
         assert "[3, 3]" in d["message"]
 
 
-def test_verify_reports_the_smallest_differing_index(
-    ckpts: dict[str, Path], tmp_path: Path
-) -> None:
+def test_verify_reports_the_smallest_differing_index(ckpts: dict[str, Path], tmp_path: Path) -> None:
     bad = _copy(ckpts["tp4"], tmp_path)
     _flip(_rank(bad, 1, 4), "l0.o", 3 * 2 + 1)  # global (3, 3), rank 1's region is compared first
     _flip(_rank(bad, 2, 4), "l0.o", 0)  # global (0, 4)
@@ -241,9 +237,7 @@ def _partial(tmp_path: Path, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) 
     d.mkdir()
     save_file({"p": x, "r": r}, str(_rank(d, 0, 2)))
     save_file({"p": y, "r": r}, str(_rank(d, 1, 2)))
-    (tmp_path / "partial.yaml").write_text(
-        'mesh: {dp: 2}\nplacements:\n  "p": {dp: P(sum)}\n  "*": R\n'
-    )
+    (tmp_path / "partial.yaml").write_text('mesh: {dp: 2}\nplacements:\n  "p": {dp: P(sum)}\n  "*": R\n')
     return open_checkpoint(d, layout=load_layout(tmp_path / "partial.yaml"))
 
 
@@ -370,9 +364,7 @@ def test_check_differing_replica_in_strided_layout(ckpts: dict[str, Path], tmp_p
     bad = _copy(ckpts["fsdp_tp"], tmp_path)
     _flip(_rank(bad, 3, 4), "l0.r", 1 * 4 + 2)
     problems = [p for p in check_checkpoint(_open(bad)) if p["kind"] == "replica"]
-    assert [(p["tensor"], p["index"], p["region"]) for p in problems] == [
-        ("l0.r", [4, 2], [[3, 5], [0, 4]])
-    ]
+    assert [(p["tensor"], p["index"], p["region"]) for p in problems] == [("l0.r", [4, 2], [[3, 5], [0, 4]])]
     assert problems[0]["path"] == str(_rank(bad, 3, 4))
     assert problems[0]["other"] == str(_rank(bad, 1, 4))
 
@@ -512,9 +504,7 @@ def test_check_overlaps_and_bounds(tmp_path: Path) -> None:
     f = tmp_path / "d.safetensors"
 
     def ck(*ts: TensorSource) -> Checkpoint:
-        return Checkpoint(
-            str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {t.name: t for t in ts}
-        )
+        return Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), {t.name: t for t in ts})
 
     top = ((I(0, 4),), (I(0, 2),))
     bottom = ((I(2, 6),), (I(0, 2),))
@@ -533,9 +523,7 @@ def test_check_overlaps_and_bounds(tmp_path: Path) -> None:
     assert p["kind"] == "outside"
 
 
-def test_check_shares_geometry_between_tensors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_check_shares_geometry_between_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     base = _raw_file(tmp_path / "d.safetensors", bytes(4 * 64))
     f = tmp_path / "d.safetensors"
     blocks = [((I(16 * r, 16 * (r + 1)),), (I(0, 4),)) for r in range(4)]

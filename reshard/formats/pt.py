@@ -1,0 +1,373 @@
+"""Per-rank ``torch.save`` files (``.pt``): veRL FSDP checkpoints and any ``torch.save(state_dict)``
+per rank, read without torch and without running any pickled code.
+
+Each file is a ``torch.save`` zip. Its ``data.pkl`` is read by
+:func:`reshard.io.unpickle.load_torch_save`, whose allow-list holds only what a
+state dict refers to (tensor and parameter rebuilds, storages, DTensor with its
+spec, DeviceMesh and placements, ``OrderedDict``); anything else exits 2 naming
+the file and the global, and nothing of the pickle runs. Tensor bytes stay in
+the zip's stored ``data/N`` records and are read in place by offset.
+
+- **Rank numbers** come from the file names: ``…rank_{r}.pt``, ``rank-{r}.pt``,
+  or ``…_{r}.pt`` when the name holds one number. A directory holding several
+  kinds of rank files (veRL's ``model_…``, ``optim_…``, ``extra_state_…``) is read
+  through its ``model`` files.
+- **Leaves** of nested dicts and lists are named by their keys joined with ``.``.
+  Non-tensor leaves (ints, strings, ...) are listed, not converted.
+- **DTensors describe themselves**: global shape, placements (``_StridedShard``
+  included) and mesh, checked equal on every rank; each file's mesh coordinate
+  must be the one its rank number gives. A DTensor on a sub-mesh (``mesh["tp"]``)
+  is replicated over the root mesh's other dims.
+- **Plain tensors** take their placements from ``--source-layout`` (its mesh must
+  be the DTensors' mesh); without one they are replicated, with a warning
+  (``inspect --check`` verifies the replicas), and a checkpoint of plain
+  tensors only needs a layout unless it is a single file.
+- Local tensors must be row-major (a transposed view is refused with what to do).
+- Legacy (pre-zip, ``_use_new_zipfile_serialization=False``) files are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor
+from ..dtypes import DTYPE_SIZES
+from ..errors import HeaderError, LayoutError, UsageError
+from ..intervals import row_major_strides
+from ..io.header import Header, TensorEntry
+from ..io.torchzip import STORED, TorchZip, read_record, read_torch_zip
+from ..io.unpickle import SAFETENSORS_DTYPES, MeshInfo, StoredDTensor, StoredTensor, load_torch_save
+from ..mesh import Mesh
+from ..placements import Placement
+from .base import NO, YES, Probe, Reader, ReadOptions
+from .per_rank import RankFiles, exact_rules, layout_describe, rank_checkpoint, source_layout
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["READER", "pt_files", "rank_of", "read_pt"]
+
+_SUFFIXES = (".pt", ".pth")
+_RANK = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)", re.I)
+_NUMBER = re.compile(r"\d+")
+_LEGACY_START = b"\x80\x02\x8a\x0a"  # a protocol-2 pickle of torch's 10-byte magic number (LONG1)
+
+
+def rank_of(name: str) -> tuple[str, int] | None:
+    """``(template, rank)`` of a file name: the rank from ``rank_{r}``/``rank-{r}``, else its only
+    number when it ends the stem (``…_{r}.pt``); the template is the name with ``{r}`` for it."""
+    stem, dot, ext = name.rpartition(".")
+    if not dot or "." + ext not in _SUFFIXES:
+        return None
+    found = list(_RANK.finditer(stem))
+    if found:
+        a, b = found[-1].span(1)
+    else:
+        nums = list(_NUMBER.finditer(stem))
+        if len(nums) != 1 or nums[0].end() != len(stem) or nums[0].start() == 0:
+            return None
+        a, b = nums[0].span()
+        if stem[a - 1] not in "_-":
+            return None
+    return stem[:a] + "{r}" + stem[b:] + dot + ext, int(stem[a:b])
+
+
+def pt_files(directory: Path) -> list[Path]:
+    """The rank files in rank order (every rank from 0 to the highest).
+
+    Raises:
+        HeaderError: no rank files, files of several kinds, a rank twice or missing.
+    """
+    groups: dict[str, dict[int, Path]] = {}
+    for p in sorted(directory.iterdir()):
+        got = rank_of(p.name) if p.is_file() else None
+        if got is not None:
+            groups.setdefault(got[0], {})
+            if got[1] in groups[got[0]]:
+                raise HeaderError(
+                    f"{p}: rank {got[1]} also given by {groups[got[0]][got[1]].name}", path=str(p)
+                )
+            groups[got[0]][got[1]] = p
+    if len(groups) > 1:  # veRL: model_…, optim_…, extra_state_…: the model is what converts
+        groups = {t: g for t, g in groups.items() if t.startswith("model")} or groups
+    if len(groups) != 1:
+        kinds = ", ".join(sorted(groups)) or "none"
+        raise HeaderError(
+            f"{directory}: expected one set of per-rank .pt files named with their rank "
+            f"(rank_{{r}}.pt, rank-{{r}}.pt, ..._{{r}}.pt); found {kinds}",
+            path=str(directory),
+        )
+    (files,) = groups.values()
+    missing = [r for r in range(max(files) + 1) if r not in files]
+    if missing:
+        raise HeaderError(f"{directory}: no .pt file for rank(s) {missing[:8]}", path=str(directory))
+    return [files[r] for r in range(len(files))]
+
+
+@dataclass(frozen=True, slots=True)
+class PtFile:
+    """One rank file: its local tensors as header entries (absolute offsets), DTensors, other leaves,
+    and the zip's CRC32 of each tensor whose record holds exactly its bytes."""
+
+    header: Header
+    dtensors: dict[str, StoredDTensor]
+    others: dict[str, Any]
+    crc32s: dict[str, int]
+
+
+def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Leaves of nested dicts and lists, their keys joined with ``.``."""
+    if isinstance(obj, Mapping):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        yield prefix, obj
+        return
+    for k, v in items:
+        yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+
+
+def _open_zip(fd: int, path: Path) -> TorchZip:
+    head = os.pread(fd, 16, 0)
+    if head.startswith(_LEGACY_START):
+        raise HeaderError(
+            f"{path}: a legacy torch.save file (written before torch 1.6 or with "
+            "_use_new_zipfile_serialization=False); re-save it with a plain torch.save(obj, path)",
+            path=str(path),
+        )
+    if not head.startswith(b"PK"):
+        raise HeaderError(f"{path}: not a torch.save zip archive", path=str(path))
+    return read_torch_zip(fd, str(path))
+
+
+def _entry(name: str, st: StoredTensor, tz: TorchZip, path: Path) -> tuple[TensorEntry, int | None]:
+    """Where the local tensor's bytes are, after checking its record and strides."""
+    q = f'{path}: tensor "{name}"'
+    dtype = SAFETENSORS_DTYPES.get(st.dtype)
+    if dtype is None:
+        raise HeaderError(
+            f"{q} has dtype {st.dtype}, which safetensors cannot hold", path=str(path), tensor=name
+        )
+    numel = 1
+    for s in st.size:
+        numel *= s
+    want = row_major_strides(st.size)
+    if numel and any(n != 1 and a != b for n, a, b in zip(st.size, st.stride, want)):
+        raise LayoutError(
+            f"{q} of shape {list(st.size)} is stored with strides {list(st.stride)}, not row-major; "
+            "re-save the state dict with .contiguous() tensors",
+            path=str(path),
+            tensor=name,
+        )
+    rec = tz.record(f"data/{st.key}")
+    isz = DTYPE_SIZES[dtype]
+    first, nbytes = st.storage_offset * isz, numel * isz
+    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
+        raise HeaderError(
+            f"{q}: data record {rec.name} is {rec.size} bytes (zip method {rec.compress_type}); the "
+            f"tensor needs {nbytes} stored bytes at {first} of a {st.storage_nbytes}-byte storage",
+            path=str(path),
+            tensor=name,
+        )
+    crc = rec.crc32 if first == 0 and nbytes == rec.size else None
+    return TensorEntry(name, dtype, st.size, rec.offset + first, rec.offset + first + nbytes), crc
+
+
+def read_pt(path: Path) -> PtFile:
+    """Read one rank file's pickle (restricted; nothing runs) and locate its tensors.
+
+    Raises:
+        UnsafePickleError: a global outside the allow-list (names the file and the global).
+        HeaderError: a legacy or damaged file, big-endian data, a tensor record that does not fit.
+        LayoutError: a tensor that is not row-major.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tz = _open_zip(fd, path)
+        bo = tz.get("byteorder")
+        if bo is not None and read_record(fd, tz, bo).strip() != b"little":
+            raise HeaderError(
+                f"{path}: saved big-endian; re-save it on a little-endian machine", path=str(path)
+            )
+        obj = load_torch_save(read_record(fd, tz, tz.record("data.pkl")), path=str(path))
+        entries: list[TensorEntry] = []
+        dtensors: dict[str, StoredDTensor] = {}
+        others: dict[str, Any] = {}
+        crc32s: dict[str, int] = {}
+        for name, leaf in _leaves(obj):
+            if isinstance(leaf, (StoredTensor, StoredDTensor)):
+                if isinstance(leaf, StoredDTensor):
+                    dtensors[name] = leaf
+                entry, crc = _entry(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
+                entries.append(entry)
+                if crc is not None:
+                    crc32s[name] = crc
+            else:
+                others[name] = leaf
+    finally:
+        os.close(fd)
+    return PtFile(Header(tuple(entries), None, 0), dtensors, others, crc32s)
+
+
+def _root(m: MeshInfo) -> MeshInfo:
+    return m.root if m.root is not None else m
+
+
+def _names(m: MeshInfo) -> tuple[str, ...]:
+    return m.names if m.names is not None else tuple(f"d{i}" for i in range(len(m.shape)))
+
+
+def _root_placements(dt: StoredDTensor, root: MeshInfo, name: str, path: Path) -> tuple[str, ...]:
+    """The DTensor's placements on the root mesh: a sub-mesh's dims by name, the others replicated."""
+    if dt.mesh.root is None:
+        return dt.placements
+    pos = {n: i for i, n in enumerate(dt.mesh.names or ())}
+    out = tuple(dt.placements[pos[n]] if n in pos else "R" for n in _names(root))
+    if dt.mesh.names is None or len([n for n in _names(root) if n in pos]) != len(pos):
+        raise LayoutError(
+            f'{path}: DTensor "{name}" is on a sub-mesh {dt.mesh.names} whose dims are not dims of its '
+            f"root mesh {_names(root)} (a flattened mesh dim); redistribute it onto the root mesh first",
+            path=str(path),
+            tensor=name,
+        )
+    return out
+
+
+def _dtensor_mesh(paths: Sequence[Path], files: Sequence[PtFile]) -> Mesh | None:
+    """The root mesh every DTensor of every file lives on, each file's coordinate checked against
+    its rank; None when there are no DTensors."""
+    first = next((dt for f in files for dt in f.dtensors.values()), None)
+    if first is None:
+        return None
+    root = _root(first.mesh)
+    mesh = Mesh(_names(root), root.shape)
+    if mesh.size != len(paths):
+        raise LayoutError(
+            f"{paths[0].parent}: {len(paths)} rank files but the DTensors' mesh {mesh} has {mesh.size} ranks",
+            path=str(paths[0].parent),
+        )
+    for r, (p, f) in enumerate(zip(paths, files)):
+        for name, dt in f.dtensors.items():
+            rt = _root(dt.mesh)
+            if (_names(rt), rt.shape) != (mesh.names, mesh.shape):
+                raise LayoutError(
+                    f'{p}: DTensor "{name}" is on mesh {_names(rt)} {rt.shape}, not {mesh}; '
+                    "every DTensor must share one root mesh",
+                    path=str(p),
+                    tensor=name,
+                )
+            if rt.coordinate is not None and rt.coordinate != mesh.coordinate(r):
+                raise LayoutError(
+                    f"{p}: its DTensors are at mesh coordinate {list(rt.coordinate)}, but rank {r} "
+                    f"(from the file name) is at {list(mesh.coordinate(r))} of {mesh}; are the files "
+                    "named by global rank?",
+                    path=str(p),
+                )
+    return mesh
+
+
+_Described = dict[str, tuple[tuple[int, ...], list[str]]]
+
+
+def _described(paths: Sequence[Path], files: Sequence[PtFile]) -> _Described:
+    """Per DTensor name: global shape and root-mesh placements, equal on every rank."""
+    out: _Described = {}
+    for p, f in zip(paths, files):
+        for name, dt in f.dtensors.items():
+            got = (dt.shape, list(_root_placements(dt, _root(dt.mesh), name, p)))
+            want = out.setdefault(name, got) if p == paths[0] else out.get(name)
+            if want != got:
+                shown = "a plain tensor" if want is None else f"{list(want[0])} {want[1]}"
+                raise LayoutError(
+                    f'{p}: DTensor "{name}" is {list(got[0])} {got[1]}, but {shown} in {paths[0].name}; '
+                    "every rank must save the same DTensor",
+                    path=str(p),
+                    tensor=name,
+                )
+    return out
+
+
+def open_pt(directory: Path, options: ReadOptions) -> Checkpoint:
+    """Open a directory of per-rank ``torch.save`` files (see the module docstring)."""
+    paths = pt_files(directory)
+    files = [read_pt(p) for p in paths]
+    cfg = source_layout(options)
+    described = _described(paths, files)
+    mesh = _dtensor_mesh(paths, files)
+    if cfg is not None and mesh is not None and (cfg.mesh.names, cfg.mesh.shape) != (mesh.names, mesh.shape):
+        raise LayoutError(
+            f"{directory}: the layout's mesh {cfg.mesh} ({cfg.source}) is not the DTensors' mesh {mesh}; "
+            "give a layout on that mesh (its rules are for the plain tensors)",
+            path=str(directory),
+        )
+    if mesh is None:
+        mesh = cfg.mesh if cfg is not None else Mesh.single() if len(paths) == 1 else None
+    if mesh is None:
+        raise LayoutError(
+            f"{directory}: the .pt files hold plain tensors, which do not say how they were split; "
+            "pass --source-layout FILE (and --source-mesh to set its sizes)",
+            path=str(directory),
+        )
+    plain = [n for n in files[0].header.names if n not in described]
+    by_layout = layout_describe(cfg.placements_for, mesh, paths[0], cfg.source) if cfg is not None else None
+
+    def describe(
+        name: str, local_shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
+        if name in described:
+            return described[name]
+        if by_layout is not None:
+            return by_layout(name, local_shapes)
+        return local_shapes[0], ["R"] * mesh.ndim
+
+    rank_files = RankFiles(
+        tuple(paths), tuple(f.header for f in files), tuple((r,) for r in range(len(paths)))
+    )
+    ckpt = rank_checkpoint(directory, "pt", rank_files, mesh, describe)
+    ckpt.tensors = {  # inspect --check verifies each piece against the zip's CRC32
+        n: replace(t, piece_crc32=tuple(files[f].crc32s.get(n) for f in t.piece_files))
+        for n, t in ckpt.tensors.items()
+    }
+    ckpt.non_tensors = tuple(
+        NonTensor(n, len(v) if isinstance(v, (str, bytes)) else 0, 0, type(v).__name__)
+        for n, v in files[0].others.items()
+    )
+    if plain and cfg is None and mesh.size > 1:
+        ckpt.warnings.append(
+            CheckpointWarning(
+                f'{paths[0].parent}: {len(plain)} plain tensor(s) (e.g. "{plain[0]}") are taken as '
+                "replicated on every rank; pass --source-layout if they are split "
+                "(inspect --check verifies the replicas)",
+                path=str(paths[0]),
+                tensor=plain[0],
+            )
+        )
+    ckpt.layout = cfg if cfg is not None else exact_rules(ckpt)
+    return ckpt
+
+
+def _open(path: Path, options: ReadOptions) -> Checkpoint:
+    if not path.is_dir():
+        raise UsageError(f"{path}: a pt checkpoint is a directory of per-rank .pt files", path=str(path))
+    return open_pt(path, options)
+
+
+def _detect(probe: Probe) -> int:
+    if probe.is_file:
+        return NO
+    return YES if any(rank_of(n) is not None for n in probe.names) else NO
+
+
+READER = Reader(
+    name="pt",
+    help="one torch.save .pt file per rank (rank_{r}.pt, veRL model_world_size_W_rank_r.pt): "
+    "DTensors self-described, plain tensors with --source-layout",
+    detect=_detect,
+    open=_open,
+)

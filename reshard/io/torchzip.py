@@ -1,0 +1,311 @@
+"""Read a ``torch.save`` zip archive lying in a byte range of a file, without torch or zipfile.
+
+A DCP ``.distcp`` file is ``torch.save`` archives back to back (one per chunk,
+at ``_StorageInfo.offset``, ``length`` bytes); a ``.pt`` file is one archive
+at offset 0. torch writes its records **stored** (never compressed), 64-byte
+aligned relative to the archive start, with a CRC32 each, and switches to
+zip64 records past 4 GiB. Offsets inside the archive are relative to its
+first byte.
+
+This module parses the end-of-central-directory record (zip64 included), the
+central directory and each record's local header, so a record's data is known
+as an absolute ``[offset, offset + size)`` of the file: tensor bytes are then
+read by ``pread`` straight from the file, never unzipped into memory. Every
+field is bounds-checked against the range; bad input raises
+:class:`~reshard.errors.HeaderError` naming the file and the archive offset.
+
+Example:
+    >>> import io, os, tempfile, zipfile
+    >>> buf = io.BytesIO()
+    >>> with zipfile.ZipFile(buf, "w") as z:
+    ...     z.writestr("archive/data.pkl", b"PKL")
+    >>> fd, name = tempfile.mkstemp()
+    >>> _ = os.write(fd, b"junk" + buf.getvalue()); os.close(fd)
+    >>> with open(name, "rb") as f:
+    ...     tz = read_torch_zip(f.fileno(), name, 4, len(buf.getvalue()))
+    ...     tz.prefix, read_record(f.fileno(), tz, tz.record("data.pkl"))
+    ('archive', b'PKL')
+    >>> os.unlink(name)
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+from ..errors import HeaderError
+
+__all__ = [
+    "STORED",
+    "ZipRecord",
+    "TorchZip",
+    "read_torch_zip",
+    "read_record",
+    "crc32_range",
+    "MAX_SMALL_RECORD",
+]
+
+#: Zip compression method "stored" (torch writes only this).
+STORED = 0
+#: Largest record :func:`read_record` reads into memory (data.pkl, byteorder, ...).
+MAX_SMALL_RECORD = 64 << 20
+
+_EOCD = struct.Struct(
+    "<4s4H2LH"
+)  # sig, disk, cd disk, entries here, entries, cd size, cd offset, comment len
+_EOCD_SIG = b"PK\x05\x06"
+_LOC64 = struct.Struct("<4sLQL")  # sig, disk of eocd64, eocd64 offset, disks
+_LOC64_SIG = b"PK\x06\x07"
+_EOCD64 = struct.Struct(
+    "<4sQ2H2L4Q"
+)  # sig, size, made, needed, disk, cd disk, entries here, entries, cd size, cd off
+_EOCD64_SIG = b"PK\x06\x06"
+_CDIR = struct.Struct("<4s4B4HL2L5H2L")
+_CDIR_SIG = b"PK\x01\x02"
+_LOCAL = struct.Struct("<4s2B4HL2L2H")
+_LOCAL_SIG = b"PK\x03\x04"
+_ZIP64_EXTRA = 0x0001
+_U16 = 0xFFFF
+_U32 = 0xFFFFFFFF
+_MAX_COMMENT = 0xFFFF
+_CRC_BLOCK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ZipRecord:
+    """One archive member, its data located in the file.
+
+    Attributes:
+        name: the member name (``archive/data/0``).
+        offset: absolute file offset of the member's first data byte.
+        size: uncompressed size in bytes.
+        compressed_size: stored size in bytes (equal to ``size`` when stored).
+        compress_type: zip method (0 = stored).
+        crc32: the CRC32 the archive records for the uncompressed bytes.
+    """
+
+    name: str
+    offset: int
+    size: int
+    compressed_size: int
+    compress_type: int
+    crc32: int
+
+
+@dataclass(frozen=True, slots=True)
+class TorchZip:
+    """A parsed archive: its byte range in ``path`` and its records by name."""
+
+    path: str
+    base: int
+    length: int
+    prefix: str
+    records: dict[str, ZipRecord]
+
+    def record(self, suffix: str) -> ZipRecord:
+        """The record ``<prefix>/<suffix>`` (``data.pkl``, ``data/0``, ``byteorder``).
+
+        Raises:
+            HeaderError: the archive has no such record.
+        """
+        rec = self.records.get(f"{self.prefix}/{suffix}")
+        if rec is None:
+            raise HeaderError(
+                f"{self.where}: the torch.save archive has no record {self.prefix}/{suffix}; "
+                "the file is damaged or not written by torch.save",
+                path=self.path,
+            )
+        return rec
+
+    def get(self, suffix: str) -> ZipRecord | None:
+        """The record ``<prefix>/<suffix>``, or None."""
+        return self.records.get(f"{self.prefix}/{suffix}")
+
+    @property
+    def where(self) -> str:
+        return f"{self.path} (archive at byte {self.base})" if self.base else self.path
+
+
+def _pread(fd: int, n: int, off: int, path: str) -> bytes:
+    data = os.pread(fd, n, off)
+    if len(data) != n:
+        raise HeaderError(
+            f"{path}: file ends at byte {off + len(data)}, expected {n} bytes at {off}; "
+            "the file is truncated",
+            path=path,
+        )
+    return data
+
+
+def _bad(where: str, path: str, what: str) -> HeaderError:
+    return HeaderError(f"{where}: {what}; the file is damaged or not a torch.save archive", path=path)
+
+
+def _find_eocd(fd: int, path: str, where: str, base: int, length: int) -> tuple[int, bytes]:
+    """Archive-relative position and bytes of the end-of-central-directory record."""
+    last = _pread(fd, _EOCD.size, base + length - _EOCD.size, path)
+    if last[:4] == _EOCD_SIG and _EOCD.unpack(last)[7] == 0:  # torch writes no comment: one small read
+        return length - _EOCD.size, last
+    tail = min(length, _EOCD.size + _MAX_COMMENT)
+    buf = _pread(fd, tail, base + length - tail, path)
+    i = buf.rfind(_EOCD_SIG)
+    while i >= 0:
+        rec = buf[i : i + _EOCD.size]
+        if len(rec) == _EOCD.size and i + _EOCD.size + _EOCD.unpack(rec)[7] == tail:
+            return length - tail + i, rec
+        i = buf.rfind(_EOCD_SIG, 0, i)
+    raise _bad(where, path, "no zip end-of-central-directory record")
+
+
+def _central_directory(fd: int, path: str, where: str, base: int, length: int) -> tuple[int, int, int]:
+    """``(entries, cd_offset, cd_size)``, from the zip64 record when the classic one overflows."""
+    pos, rec = _find_eocd(fd, path, where, base, length)
+    _, disk, cd_disk, _, entries, cd_size, cd_off, _ = _EOCD.unpack(rec)
+    if disk or cd_disk:
+        raise _bad(where, path, "multi-disk zip archive")
+    if entries == _U16 or cd_size == _U32 or cd_off == _U32:
+        if pos < _LOC64.size:
+            raise _bad(where, path, "zip64 fields without a zip64 locator")
+        sig, _, e64, _ = _LOC64.unpack(_pread(fd, _LOC64.size, base + pos - _LOC64.size, path))
+        if sig != _LOC64_SIG or e64 + _EOCD64.size > pos:
+            raise _bad(where, path, "bad zip64 end-of-central-directory locator")
+        f = _EOCD64.unpack(_pread(fd, _EOCD64.size, base + e64, path))
+        if f[0] != _EOCD64_SIG:
+            raise _bad(where, path, "bad zip64 end-of-central-directory record")
+        entries, cd_size, cd_off = f[7], f[8], f[9]
+        end = e64
+    else:
+        end = pos
+    if cd_off + cd_size > end:
+        raise _bad(where, path, f"central directory [{cd_off}, {cd_off + cd_size}) runs past byte {end}")
+    return entries, cd_off, cd_size
+
+
+def _zip64_extra(extra: bytes, sizes: list[int], where: str, path: str) -> None:
+    """Fill the 0xFFFFFFFF fields of ``sizes`` (size, compressed size, offset) from the zip64 extra."""
+    i = 0
+    while i + 4 <= len(extra):
+        tag, n = struct.unpack_from("<2H", extra, i)
+        body = extra[i + 4 : i + 4 + n]
+        if tag == _ZIP64_EXTRA:
+            j = 0
+            for k in range(3):
+                if sizes[k] == _U32:
+                    if j + 8 > len(body):
+                        raise _bad(where, path, "short zip64 extra field")
+                    sizes[k] = struct.unpack_from("<Q", body, j)[0]
+                    j += 8
+            return
+        i += 4 + n
+    if _U32 in sizes:
+        raise _bad(where, path, "zip64 sizes without a zip64 extra field")
+
+
+def _entry(
+    cd: bytes, i: int, fd: int, path: str, where: str, base: int, length: int
+) -> tuple[ZipRecord, int]:
+    """The central directory entry at ``cd[i:]``, located through its local header; and the next ``i``."""
+    if i + _CDIR.size > len(cd):
+        raise _bad(where, path, "central directory is shorter than its entry count")
+    f = _CDIR.unpack_from(cd, i)
+    if f[0] != _CDIR_SIG:
+        raise _bad(where, path, f"bad central directory entry signature at +{i}")
+    flags, method, crc, csize, usize, nlen, xlen, clen = f[5], f[6], f[9], f[10], f[11], f[12], f[13], f[14]
+    name_b = cd[i + _CDIR.size : i + _CDIR.size + nlen]
+    extra = cd[i + _CDIR.size + nlen : i + _CDIR.size + nlen + xlen]
+    nxt = i + _CDIR.size + nlen + xlen + clen
+    if nxt > len(cd):
+        raise _bad(where, path, "central directory entry runs past the directory")
+    name = name_b.decode("utf-8", "replace")
+    if flags & 1:
+        raise _bad(where, path, f"record {name} is encrypted")
+    sizes = [usize, csize, f[18]]
+    _zip64_extra(extra, sizes, where, path)
+    usize, csize, hoff = sizes
+    if hoff + _LOCAL.size > length:
+        raise _bad(where, path, f"record {name}'s local header at +{hoff} is outside the archive")
+    loc = _LOCAL.unpack(_pread(fd, _LOCAL.size, base + hoff, path))
+    if loc[0] != _LOCAL_SIG:
+        raise _bad(where, path, f"record {name} has no local header at +{hoff}")
+    start = hoff + _LOCAL.size + loc[10] + loc[11]
+    if start + csize > length:
+        raise _bad(
+            where,
+            path,
+            f"record {name} bytes [{start}, {start + csize}) run past the archive's {length} bytes",
+        )
+    if method == STORED and csize != usize:
+        raise _bad(where, path, f"stored record {name} has compressed size {csize} != size {usize}")
+    return ZipRecord(name, base + start, usize, csize, method, crc), nxt
+
+
+def read_torch_zip(fd: int, path: str, base: int = 0, length: int | None = None) -> TorchZip:
+    """Parse the ``torch.save`` archive occupying ``[base, base + length)`` of an open file.
+
+    Args:
+        fd: an open file descriptor (read with ``os.pread``; its position is not used).
+        path: the file's name, for messages.
+        base: absolute offset of the archive's first byte.
+        length: archive size in bytes; default: to the end of the file.
+
+    Returns:
+        The archive's records, keyed by full name; ``prefix`` is the common
+        first path component (``archive`` for DCP chunks, the file stem for a
+        ``torch.save`` to a path).
+
+    Raises:
+        HeaderError: the range is not a well-formed single-disk zip archive, or
+            its records do not share one top-level folder.
+    """
+    if length is None:
+        length = os.fstat(fd).st_size - base
+    where = f"{path} (archive at byte {base})" if base else path
+    if length < _EOCD.size:
+        raise _bad(where, path, f"{length} bytes are too few for a zip archive")
+    entries, cd_off, cd_size = _central_directory(fd, path, where, base, length)
+    cd = _pread(fd, cd_size, base + cd_off, path)
+    records: dict[str, ZipRecord] = {}
+    i = 0
+    for _ in range(entries):
+        rec, i = _entry(cd, i, fd, path, where, base, length)
+        records[rec.name] = rec
+    prefixes = {n.split("/", 1)[0] for n in records}
+    if len(prefixes) != 1 or any("/" not in n for n in records):
+        shown = ", ".join(sorted(records)[:4]) or "none"
+        raise _bad(where, path, f"records ({shown}) do not share one top-level folder")
+    return TorchZip(path, base, length, prefixes.pop(), records)
+
+
+def read_record(fd: int, tz: TorchZip, rec: ZipRecord, *, limit: int = MAX_SMALL_RECORD) -> bytes:
+    """The bytes of a small stored record, CRC-checked.
+
+    Raises:
+        HeaderError: the record is compressed, larger than ``limit``, or its CRC32 does not match.
+    """
+    if rec.compress_type != STORED:
+        raise HeaderError(
+            f"{tz.where}: record {rec.name} is compressed (zip method {rec.compress_type}); "
+            "torch.save stores records uncompressed",
+            path=tz.path,
+        )
+    if rec.size > limit:
+        raise HeaderError(f"{tz.where}: record {rec.name} is {rec.size} bytes, over {limit}", path=tz.path)
+    data = _pread(fd, rec.size, rec.offset, tz.path)
+    if zlib.crc32(data) != rec.crc32:
+        raise HeaderError(
+            f"{tz.where}: record {rec.name} fails its CRC32 check; the file is damaged", path=tz.path
+        )
+    return data
+
+
+def crc32_range(fd: int, offset: int, size: int, path: str, *, block: int = _CRC_BLOCK) -> int:
+    """CRC32 of ``size`` bytes at ``offset``, read in blocks of at most ``block`` bytes."""
+    crc = 0
+    pos = 0
+    while pos < size:
+        n = min(block, size - pos)
+        crc = zlib.crc32(_pread(fd, n, offset + pos, path), crc)
+        pos += n
+    return crc

@@ -1,0 +1,116 @@
+r"""``--include`` / ``--exclude``: keep a subset of a checkpoint's entries by name (pure).
+
+Patterns are the layout rules' patterns (:func:`reshard.config._compile`): a
+shell glob over the whole name where ``*`` crosses dots (``optimizer.*``), or a
+``re:`` regex matched with ``re.fullmatch``. An entry is kept when no include
+pattern is given or one matches it, and no exclude pattern matches it. Entries
+are the tensors and the non-tensor items (DCP ``BYTE_IO``) alike. A pattern
+that matches no entry is a warning, not an error: the same command line can
+serve checkpoints with and without optimizer state.
+
+>>> selected(["model.w", "optimizer.state.w.exp_avg"], exclude=["optimizer.*", "lr_scheduler.*"])
+(['model.w'], [('--exclude', 'lr_scheduler.*')])
+>>> selected(["a.0.w", "a.1.w", "b"], include=[r"re:a\.\d+\.w"])[0]
+['a.0.w', 'a.1.w']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from .checkpoint import Checkpoint, CheckpointWarning
+from .config import Matcher, _compile
+from .errors import ConfigError, UsageError
+
+__all__ = ["select_checkpoint", "select_pair", "selected"]
+
+
+def _patterns(option: str, patterns: Sequence[str]) -> list[tuple[str, Matcher]]:
+    out = []
+    for p in patterns:
+        try:
+            out.append((p, _compile(p)))
+        except ConfigError as e:
+            raise UsageError(f'{option} "{p}": {e.message}') from None
+    return out
+
+
+def selected(
+    names: Iterable[str], include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The names kept, in order, and the ``(option, pattern)`` pairs that matched no name.
+
+    Raises:
+        UsageError: a pattern is not a valid glob or ``re:`` regex.
+    """
+    inc = _patterns("--include", include)
+    exc = _patterns("--exclude", exclude)
+    used: set[tuple[str, str]] = set()
+    kept = []
+    for name in names:
+        hit_inc = [("--include", p) for p, rx in inc if rx.fullmatch(name)]
+        hit_exc = [("--exclude", p) for p, rx in exc if rx.fullmatch(name)]
+        used.update(hit_inc, hit_exc)
+        if (not inc or hit_inc) and not hit_exc:
+            kept.append(name)
+    unused = [("--include", p) for p, _ in inc] + [("--exclude", p) for p, _ in exc]
+    return kept, [u for u in unused if u not in used]
+
+
+def _unmatched(unused: Sequence[tuple[str, str]], where: str) -> list[CheckpointWarning]:
+    return [CheckpointWarning(f'{opt} "{p}" matches nothing in {where}') for opt, p in unused]
+
+
+def select_checkpoint(
+    ckpt: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[Checkpoint, list[CheckpointWarning]]:
+    """``ckpt`` with only the tensors and non-tensor items the patterns keep.
+
+    Returns:
+        The filtered checkpoint (``ckpt`` itself when no pattern is given; else a
+        copy, whose manifest lists only the kept tensors and whose warnings
+        include the returned ones) and a warning per pattern that matched nothing.
+
+    Raises:
+        UsageError: a pattern is not a valid glob or ``re:`` regex.
+    """
+    out, unused = _select(ckpt, include, exclude)
+    warnings = _unmatched(unused, ckpt.path)
+    out.warnings.extend(warnings)
+    return out, warnings
+
+
+def select_pair(
+    a: Checkpoint, b: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[Checkpoint, Checkpoint, list[CheckpointWarning]]:
+    """Both checkpoints filtered alike (``verify``); a pattern warns only when it matches in neither.
+
+    Raises:
+        UsageError: a pattern is not a valid glob or ``re:`` regex.
+    """
+    sa, ua = _select(a, include, exclude)
+    sb, ub = _select(b, include, exclude)
+    return sa, sb, _unmatched([u for u in ua if u in ub], f"{a.path} or {b.path}")
+
+
+def _select(
+    ckpt: Checkpoint, include: Sequence[str], exclude: Sequence[str]
+) -> tuple[Checkpoint, list[tuple[str, str]]]:
+    if not include and not exclude:
+        return ckpt, []
+    kept, unused = selected([*ckpt.tensors, *(n.name for n in ckpt.non_tensors)], include, exclude)
+    keep = set(kept)
+    manifest = ckpt.manifest
+    if manifest is not None and isinstance(manifest.get("tensors"), dict):
+        listed = manifest["tensors"]
+        assert isinstance(listed, dict)
+        manifest = {**manifest, "tensors": {k: v for k, v in listed.items() if k in keep}}
+    out = dataclasses.replace(
+        ckpt,
+        tensors={k: v for k, v in ckpt.tensors.items() if k in keep},
+        non_tensors=tuple(n for n in ckpt.non_tensors if n.name in keep),
+        manifest=manifest,
+        warnings=list(ckpt.warnings),
+    )
+    return out, unused

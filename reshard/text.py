@@ -1,0 +1,78 @@
+"""Showing text from files to a person: verbatim, but never as terminal codes or markup.
+
+Tensor names, metadata, paths and patterns come from files anyone may have written.
+Printed raw, ``"\\x1b]0;pwned\\x07"`` retitles the terminal, ``"\\x1b[2J"`` clears it,
+and a right-to-left override (U+202E) makes ``evil.weight`` read as something else.
+Printed through rich, ``"experts[gate].weight"`` would be parsed as markup (dropped,
+or a crash on ``"[/bad]"``). So:
+
+- :func:`shown` keeps the text as written but replaces every character Python does
+  not call printable (:meth:`str.isprintable`: C0/C1 controls, DEL, bidi and other
+  invisible format characters, separators other than the ASCII space, surrogates,
+  private-use and unassigned code points) by a visible escape (``\\x1b``, ``\\u202e``);
+- :func:`markup_safe` is :func:`shown` then :func:`rich.markup.escape`, for text
+  interpolated into a string rich will parse as markup.
+
+Printable text, including backslashes and non-ASCII letters, is returned unchanged
+after one C-speed :meth:`str.isprintable` check.
+
+>>> shown("model.layers.0.weight")
+'model.layers.0.weight'
+>>> print(shown("a\\x1b[31mred\\x07"))
+a\\x1b[31mred\\x07
+>>> print(shown("evil\\u202egnp.weight"))
+evil\\u202egnp.weight
+>>> print(markup_safe("experts[gate].weight [/bad]"))
+experts\\[gate].weight \\[/bad]
+"""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+__all__ = ["shown", "markup_safe"]
+
+
+def _escape(char: str) -> str:
+    if char.isprintable():
+        return char
+    code = ord(char)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def shown(text: str) -> str:
+    """``text`` with every character a terminal could act on replaced by a visible escape.
+
+    Args:
+        text: a string from a file (tensor name, metadata value, path, pattern).
+
+    Returns:
+        The same text where it is printable (the ASCII space included); ``\\xNN``
+        up to U+00FF, ``\\uNNNN`` and ``\\UNNNNNNNN`` above, for every other character.
+        Backslashes are kept as written: regex patterns stay readable.
+    """
+    if text.isprintable():
+        return text
+    return "".join(map(_escape, text))
+
+
+def markup_safe(text: str) -> str:
+    """``text`` ready to interpolate into a rich markup string: shown, then markup-escaped.
+
+    rich then prints it as written (``[qkv]`` stays ``[qkv]``) and never fails on it.
+    For a whole value, ``rich.text.Text(shown(text))`` does the same without markup.
+    Emoji codes (``:smile:``) are not markup: print with ``Console(emoji=False)``.
+    """
+    body = shown(text)
+    stripped = body.rstrip("\\")
+    tail = len(body) - len(stripped)
+    if not tail:
+        return escape(body)
+    # rich halves backslashes only right before a tag, so a trailing run would show
+    # doubled before plain text, or escape the caller's next tag: put it before a
+    # no-op tag of its own, doubled, and it shows as written whatever follows.
+    return escape(stripped) + "[none]" + "\\" * (2 * tail) + "[/none]"

@@ -1,0 +1,97 @@
+"""Convert does not launder: what ``inspect --check`` flags is refused, not copied under fresh checksums.
+
+Each case exited 0 before: a flipped byte in a reshard-written source came out with new
+checksums, a ``reshard.json`` contradicting its files converted, and two HF shards
+disagreeing on a tensor were resolved silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+RESHARD = str(Path(sys.executable).parent / "reshard")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "RESHARD_DEBUG"}
+    return subprocess.run([RESHARD, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture
+def written(tmp_path: Path) -> Path:
+    """A per-rank checkpoint reshard wrote (its reshard.json has checksums)."""
+    g = torch.Generator().manual_seed(0)
+    (tmp_path / "hf").mkdir()
+    save_file(
+        {f"l{i}.w": torch.randn(32, 16, generator=g) for i in range(3)},
+        str(tmp_path / "hf" / "model.safetensors"),
+    )
+    out = tmp_path / "tp2"
+    p = run(
+        "convert", str(tmp_path / "hf"), str(out), "--target-layout", "replicated", "--target-mesh", "tp=2"
+    )
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def test_a_flipped_source_byte_is_caught_before_commit(written: Path, tmp_path: Path) -> None:
+    f = written / "rank-00001-of-00002.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x10
+    f.write_bytes(bytes(data))
+    assert run("inspect", str(written), "--check").returncode == 1  # --check sees it
+    dst = tmp_path / "out"
+    p = run("convert", str(written), str(dst), "--consolidate")
+    assert p.returncode == 2, p.stderr
+    assert "rank-00001-of-00002.safetensors" in p.stderr and "checksum" in p.stderr, p.stderr
+    assert "--no-verify-source" in p.stderr and "Traceback" not in p.stderr
+    assert not dst.exists()
+    p = run("convert", str(written), str(dst), "--consolidate", "--no-verify-source")
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_manifest_contradicting_its_files_is_refused(written: Path, tmp_path: Path) -> None:
+    man = json.loads((written / "reshard.json").read_text())
+    man["tensors"]["l0.w"]["shape"] = [16, 32]
+    (written / "reshard.json").write_text(json.dumps(man))
+    dst = tmp_path / "out"
+    p = run("convert", str(written), str(dst), "--consolidate")
+    assert p.returncode == 2, p.stderr
+    assert "l0.w" in p.stderr and "inspect --check" in p.stderr and "Traceback" not in p.stderr
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_hf_shards_disagreeing_on_a_tensor(tmp_path: Path, same: bool) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.zeros(4, 4), "b": torch.ones(2)}, str(src / "model-00001-of-00002.safetensors"))
+    stale = torch.zeros(4, 4) if same else torch.zeros(8, 2)
+    save_file({"a": stale, "c": torch.ones(3)}, str(src / "model-00002-of-00002.safetensors"))
+    wm = {
+        "a": "model-00001-of-00002.safetensors",
+        "b": "model-00001-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors",
+    }
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    p = run("convert", str(src), str(tmp_path / "out"), "--consolidate")
+    if same:
+        assert p.returncode == 0, p.stderr
+        assert 'tensor "a" is also in model-00001-of-00002.safetensors' in p.stderr
+    else:
+        assert p.returncode == 2, p.stderr
+        assert (
+            'tensor "a"' in p.stderr
+            and "[8, 2]" in p.stderr
+            and "[4, 4]" in p.stderr
+            and "disagree" in p.stderr
+        )
+        assert not (tmp_path / "out").exists()

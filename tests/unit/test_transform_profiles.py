@@ -1,0 +1,251 @@
+"""Bundled transform profiles: round trips (A -> B -> A byte-identical) and oracles.
+
+Oracles: torchtitan's own llama3 ``Llama3StateDictAdapter.from_hf``/``to_hf``
+on a tiny random state dict; Megatron-Bridge's QKV grouping formula, vLLM's
+fused layout and torch.stack written as torch ops on full tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from reshard.errors import ConfigError
+from reshard.transforms import apply, inverse, list_profiles, load_transforms, resolve_profile
+from tests.transform_ref import run_spec
+
+LLAMA = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_size": 32,  # head_dim 8: the RoPE permutation is not its own inverse (it is at 4)
+    "intermediate_size": 24,
+    "vocab_size": 50,
+    "num_hidden_layers": 2,
+}
+MIXTRAL = {**LLAMA, "num_local_experts": 3}
+
+
+def llama_hf(cfg: dict[str, int] = LLAMA, *, tied: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    d, hd = cfg["hidden_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    f, v = cfg["intermediate_size"], cfg["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not tied:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (cfg["num_attention_heads"] * hd, d),
+            p + "self_attn.k_proj.weight": (cfg["num_key_value_heads"] * hd, d),
+            p + "self_attn.v_proj.weight": (cfg["num_key_value_heads"] * hd, d),
+            p + "self_attn.o_proj.weight": (d, d),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+    return {n: torch.randn(s, generator=g) for n, s in sorted(shapes.items())}
+
+
+def mixtral_hf() -> dict[str, torch.Tensor]:
+    sd = llama_hf(MIXTRAL)
+    g = torch.Generator().manual_seed(1)
+    for i in range(MIXTRAL["num_hidden_layers"]):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del sd[f"model.layers.{i}.mlp.{name}.weight"]
+        sd[f"model.layers.{i}.block_sparse_moe.gate.weight"] = torch.randn(3, 32, generator=g)
+        for e in range(MIXTRAL["num_local_experts"]):
+            p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+            sd[p + "w1.weight"] = torch.randn(24, 32, generator=g)
+            sd[p + "w3.weight"] = torch.randn(24, 32, generator=g)
+            sd[p + "w2.weight"] = torch.randn(32, 24, generator=g)
+    return sd
+
+
+def numpy_of(sd: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {n: t.numpy() for n, t in sd.items()}
+
+
+def assert_same(got: dict[str, np.ndarray], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].shape == tuple(t.shape), name
+        assert got[name].tobytes() == t.contiguous().numpy().tobytes(), name
+
+
+PROFILES = {
+    "hf-to-torchtitan-llama": (llama_hf, LLAMA),
+    "hf-to-megatron-gpt": (llama_hf, LLAMA),
+    "hf-to-vllm": (llama_hf, LLAMA),
+    "mixtral-experts-stack": (mixtral_hf, MIXTRAL),
+}
+
+
+def test_every_bundled_profile_is_tested() -> None:
+    assert sorted(PROFILES) == list_profiles()
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_profile_round_trip_is_byte_identical(name: str) -> None:
+    make, cfg = PROFILES[name]
+    spec = load_transforms(name)
+    src = numpy_of(make())
+    there = run_spec(spec, src, cfg)
+    assert sorted(there) != sorted(src)  # the names did change
+    back = run_spec(inverse(spec), there, cfg)
+    assert_same(back, {n: torch.from_numpy(a) for n, a in src.items()})
+
+
+# -- torchtitan's own adapter --------------------------------------------------------
+
+
+class _ComplexRoPE:
+    class Config:
+        pass
+
+
+def torchtitan_llama3_adapter(cfg: dict[str, int], *, tied: bool = False) -> Any:
+    """torchtitan's Llama3StateDictAdapter, run from its installed source.
+
+    Importing the module pulls torchtitan's model code (triton kernels); its
+    conversion only needs the model config, so the two imports used for an
+    isinstance check and a type hint are replaced by stand-ins. Everything
+    else (the name map, _permute, _reverse_permute, to_hf, from_hf) is
+    torchtitan's code, unchanged.
+    """
+    pytest.importorskip("torchtitan.protocols.state_dict_adapter")
+    spec = importlib.util.find_spec("torchtitan")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(spec.submodule_search_locations[0]) / "models" / "llama3" / "state_dict_adapter.py"
+    text = path.read_text(encoding="utf-8")
+    for line in (
+        "from torchtitan.models.common.rope import ComplexRoPE\n",
+        "from .model import Llama3Model\n",
+    ):
+        assert line in text, f"torchtitan changed its imports: {line!r}"
+        text = text.replace(line, "")
+    ns: dict[str, Any] = {"ComplexRoPE": _ComplexRoPE, "Llama3Model": SimpleNamespace(Config=object)}
+    exec(compile(text, str(path), "exec"), ns)  # noqa: S102 - torchtitan's own installed source
+    attention = SimpleNamespace(
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg["num_key_value_heads"],
+        head_dim=None,
+        rope=_ComplexRoPE.Config(),
+    )
+    layers = [SimpleNamespace(attention=attention)] * cfg["num_hidden_layers"]
+    model = SimpleNamespace(layers=layers, dim=cfg["hidden_size"], enable_weight_tying=tied)
+    return ns["Llama3StateDictAdapter"](model, None)
+
+
+def test_hf_to_torchtitan_matches_torchtitan_from_hf_and_to_hf() -> None:
+    adapter = torchtitan_llama3_adapter(LLAMA)
+    spec = load_transforms("hf-to-torchtitan-llama")
+    hf = llama_hf()
+    hf_with_buffers = {**hf, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.arange(2.0)}
+    titan = adapter.from_hf(dict(hf_with_buffers))
+    assert "layers.0.attention.qkv_linear.wq.weight" in titan
+    assert_same(run_spec(spec, numpy_of(hf_with_buffers), LLAMA), titan)
+    titan_np = numpy_of({n: t.contiguous() for n, t in titan.items()})
+    assert_same(run_spec(inverse(spec), titan_np, LLAMA), adapter.to_hf(titan))
+
+
+def test_torchtitan_tied_embeddings_with_a_tie_rule(tmp_path: Path) -> None:
+    """enable_weight_tying: from_hf copies embed_tokens to lm_head; a tie rule does the same."""
+    adapter = torchtitan_llama3_adapter(LLAMA, tied=True)
+    text = resolve_profile("hf-to-torchtitan-llama").read_text(encoding="utf-8")
+    text += '  - tie: {from: "tok_embeddings.weight", to: "lm_head.weight"}\n'
+    (tmp_path / "tied.yaml").write_text(text, encoding="utf-8")
+    spec = load_transforms(tmp_path / "tied.yaml")
+    hf = llama_hf(tied=True)
+    titan = adapter.from_hf(dict(hf))
+    assert_same(run_spec(spec, numpy_of(hf), LLAMA), titan)
+    back = run_spec(inverse(spec), numpy_of({n: t.contiguous() for n, t in titan.items()}), LLAMA)
+    assert_same(back, adapter.to_hf(titan))  # to_hf drops the tied lm_head; untie does too
+
+
+# -- Megatron, vLLM, Mixtral: the same transforms as torch ops -----------------------
+
+
+def test_hf_to_megatron_matches_bridge_layout() -> None:
+    hf = llama_hf()
+    got = run_spec(load_transforms("hf-to-megatron-gpt"), numpy_of(hf), LLAMA)
+    g, hd, d = 2, 8, 32
+    want: dict[str, torch.Tensor] = {}
+    for i in range(2):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        # Megatron-Bridge merge_qkv_weights: per query group [q heads, k, v]
+        want[m + "self_attention.linear_qkv.weight"] = torch.cat(
+            [q.view(g, -1, d), k.view(g, hd, d), v.view(g, hd, d)], dim=1
+        ).reshape(-1, d)
+        want[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+        )
+        want[m + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        want[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+        want[m + "self_attention.linear_qkv.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
+        want[m + "mlp.linear_fc1.layer_norm_weight"] = hf[p + "post_attention_layernorm.weight"]
+    pad = torch.nn.functional.pad
+    want["embedding.word_embeddings.weight"] = pad(hf["model.embed_tokens.weight"], (0, 0, 0, 128 - 50))
+    want["output_layer.weight"] = pad(hf["lm_head.weight"], (0, 0, 0, 128 - 50))
+    want["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    assert_same(got, want)
+
+
+def test_hf_to_vllm_matches_fused_layout() -> None:
+    hf = llama_hf()
+    got = run_spec(load_transforms("hf-to-vllm"), numpy_of(hf), LLAMA)
+    want = dict(hf)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        want[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [want.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+        )
+        want[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [want.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+        )
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        want[name] = torch.nn.functional.pad(want[name], (0, 0, 0, 64 - 50))
+    assert_same(got, want)
+
+
+def test_mixtral_experts_stack_matches_torch_stack() -> None:
+    hf = mixtral_hf()
+    got = run_spec(load_transforms("mixtral-experts-stack"), numpy_of(hf), MIXTRAL)
+    want = {n: t for n, t in hf.items() if ".experts." not in n}
+    for i in range(2):
+        for w in ("w1", "w2", "w3"):
+            p = f"model.layers.{i}.block_sparse_moe.experts."
+            want[p + w] = torch.stack([hf[f"{p}{e}.{w}.weight"] for e in range(3)])
+    assert_same(got, want)
+    parts = apply(
+        load_transforms("mixtral-experts-stack"), {n: tuple(t.shape) for n, t in hf.items()}, config=MIXTRAL
+    )
+    assert (
+        len(parts["model.layers.0.block_sparse_moe.experts.w1"].parts) == 3
+    )  # one whole-tensor copy per expert
+
+
+def test_profile_needs_its_config_values() -> None:
+    with pytest.raises(ConfigError, match="unknown size name 'num_attention_heads'"):
+        run_spec(load_transforms("hf-to-torchtitan-llama"), numpy_of(llama_hf()))
+
+
+def test_missing_expert_is_named() -> None:
+    hf = mixtral_hf()
+    del hf["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    with pytest.raises(
+        ConfigError, match='"model.layers.1.block_sparse_moe.experts.w3": stacking needs indices'
+    ):
+        apply(
+            load_transforms("mixtral-experts-stack"),
+            {n: tuple(t.shape) for n, t in hf.items()},
+            config=MIXTRAL,
+        )

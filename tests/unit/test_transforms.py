@@ -1,0 +1,358 @@
+"""Transform specs: each operation against torch ops, the YAML, inverse specs and error messages.
+
+The numpy reference executor (tests/transform_ref.py) materialises targets
+from the resolved parts; torch does the same transform on full tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reshard.errors import ConfigError
+from reshard.indexmap import Seg, identity_part
+from reshard.transforms import (
+    TransformSpec,
+    apply,
+    inverse,
+    load_hf_config,
+    load_transforms,
+    parse_transforms_text,
+)
+from tests.transform_ref import arange_sources, run_spec, torch_apply
+
+
+def spec_of(text: str) -> TransformSpec:
+    return parse_transforms_text(textwrap.dedent(text), "spec.yaml")
+
+
+def check(
+    spec: TransformSpec, shapes: dict[str, tuple[int, ...]], config: dict[str, int] | None = None
+) -> dict:
+    """numpy-through-parts equals torch on full tensors, bit for bit; returns the numpy result."""
+    src = arange_sources(shapes)
+    got = run_spec(spec, src, config)
+    want = torch_apply(spec, {n: torch.from_numpy(a) for n, a in src.items()}, config)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].shape == tuple(want[name].shape), name
+        assert got[name].tobytes() == want[name].contiguous().numpy().tobytes(), name
+    return got
+
+
+def test_pure_modules_do_not_import_torch() -> None:
+    import subprocess
+
+    code = "import sys, reshard.transforms, reshard.indexmap; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_megatron_qkv_groups_match_bridge_merge() -> None:
+    """concat with groups = Megatron-Bridge merge_qkv_weights: per group [q heads, k, v]."""
+    heads, kv, hd, d = 8, 2, 4, 3
+    spec = spec_of("""
+        config: {heads: 8, kv_heads: 2, head_dim: 4}
+        transforms:
+          - concat:
+              from: ["l.{i}.q", "l.{i}.k", "l.{i}.v"]
+              to: "l.{i}.qkv"
+              groups: kv_heads
+              sizes: [heads*head_dim, kv_heads*head_dim, kv_heads*head_dim]
+    """)
+    src = arange_sources({"l.0.q": (heads * hd, d), "l.0.k": (kv * hd, d), "l.0.v": (kv * hd, d)})
+    got = run_spec(spec, src)["l.0.qkv"]
+    q, k, v = (torch.from_numpy(src[f"l.0.{x}"]) for x in "qkv")
+    # Megatron-Bridge merge_qkv_weights: view per group, cat along the in-group dim
+    want = torch.cat([q.view(kv, heads // kv * hd, d), k.view(kv, hd, d), v.view(kv, hd, d)], dim=1).reshape(
+        -1, d
+    )
+    assert np.array_equal(got, want.numpy())
+    parts = apply(spec, {n: a.shape for n, a in src.items()})["l.0.qkv"].parts
+    assert [len(p.dims[0].segs) for p in parts] == [kv, kv, kv]  # 3 * groups block copies
+    back = run_spec(inverse(spec), {"l.0.qkv": got})
+    assert all(np.array_equal(back[n], src[n]) for n in src)
+
+
+def test_alternating_gate_up_rows_are_one_strided_segment() -> None:
+    """gpt-oss: gate = gate_up[::2], up = gate_up[1::2]; each is a single strided segment."""
+    spec = spec_of("""
+        config: {ffn: 5}
+        transforms:
+          - split: {from: "e.gate_up", to: ["e.gate", "e.up"], groups: ffn, sizes: [ffn, ffn]}
+    """)
+    src = arange_sources({"e.gate_up": (10, 3)})
+    got = run_spec(spec, src)
+    assert np.array_equal(got["e.gate"], src["e.gate_up"][::2])
+    assert np.array_equal(got["e.up"], src["e.gate_up"][1::2])
+    out = apply(spec, {"e.gate_up": (10, 3)})
+    assert out["e.up"].parts[0].dims[0].segs == (Seg(0, 1, 5, 1, 2),)
+    check(inverse(spec), {"e.gate": (5, 3), "e.up": (5, 3)}, None)
+
+
+def test_rope_permute_matches_torchtitan_formula() -> None:
+    """to: hf is w.view(h, hd/2, 2, D).transpose(1, 2); to: meta undoes it; 2 segments per head."""
+    h, hd, d = 3, 6, 5
+    spec = spec_of("""
+        transforms:
+          - rope_permute: {tensors: "wq", heads: 3, to: hf}
+    """)
+    src = arange_sources({"wq": (h * hd, d)})
+    w = torch.from_numpy(src["wq"])
+    want = w.view(h, hd // 2, 2, d).transpose(1, 2).reshape(h * hd, d)
+    assert np.array_equal(run_spec(spec, src)["wq"], want.numpy())
+    meta = run_spec(inverse(spec), {"wq": want.numpy()})["wq"]
+    assert np.array_equal(meta, src["wq"])
+    assert len(apply(spec, {"wq": (h * hd, d)})["wq"].parts[0].dims[0].segs) == 2 * h
+
+
+def test_stack_unstack_experts() -> None:
+    spec = spec_of("""
+        transforms:
+          - stack: {from: "layers.{l}.experts.{e}.w1", to: "layers.{l}.experts.w1", index: e, count: 3}
+    """)
+    shapes = {f"layers.{layer}.experts.{e}.w1": (4, 2) for layer in range(2) for e in range(3)}
+    got = check(spec, shapes)
+    assert got["layers.1.experts.w1"].shape == (3, 4, 2)
+    check(inverse(spec), {f"layers.{i}.experts.w1": (3, 4, 2) for i in range(2)})
+    dim1 = spec_of("""
+        transforms:
+          - unstack: {from: "x", to: "x.{e}", index: e, dim: 1}
+    """)
+    assert sorted(check(dim1, {"x": (2, 3, 4)})) == ["x.0", "x.1", "x.2"]
+
+
+def test_pad_unpad_vocab() -> None:
+    spec = spec_of("""
+        config: {vocab: 10}
+        transforms:
+          - pad: {tensors: "*embed*", dim: 0, multiple: 4, size: vocab}
+    """)
+    got = check(spec, {"embed": (10, 3)})
+    assert got["embed"].shape == (12, 3) and not got["embed"][10:].any()
+    back = run_spec(inverse(spec), got)
+    assert np.array_equal(back["embed"], arange_sources({"embed": (10, 3)})["embed"])
+    check(spec_of("transforms: [{unpad: {tensors: w, size: 2, dim: 1}}]"), {"w": (3, 5)})
+
+
+def test_tie_untie_rename_transpose_drop() -> None:
+    spec = spec_of("""
+        transforms:
+          - tie: {from: "model.embed_tokens.weight", to: "lm_head.weight"}
+          - rename: {"re:model\\\\.(.*)": "\\\\1", "lm_head.weight": "output.weight"}
+          - transpose: {tensors: "output.weight", dims: [1, 0]}
+          - drop: {tensors: "*.inv_freq", optional: true}
+    """)
+    got = check(spec, {"model.embed_tokens.weight": (5, 3), "model.l.inv_freq": (2,)})
+    assert sorted(got) == ["embed_tokens.weight", "output.weight"]
+    assert np.array_equal(got["output.weight"], got["embed_tokens.weight"].T)
+    untie = spec_of("""
+        transforms:
+          - untie: {tensor: lm_head.weight, same_as: embed.weight}
+          - rename: {from: embed.weight, to: embed.weight}
+    """)
+    assert sorted(run_spec(untie, arange_sources({"lm_head.weight": (2, 2), "embed.weight": (2, 2)}))) == [
+        "embed.weight"
+    ]
+
+
+def test_split_targets_may_drop_captures() -> None:
+    """Templates use a subset of the pattern's captures; unknown captures are refused up front."""
+    spec = spec_of("transforms: [{split: {from: 'a.{i}.{j}', to: ['b.{i}', 'c.{j}']}}]")
+    assert sorted(apply(spec, {"a.0.1": (4,)})) == ["b.0", "c.1"]
+    with pytest.raises(ConfigError, match="uses \\{k\\}, but 'x.{i}' captures i"):
+        spec_of("transforms: [{concat: {from: ['x.{i}', 'y.{k}'], to: 'z.{i}'}}]")
+
+
+def test_chain_collapses_to_direct_reads() -> None:
+    """split -> rope -> concat composes into parts that read the original tensor only."""
+    spec = spec_of("""
+        transforms:
+          - split: {from: qk, to: [q, k], sizes: [8, 4]}
+          - rope_permute: {tensors: q, heads: 2, to: hf}
+          - rope_permute: {tensors: k, heads: 1, to: hf}
+          - concat: {from: [q, k], to: qk, sizes: [8, 4]}
+    """)
+    out = apply(spec, {"qk": (12, 3)})
+    assert {p.source for p in out["qk"].parts} == {"qk"}
+    check(spec, {"qk": (12, 3)})
+    ident = apply(inverse(spec), {"qk": (12, 3)})
+    assert ident["qk"].parts != (identity_part("qk", (12, 3)),)  # the inverse alone permutes
+    check(inverse(spec), {"qk": (12, 3)})
+
+
+def test_identity_round_trip_parts() -> None:
+    """spec then inverse(spec), composed, is the identity map with one part per tensor."""
+    from reshard.indexmap import compose, merge_parts
+
+    spec = spec_of("""
+        config: {g: 2}
+        transforms:
+          - split: {from: "a.{i}", to: ["b.{i}", "c.{i}"], groups: g, sizes: [4, 2]}
+          - pad: {tensors: "c.{i}", multiple: 4, size: 2}
+          - stack: {from: "b.{i}", to: "b", index: i}
+    """)
+    shapes = {"a.0": (6, 2), "a.1": (6, 2)}
+    fwd = apply(spec, shapes)
+    back = apply(inverse(spec), {n: t.shape for n, t in fwd.items()})
+    inner = {n: t.parts for n, t in fwd.items()}
+    for name, t in back.items():
+        parts = merge_parts([c for p in t.parts for c in compose(p, inner)])
+        assert parts == (identity_part(name, shapes[name]),), name
+
+
+ERRORS = [
+    (
+        "transforms: [{split: {from: w, to: [a, b], sizes: [3, 4]}}]",
+        {"w": (8, 2)},
+        'spec.yaml:1: transforms rule 1 (split): sizes [3, 4] add up to 7, but "w" has 8 along dim 0',
+    ),
+    (
+        "transforms: [{rename: {from: '{x}.w', to: w}}]",
+        {"a.w": (1,), "b.w": (1,)},
+        'transforms rule 1 (rename): two tensors would be named "w"',
+    ),
+    (
+        "transforms: [{rename: {from: a, to: b}}]",
+        {"a": (1,), "c": (1,)},
+        "spec.yaml: no transform rule touches 'c'; add a rule for them",
+    ),
+    (
+        "transforms: [{rename: {from: zz, to: b}}]",
+        {"a": (1,)},
+        "transforms rule 1 (rename): matches no tensor; fix the pattern, or add optional: true",
+    ),
+    (
+        "transforms: [{concat: {from: ['{i}.q', '{i}.k'], to: '{i}.qk'}}]",
+        {"0.q": (2,)},
+        'transforms rule 1 (concat): tensor "0.k" is missing (needed with "0.q")',
+    ),
+    (
+        "transforms: [{stack: {from: 'x.{e}', to: x, index: e}}]",
+        {"x.0": (2,), "x.2": (2,)},
+        'transforms rule 1 (stack): "x": stacking needs indices 0..1; missing [1], unexpected [2]',
+    ),
+    (
+        "config: {a: b, b: a}\ntransforms: [{pad: {tensors: w, multiple: a}}]",
+        {"w": (3,)},
+        "config names refer to each other in a cycle",
+    ),
+    (
+        "transforms: [{rope_permute: {tensors: w, heads: 2}}]",
+        {"w": (6, 2)},
+        '"w" has 6 rows along dim 0: not 2 heads of an even head_dim',
+    ),
+    (
+        "transforms: [{split: {from: w, to: [a, b], sizes: [heads, 2]}}]",
+        {"w": (4,)},
+        "unknown size name 'heads'; define it under config:",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "shapes", "message"), ERRORS)
+def test_errors_name_the_rule(text: str, shapes: dict[str, tuple[int, ...]], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        apply(spec_of(text), shapes)
+    assert message in str(e.value)
+    assert e.value.path == "spec.yaml"
+
+
+def test_concat_dtypes_must_agree() -> None:
+    spec = spec_of("transforms: [{concat: {from: [a, b], to: c}}]")
+    with pytest.raises(ConfigError, match="different dtypes \\(a F32, b BF16\\)"):
+        apply(spec, {"a": (2,), "b": (2,)}, dtypes={"a": "F32", "b": "BF16"})
+
+
+YAML_ERRORS = [
+    ("transforms:\n  - renme: {from: a, to: b}\n",
+     "spec.yaml:2: transforms rule 1: unknown operation 'renme'; did you mean 'rename'?"),
+    ("transforms:\n  - split: {from: a, to: [b, c], dims: 0}\n", "spec.yaml:2: transforms rule 1 (split): "
+     "unknown field 'dims'; did you mean 'dim'?"),
+    ("transforms:\n  - stack: {from: a, to: b}\n", "transforms rule 1 (stack): missing index:"),
+    ("transforms:\n  - stack: {from: 'x.{e}', to: 'y.{e}', index: e}\n", "must not use the index {e}"),
+    ("transforms:\n  - rename: {from: 'a.{i}', to: 'b.{j}'}\n", "uses {j}, but 'a.{i}' captures i"),
+    ("transforms:\n  - split: {from: a, to: [b, c], sizes: [__import__('os'), 1]}\n",
+     "may only use integers, config names"),
+    ("transforms: []\nmesh: {tp: 2}\nconfig: {h: [1]}\n", "spec.yaml:3: config 'h': a size must be"),
+    ("transfroms: []\n", "unknown top-level key 'transfroms'; did you mean 'transforms'?"),
+    ("transforms:\n  - drop: {tensors: a, optional: 1}\n", "optional: must be true or false, got 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "message"), YAML_ERRORS)
+def test_yaml_errors_name_file_line_and_rule(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_transforms_text(text, "spec.yaml")
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("transforms: [{drop: {tensors: a}}]", "rule 1 (drop): drop cannot be undone"),
+        ("transforms: [{unpad: {tensors: a, size: 3}}]", "unpad without multiple: or padded_size:"),
+        ("transforms: [{concat: {from: [a, b], to: c}}]", "concat without sizes: cannot be inverted"),
+        ("transforms: [{rename: {from: 're:a(.*)', to: 'b\\1'}}]", "cannot be inverted: use only {name}"),
+        ("transforms: [{pad: {tensors: a, multiple: 8}}]", "pad without size: cannot be inverted"),
+    ],
+)
+def test_inverse_refuses_lossy_rules(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        inverse(spec_of(text))
+
+
+def test_layout_file_with_transforms_section_is_refused_until_convert_applies_it() -> None:
+    """convert does not apply transforms yet: a layout carrying them is refused, never silently ignored."""
+    from reshard.config import parse_layout_text
+    from reshard.errors import ConfigError as LayoutConfigError
+
+    text = "mesh: {tp: 2}\nplacements: {'*': R}\nconfig: {h: 2}\ntransforms: [{drop: {tensors: x}}]\n"
+    with pytest.raises(LayoutConfigError, match="transforms"):
+        parse_layout_text(text, "l.yaml")
+    assert len(parse_transforms_text(text, "l.yaml").ops) == 1
+
+
+def test_sizes_from_model_config_json(tmp_path: Path) -> None:
+    """Size names resolve through config: expressions to config.json keys (text_config merged)."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"num_attention_heads": 2, "hidden_size": 8}}), encoding="utf-8"
+    )
+    cfg = load_hf_config(tmp_path / "config.json")
+    spec = spec_of("""
+        config: {head_dim: hidden_size // num_attention_heads}
+        transforms:
+          - split: {from: w, to: [a, b], sizes: [head_dim, hidden_size - head_dim]}
+    """)
+    assert {n: t.shape for n, t in apply(spec, {"w": (8, 1)}, config=cfg).items()} == {
+        "a": (4, 1),
+        "b": (4, 1),
+    }
+    (tmp_path / "bad.json").write_text("{", encoding="utf-8")
+    with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
+        load_hf_config(tmp_path / "bad.json")
+
+
+def test_unknown_profile_lists_the_profiles() -> None:
+    with pytest.raises(ConfigError, match="no such transforms file or profile; profiles: hf-to-megatron-gpt"):
+        load_transforms("hf-to-nowhere")
+
+
+@pytest.mark.parametrize(
+    "profile", ["hf-to-torchtitan-llama", "hf-to-megatron-gpt", "hf-to-vllm", "mixtral-experts-stack"]
+)
+def test_to_json_dumps_back_to_the_same_spec(profile: str) -> None:
+    """to_json -> YAML -> parse gives the same operations, for a profile and for its inverse."""
+    import yaml
+
+    for spec in (load_transforms(profile), inverse(load_transforms(profile))):
+        again = parse_transforms_text(yaml.safe_dump(spec.to_json(), sort_keys=False), "dumped.yaml")
+        assert (again.ops, again.config, again.allow_unused) == (spec.ops, spec.config, spec.allow_unused)
+    text = yaml.safe_dump(inverse(load_transforms("hf-to-megatron-gpt")).to_json(), sort_keys=False)
+    assert "split:" in text and "unpad:" in text
