@@ -28,7 +28,7 @@ from .dtypes import DTYPE_SIZES
 from .errors import ConfigError, LayoutError, ReshardError, UsageError, WriteError
 from .formats import open_checkpoint
 from .formats.manifest import MANIFEST, TensorInfo, manifest, write_manifest
-from .formats.per_rank import RANK_FILE, rank_file_name, rank_metadata, tensors_text
+from .formats.per_rank import RANK_FILE, describe_tensors, rank_file_name, rank_metadata
 from .intervals import Block, block_shape, block_volume, row_major_strides
 from .io.checksum import file_checksum
 from .io.header import encode_header
@@ -563,6 +563,7 @@ def _prepare_save(state_dict: Mapping[str, Any], coord: Coordinator) -> _Save:
     rank = mesh.rank(coordinate)
     info: dict[str, TensorInfo] = {}
     locals_: dict[str, Any] = {}
+    layouts: dict[str, TensorLayout] = {}
     specs: list[tuple[str, str, tuple[int, ...]]] = []
     for name in sorted(state_dict, key=natural_key):
         value = state_dict[name]
@@ -579,9 +580,10 @@ def _prepare_save(state_dict: Mapping[str, Any], coord: Coordinator) -> _Save:
         dtype = _safetensors_dtype(local.dtype, name)
         info[name] = {"dtype": dtype, "shape": list(lay.shape), "placements": lay.placement_strs()}
         locals_[name] = local
+        layouts[name] = lay
         specs.append((name, dtype, want))
     # the same metadata the per-rank writer writes, so a saved file equals a converted one
-    text = tensors_text((n, t["shape"], t["placements"]) for n, t in info.items())
+    text = describe_tensors((n, info[n]["dtype"], lay) for n, lay in layouts.items())
     prefix, header = encode_header(specs, rank_metadata(mesh, rank, text))
     datas = [locals_[e.name] for e in header.entries]
     return _Save(rank_file_name(rank, mesh.size), prefix, datas, info, mesh)

@@ -40,6 +40,10 @@ __all__ = ["ProgressFn", "execute_plan", "GROUP_FILES"]
 
 ProgressFn = Callable[[int], None]
 
+_PREAD_MIN = 16384
+"""Queued source spans at least this long are read with ``pread``; shorter ones are copied from
+the file's map (no system call per span)."""
+
 T = TypeVar("T")
 
 GROUP_FILES = 8
@@ -77,17 +81,61 @@ def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
 
-def _all_contiguous(src: TensorSource, copies: Sequence[Copy], dshape: Sequence[int]) -> bool:
+Run = tuple[int, int, int, int]
+"""A contiguous copy: (byte offset in the target entry, source piece, byte offset in the piece, bytes)."""
+
+_RUNS: dict[tuple[int, int, int], tuple[object, object, tuple[Run, ...] | None]] = {}
+
+
+def entry_runs(src: TensorSource, copies: tuple[Copy, ...], isz: int) -> tuple[Run, ...] | None:
+    """An entry's copies as contiguous byte runs in target order, or None if a box is strided.
+
+    Shared by every tensor of one geometry: the planner hands them the same ``copies``
+    tuple and the readers the same ``piece_blocks`` tuple, so the cache is keyed by their
+    identity (and holds them, so the identities stay theirs). A 100k-tensor checkpoint
+    then costs one dict lookup per entry instead of box arithmetic.
+    """
+    key = (id(copies), id(src.piece_blocks), isz)
+    hit = _RUNS.get(key)
+    if hit is None:
+        if len(_RUNS) > 65536:
+            _RUNS.clear()
+        hit = _RUNS[key] = (copies, src.piece_blocks, _runs(src, copies, isz))
+    return hit[2]
+
+
+def _runs(src: TensorSource, copies: Sequence[Copy], isz: int) -> tuple[Run, ...] | None:
+    # the target block's shape: the copies cover it exactly (the planner checked)
+    ndim = len(copies[0].segments) if copies else 0
+    dshape = tuple(max(s[1] + s[2] for c in copies for s in c.segments[d]) for d in range(ndim))
+    runs: list[Run] = []
     for c in copies:
         sshape = src.piece_shape(c.piece)
         for s_st, d_st, sz in copy_boxes(c):
             if not (_contiguous(sshape, s_st, sz) and _contiguous(dshape, d_st, sz)):
-                return False
-    return True
+                return None
+            n = isz
+            for x in sz:
+                n *= x
+            runs.append((_box_offset(dshape, d_st) * isz, c.piece, _box_offset(sshape, s_st) * isz, n))
+    runs.sort()
+    merged: list[Run] = []
+    for r in runs:
+        if merged:
+            d, k, s, n = merged[-1]
+            if k == r[1] and d + n == r[0] and s + n == r[2]:
+                merged[-1] = (d, k, s, n + r[3])
+                continue
+        merged.append(r)
+    return tuple(merged)
 
 
 class _Writer:
-    """Writes the entries of one output file (or a consecutive run of them)."""
+    """Writes the entries of one output file (or a consecutive run of them).
+
+    Contiguous runs that land next to each other in the file are queued and written
+    together (:meth:`_flush`): one ``pwrite`` per buffer, however small the tensors.
+    """
 
     def __init__(
         self,
@@ -105,6 +153,9 @@ class _Writer:
         self.bytes_read = 0
         self.sink = Sink(fd, lo)
         self.crc32s: dict[int, int] = {}
+        self._queued: list[tuple[int, int, int]] = []  # (source file, offset, bytes), back to back
+        self._q_start = 0  # file offset of the first queued byte
+        self._q_end = -1  # one past the last
 
     def file_steps(
         self, f: OutFile, items: Sequence[tuple[int, bytes] | tuple[int, OutEntry]]
@@ -114,58 +165,116 @@ class _Writer:
         for i, item in items:
             _check(self.stop)
             if isinstance(item, bytes):
+                self._flush()
                 self.sink.submit(item, i)
                 continue
             if crc:
+                self._flush()
                 self.sink.start_crc(f.head_bytes)
+            else:
+                runs = self._runs(item)
+                if runs is not None:  # the common case inline: no generator per entry
+                    if self._queue(item.start, item.tensor.src, runs):
+                        yield
+                    continue
             yield from self.entry_steps(item)
             if crc:
+                self._flush()
                 self.crc32s[i], head = self.sink.end_crc()
                 tail = f.trailer(i, self.crc32s[i], head)
                 if tail:
                     self.sink.submit(tail, item.start + item.nbytes)
+        self._flush()
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
         """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""
-        t = e.tensor
-        copies = t.copies[e.rank]
-        dshape = block_shape(t.layout.blocks()[e.rank])
         if e.nbytes == 0:
             return
-        transform = t.groups > 1 or t.dtype != t.src.dtype
-        if not transform and _all_contiguous(t.src, copies, dshape):
-            self._copy_runs(e, copies, dshape)
-            yield
+        runs = self._runs(e)
+        if runs is not None:
+            if self._queue(e.start, e.tensor.src, runs):
+                yield
             return
-        yield from self._gather(e, copies, dshape)
+        self._flush()
+        t = e.tensor
+        yield from self._gather(e, t.copies[e.rank], block_shape(t.layout.blocks()[e.rank]))
 
-    def _copy_runs(self, e: OutEntry, copies: Sequence[Copy], dshape: tuple[int, ...]) -> None:
-        src = e.tensor.src
-        isz = DTYPE_SIZES[src.dtype]
-        runs = []
-        for c in copies:
-            sshape = src.piece_shape(c.piece)
-            fi = src.piece_files[c.piece]
-            base = src.piece_offsets[c.piece]
-            for s_st, d_st, sz in copy_boxes(c):
-                n = isz
-                for x in sz:
-                    n *= x
-                runs.append(
-                    (e.start + _box_offset(dshape, d_st) * isz, fi, base + _box_offset(sshape, s_st) * isz, n)
-                )
-        runs.sort()  # in file order, so the file is hashed as it is written
-        for dst_off, fi, src_off, n in runs:
-            self._copy_run(fi, src_off, dst_off, n)
-            self.bytes_read += n
-            if self.progress:
-                self.progress(n)
+    @staticmethod
+    def _runs(e: OutEntry) -> tuple[Run, ...] | None:
+        """The entry's contiguous runs, or None when it needs gathering (strided, cast, reduced)."""
+        t = e.tensor
+        src = t.src
+        if t.groups != 1 or t.dtype != src.dtype:
+            return None
+        return entry_runs(src, t.copies[e.rank], DTYPE_SIZES[src.dtype])
+
+    def _queue(self, start: int, src: TensorSource, runs: Sequence[Run]) -> bool:
+        """Queue an entry's runs; True if the queue was written on the way."""
+        flushed = False
+        cap = self.bufs.budget
+        files, offsets = src.piece_files, src.piece_offsets
+        for d, k, s, n in runs:
+            at = start + d
+            if at != self._q_end or at + n - self._q_start > cap:
+                if self._queued:
+                    self._flush()
+                    flushed = True
+                if n > cap:
+                    self._copy_run(files[k], offsets[k] + s, at, n)
+                    continue
+                self._q_start = at
+            self._queued.append((files[k], offsets[k] + s, n))
+            self._q_end = at + n
+        return flushed
+
+    def _flush(self) -> None:
+        """Gather the queued runs into the write buffer and write them with one ``pwrite``.
+
+        Neighbours in a source file are read as one span: long spans with ``pread``, short
+        ones copied from the file's map (no system call each; the pages are released by the
+        page window like any mapped read).
+        """
+        queued = self._queued
+        if not queued:
+            return
+        buf = self.bufs.write
+        sources = self.sources
+        mapped: dict[int, int] = {}
+        pos = 0
+        fi, lo, n = queued[0]
+        queued.append((-1, 0, 0))  # flushes the last span
+        for nfi, nlo, nn in queued[1:]:
+            if nfi == fi and nlo == lo + n:
+                n += nn
+                continue
+            if n >= _PREAD_MIN:
+                if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
+                    sources.check(fi)  # names the file when its size changed
+                    raise SourceChangedError(
+                        f"a source file ended early at offset {lo}; it changed while read"
+                    )
+            else:
+                if fi not in mapped:
+                    sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
+                buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
+                mapped[fi] = mapped.get(fi, 0) + n
+            pos += n
+            fi, lo, n = nfi, nlo, nn
+        for fi, n in mapped.items():
+            self.bufs.pages.touch_range(fi, 0, n)
+        self.sink.submit(memoryview(buf)[:pos], self._q_start)
+        self.bytes_read += pos
+        if self.progress:
+            self.progress(pos)
+        queued.clear()
+        self._q_end = -1
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
         """Copy one contiguous run through the write buffer (hashed on the way)."""
         sfd = self.sources.fd(fi)
         buf = memoryview(self.bufs.write)
         size = len(buf)
+        self.bytes_read += n
         while n > 0:
             _check(self.stop)
             k = os.preadv(sfd, [buf[: min(size, n)]], src_off)
@@ -175,6 +284,8 @@ class _Writer:
                     f"a source file ended early at offset {src_off}; it changed while read"
                 )
             self.sink.submit(buf[:k], dst_off)
+            if self.progress:
+                self.progress(k)
             n -= k
             src_off += k
             dst_off += k

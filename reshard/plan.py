@@ -172,6 +172,10 @@ _MATCH_CACHE: dict[tuple[object, ...], tuple[tuple[tuple[Copy, ...], ...], int]]
 
 def plan_tensor(src: TensorSource, layout: TensorLayout, dtype: str) -> TargetTensor:
     """Plan one tensor: reuse the matching of any earlier tensor of the same geometry."""
+    return _target(src, layout, dtype, _matched(src, layout))
+
+
+def _matched(src: TensorSource, layout: TensorLayout) -> tuple[tuple[tuple[Copy, ...], ...], int]:
     if layout.partial_op is not None:
         raise PlanError(
             f'tensor "{src.name}": a Partial target placement {layout.placement_strs()} is not '
@@ -185,6 +189,12 @@ def plan_tensor(src: TensorSource, layout: TensorLayout, dtype: str) -> TargetTe
         if len(_MATCH_CACHE) > 100_000:
             _MATCH_CACHE.clear()
         _MATCH_CACHE[key] = hit
+    return hit
+
+
+def _target(
+    src: TensorSource, layout: TensorLayout, dtype: str, hit: tuple[tuple[tuple[Copy, ...], ...], int]
+) -> TargetTensor:
     copies, groups = hit
     return TargetTensor(
         name=src.name,
@@ -374,12 +384,17 @@ class Plan:
     def file_reads(self, f: OutFile) -> dict[int, int]:
         """Bytes read per source file index to produce ``f``."""
         out: dict[int, int] = {}
+        shared: dict[tuple[int, str], list[tuple[int, int]]] = {}  # per geometry (alive in the plan)
         for e in f.entries:
             t = e.tensor
-            isz = DTYPE_SIZES[t.src.dtype]
-            for c in t.copies[e.rank]:
-                fi = t.src.piece_files[c.piece]
-                out[fi] = out.get(fi, 0) + c.numel * isz
+            copies = t.copies[e.rank]
+            per = shared.get((id(copies), t.src.dtype))
+            if per is None:
+                isz = DTYPE_SIZES[t.src.dtype]
+                per = shared[(id(copies), t.src.dtype)] = [(c.piece, c.numel * isz) for c in copies]
+            files = t.src.piece_files
+            for k, n in per:
+                out[files[k]] = out.get(files[k], 0) + n
         return out
 
     @property
@@ -433,13 +448,26 @@ def make_plan(
     names = sorted(source.tensors, key=natural_key)
     tensors: list[TargetTensor] = []
     whole = writer.consolidated
+    # Tensors of one geometry share one layout object and one matching, found by identity
+    # (each value holds the objects its key names, so their ids stay theirs): a 100k-tensor
+    # checkpoint then hashes no placements per tensor, and writers can cache by layout.
+    layouts: dict[tuple[object, ...], tuple[object, TensorLayout]] = {}
+    matched: dict[tuple[int, int, int], tuple[object, object, tuple[tuple[tuple[Copy, ...], ...], int]]] = {}
     for name in names:
         src = source.tensors[name]
         out_dtype = src.dtype
         if dtype is not None and src.dtype != dtype and src.dtype in FLOAT_DTYPES:
             out_dtype = dtype
         pl = ["R"] * mesh.ndim if whole else placements_for(name)
-        layout = _target_layout(src, mesh, pl, None if whole else rules)
-        tensors.append(plan_tensor(src, layout, out_dtype))
+        lkey = (src.shape, *map(id, pl))
+        lay = layouts.get(lkey)
+        if lay is None:
+            lay = layouts[lkey] = (pl, _target_layout(src, mesh, pl, None if whole else rules))
+        layout = lay[1]
+        mkey = (id(src.piece_blocks), id(src.piece_partials), id(layout))
+        hit = matched.get(mkey)
+        if hit is None or src.signature != hit[0]:
+            hit = matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout))
+        tensors.append(_target(src, layout, out_dtype, hit[2]))
     files = writer.files(tensors, mesh, options)
     return Plan(source, writer, mesh, tensors, files, rules=rules)

@@ -39,12 +39,17 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     params = 0
     from .plan import natural_key
 
+    shapes: dict[int, tuple[list[list[int]], bool]] = {}
     for name in sorted(ck.tensors, key=natural_key):
         t = ck.tensors[name]
         nbytes = t.numel * DTYPE_SIZES[t.dtype]
         total += nbytes
         params += t.numel
-        locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+        geo = shapes.get(id(t.piece_blocks))
+        if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
+            locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+            geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
+        locals_, uniform = geo
         chunks = {}
         if ck.format == "dcp":
             chunks["chunks"] = [
@@ -59,7 +64,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
                 "shape": list(t.shape),
                 "placements": [str(p) for p in t.placements] if t.placements is not None else None,
                 "local_shapes": locals_,
-                "uniform": all(s == locals_[0] for s in locals_),
+                "uniform": uniform,
                 "pieces": len(t.piece_blocks),
                 "bytes": nbytes,
             }
@@ -205,19 +210,33 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
         console.print(Text("warning: " + shown(w)), soft_wrap=True)
 
 
+def _relative_spans(src: Any, copies: Any) -> list[tuple[int, int, int]]:
+    """Per box of the copies: its piece and the byte span it reads, relative to the piece."""
+    isz = DTYPE_SIZES[src.dtype]
+    out = []
+    for c in copies:
+        strides = row_major_strides(block_shape(src.piece_blocks[c.piece]))
+        for s_st, _d, sz in copy_boxes(c):
+            first, stop = box_span(strides, s_st, sz)
+            out.append((c.piece, first * isz, stop * isz))
+    return out
+
+
 def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
     """Per source file index, the coalesced byte spans read for output file ``f``."""
     spans: dict[int, list[tuple[int, int]]] = {}
+    shared: dict[tuple[int, int, str], list[tuple[int, int, int]]] = {}  # per geometry (plan keeps it alive)
     for e in f.entries:
         t = e.tensor
-        isz = DTYPE_SIZES[t.src.dtype]
-        for c in t.copies[e.rank]:
-            fi = t.src.piece_files[c.piece]
-            base = t.src.piece_offsets[c.piece]
-            strides = row_major_strides(block_shape(t.src.piece_blocks[c.piece]))
-            for s_st, _d, sz in copy_boxes(c):
-                first, stop = box_span(strides, s_st, sz)
-                spans.setdefault(fi, []).append((base + first * isz, base + stop * isz))
+        src = t.src
+        copies = t.copies[e.rank]
+        key = (id(copies), id(src.piece_blocks), src.dtype)
+        rel = shared.get(key)
+        if rel is None:
+            rel = shared[key] = _relative_spans(src, copies)
+        for k, a, b in rel:
+            base = src.piece_offsets[k]
+            spans.setdefault(src.piece_files[k], []).append((base + a, base + b))
     out: dict[int, list[list[int]]] = {}
     for fi, ss in spans.items():
         ss.sort()

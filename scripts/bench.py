@@ -17,7 +17,20 @@ HuggingFaceStorageWriter writes from 4 gloo ranks:
   dcp-hf        reshard convert DCP OUT --consolidate
   torch-dcp-hf  torch's consolidate_safetensors_files (one round; --naive-rounds)
 
-and with --pt, on veRL-style per-rank torch.save files of the same tensors (DTensors on a
+With --tensors N, the checkpoint is instead N small int16 tensors, the shape of a
+mixture-of-experts model (--mix s0: 16x256 tensors all S(0); --mix moe: 64 experts per
+layer of gate/up S(0) 32x192, down S(1) 192x32, and replicated norms), and the jobs also
+take the commands whose cost grows with the tensor count:
+
+  inspect   reshard inspect TP8 --json        plan    reshard plan SRC --target-mesh tp=8
+  check     reshard inspect TP8 --check       verify  reshard verify TP8 HF
+
+(TP8: the self-described TP-8 checkpoint reshard wrote from SRC)
+
+plus an in-process phase split (µs per tensor per rank file: header parsing, planning,
+copying) that should not grow with N (e.g. --tensors 10000, 100000, 200000).
+
+With --pt, on veRL-style per-rank torch.save files of the same tensors (DTensors on a
 ("tp",) mesh, model_world_size_4_rank_{r}.pt, written by 4 gloo ranks):
 
   pt-hf         reshard convert PT OUT --consolidate
@@ -29,7 +42,7 @@ and with --dcp-write, writing DCP (torch Distributed Checkpoint, .metadata + .di
   torch-hf-dcp8  torch: 8 gloo ranks read HF tensor by tensor, distribute_tensor, dcp.save
                  (one round; --naive-rounds)
 
-and prints one table: median wall time and spread, GB/s, peak RSS of the
+It prints one table: median wall time and spread, GB/s, peak RSS of the
 child process (os.wait4), and the ratio to `cp` measured in the same rounds.
 Everything runs in the page cache unless --cold (then sources are evicted
 with posix_fadvise(DONTNEED) after a sync before each run).
@@ -137,9 +150,9 @@ if W == 1:
     save_file(full, f"{dst}/model.safetensors")
 else:
     for r in range(W):
-        part = {n: (t.chunk(W, dim(n))[r].contiguous() if dim(n) is not None else t)
-                for n, t in full.items()}
-        save_file(part, f"{dst}/rank-{r:05d}-of-{W:05d}.safetensors")
+        save_file({n: (t.chunk(W, dim(n))[r].contiguous() if dim(n) is not None else t)
+                   for n, t in full.items()},
+                  f"{dst}/rank-{r:05d}-of-{W:05d}.safetensors")
 """
 
 
@@ -265,6 +278,93 @@ consolidate_safetensors_files(src, dst, fqn_to_index_mapping=dict.fromkeys(sorte
 """
 
 
+EXPERTS = 64
+MOE_LAYOUT = """mesh: {tp: 4}
+placements:
+  "*.down_proj.weight": {tp: S(1)}
+  "*norm.weight": {tp: R}
+  "*": {tp: S(0)}
+"""
+
+
+def moe_tensors(n: int, mix: str) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """``n`` (name, global shape, shard dim or None) of a synthetic MoE checkpoint."""
+    if mix == "s0":
+        return [(f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.w.weight", (16, 256), 0) for i in range(n)]
+    out: list[tuple[str, tuple[int, ...], int | None]] = []
+    layer = 0
+    while len(out) < n:
+        p = f"model.layers.{layer}."
+        out += [
+            (p + "input_layernorm.weight", (192,), None),
+            (p + "post_attention_layernorm.weight", (192,), None),
+        ]
+        for e in range(EXPERTS):
+            q = f"{p}mlp.experts.{e}."
+            out += [
+                (q + "gate_proj.weight", (32, 192), 0),
+                (q + "up_proj.weight", (32, 192), 0),
+                (q + "down_proj.weight", (192, 32), 1),
+            ]
+        layer += 1
+    return out[:n]
+
+
+def generate_moe(src: Path, n: int, mix: str) -> None:
+    """Write the TP-4 per-rank MoE source: int16 tensors, a few distinct byte patterns (fast)."""
+    import numpy as np
+
+    src.mkdir(parents=True)
+    tensors = moe_tensors(n, mix)
+    rng = np.random.default_rng(0)
+    for r in range(TP):
+        specs = []
+        for name, shape, d in tensors:
+            local = list(shape)
+            if d is not None:
+                local[d] = shape[d] // TP
+            specs.append((name, "I16", local))
+        prefix, header = encode_header(specs)
+        pool = rng.integers(-30000, 30000, size=1 << 20, dtype=np.int16).tobytes()
+        with open(src / f"rank-{r:05d}-of-{TP:05d}.safetensors", "wb") as f:
+            f.write(prefix)
+            chunk = bytearray()
+            for i, e in enumerate(header.entries):
+                at = (i * 2 * 977) % (len(pool) - e.nbytes)
+                chunk += pool[at : at + e.nbytes] if "norm" not in e.name else bytes(e.nbytes)
+                if len(chunk) > 1 << 22:
+                    f.write(chunk)
+                    chunk.clear()
+            f.write(chunk)
+    (src.parent / "layout.yaml").write_text(
+        MOE_LAYOUT if mix == "moe" else 'mesh: {tp: 4}\nplacements:\n  "*": {tp: S(0)}\n'
+    )
+
+
+PHASES = r"""
+import json, sys, time, shutil
+from pathlib import Path
+from reshard.io.header import read_header
+from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, resolve_target
+import gc; gc.disable()  # as the CLI runs
+from reshard.execute import execute_plan
+src, lay, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+files = sorted(Path(src).glob("*.safetensors"))
+t0 = time.perf_counter(); n = len(read_header(files[0]).entries); parse = time.perf_counter() - t0
+t0 = time.perf_counter()
+ck = open_source(SourceSpec(src, layout=lay))
+opened = time.perf_counter() - t0
+t0 = time.perf_counter()
+plan = build_plan(ck, resolve_target(ck, TargetSpec(mesh="tp=8")))
+planned = time.perf_counter() - t0
+out.mkdir()
+t0 = time.perf_counter(); execute_plan(plan, out, workers=1); copied = time.perf_counter() - t0
+us = 1e6 / n
+print(json.dumps({"tensors": n, "parse_us": parse * us, "open_us": opened * us / len(files),
+                  "plan_us": planned * us / 8, "copy_us": copied * us / 8}))
+"""
+
+
 def generate_pt(base: Path, src: Path) -> Path:
     """The veRL-style per-rank .pt checkpoint of the TP-4 source, written once by torch."""
     pt_dir = base / "src-pt"
@@ -300,14 +400,19 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--generate-only":
         generate(Path(sys.argv[2]), int(sys.argv[3]))
         return 0
+    if len(sys.argv) == 5 and sys.argv[1] == "--generate-only":
+        generate_moe(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--tensors", type=int, default=0, help="a synthetic MoE checkpoint of this many tensors")
+    ap.add_argument("--mix", choices=["s0", "moe"], default="s0", help="with --tensors: the layout mix")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--naive-rounds", type=int, default=1)
     ap.add_argument("--workers", type=int, default=0, help="reshard --workers (0: its default)")
     ap.add_argument("--pause", type=float, default=3.0, help="seconds between runs (see MACHINE-NOTES)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
-    ap.add_argument("--jobs", default="tp4-tp8,tp4-hf,hf-tp8")
+    ap.add_argument("--jobs", default="", help="comma-separated (default: all that apply)")
     ap.add_argument("--cold", action="store_true")
     ap.add_argument(
         "--dcp",
@@ -337,13 +442,16 @@ def main() -> int:
     base = args.dir
     src = base / "src-tp4"
     hf = base / "src-hf"
+    tp8 = base / "src-tp8"
     layers = layers_for(args.size_gb)
-    marker = base / f"generated-v3-{layers}"
+    what = f"moe-{args.tensors}-{args.mix}" if args.tensors else str(layers)
+    marker = base / f"generated-v3-{what}"
     if not marker.exists():
         shutil.rmtree(base, ignore_errors=True)
-        sys.stderr.write(f"generating {args.size_gb} GB TP-4 checkpoint ({layers} layers) in {src} ...\n")
+        sys.stderr.write(f"generating the TP-4 checkpoint ({what}) in {src} ...\n")
         # in a child process: the parent stays small, so children forked from it report their own peak RSS
-        subprocess.run([sys.executable, __file__, "--generate-only", str(src), str(layers)], check=True)
+        gen = [str(args.tensors), args.mix] if args.tensors else [str(layers)]
+        subprocess.run([sys.executable, __file__, "--generate-only", str(src), *gen], check=True)
         subprocess.run(
             [
                 reshard,
@@ -357,6 +465,21 @@ def main() -> int:
             ],
             check=True,
         )
+        if args.tensors:  # the self-described TP-8 output that inspect, check and verify read
+            subprocess.run(
+                [
+                    reshard,
+                    "convert",
+                    str(src),
+                    str(tp8),
+                    "--source-layout",
+                    str(base / "layout.yaml"),
+                    "--target-mesh",
+                    "tp=8",
+                    "--quiet",
+                ],
+                check=True,
+            )
         marker.write_text("")
     dcp_dir = base / "src-dcp"
     if args.dcp and not (base / "generated-dcp").exists():
@@ -408,6 +531,10 @@ def main() -> int:
             [hf],
         ),
         "dcp-hf": ([reshard, "convert", str(dcp_dir), "OUT", "--consolidate", "--quiet", *w], [dcp_dir]),
+        "inspect": ([reshard, "inspect", str(tp8), "--json"], [tp8]),
+        "plan": ([reshard, "plan", str(src), "--source-layout", lay, "--target-mesh", "tp=8"], [src]),
+        "check": ([reshard, "inspect", str(tp8), "--check", "--quiet"], [tp8]),
+        "verify": ([reshard, "verify", str(tp8), str(hf), "--quiet"], [tp8, hf]),
         "hf-dcp8": (
             [
                 reshard,
@@ -427,7 +554,10 @@ def main() -> int:
         ),
         "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
-    chosen = ["cp"] + [j for j in args.jobs.split(",") if j] + (["dcp-hf"] if args.dcp else [])
+    default_jobs = "tp4-tp8,tp4-hf,hf-tp8" + (",inspect,plan,check,verify" if args.tensors else "")
+    chosen = (
+        ["cp"] + [j for j in (args.jobs or default_jobs).split(",") if j] + (["dcp-hf"] if args.dcp else [])
+    )
     chosen += ["hf-dcp8"] if args.dcp_write and "hf-dcp8" not in chosen else []
     chosen += ["pt-hf"] if args.pt else []
     times: dict[str, list[float]] = {j: [] for j in chosen}
@@ -442,10 +572,25 @@ def main() -> int:
             times[j].append(t)
             rss[j].append(m)
             sys.stderr.write(f"round {rnd + 1}/{args.rounds} {j}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
-    slow = [
-        ("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
-        ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"]),
-    ]
+    phases = None
+    if args.tensors:
+        shutil.rmtree(out, ignore_errors=True)
+        got = subprocess.run(
+            [sys.executable, "-c", PHASES, str(src), lay, str(out)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        phases = json.loads(got.stdout)
+        sys.stderr.write(f"phases (us per tensor per rank file): {phases}\n")
+    slow = (
+        []
+        if args.tensors
+        else [
+            ("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
+            ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"]),
+        ]
+    )
     if args.dcp:
         slow.append(("torch-dcp-hf", [sys.executable, "-c", TORCH_CONSOLIDATE, str(dcp_dir), "OUT"]))
     if args.dcp_write:
@@ -486,15 +631,30 @@ def main() -> int:
     if args.json:
         print(
             json.dumps(
-                {"size_bytes": size, "layers": layers, "workers": workers_text, "cache": cache, "rows": rows},
+                {
+                    "size_bytes": size,
+                    "layers": layers,
+                    "tensors": args.tensors,
+                    "mix": args.mix,
+                    "workers": workers_text,
+                    "cache": cache,
+                    "rows": rows,
+                    "phases": phases,
+                },
                 indent=2,
             )
         )
     else:
+        kind = f"{args.tensors} int16 tensors ({args.mix})" if args.tensors else f"bf16 ({layers} layers)"
         print(
-            f"checkpoint: {size / 1e9:.2f} GB TP-4 bf16 ({layers} layers), {cache}, "
+            f"checkpoint: {size / 1e9:.2f} GB TP-4 {kind}, {cache}, "
             f"workers={workers_text}, rounds={args.rounds}"
         )
+        if phases:
+            print(
+                "us per tensor per rank file: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "tensors")
+            )
         print(
             f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}"
             f"{'peak RSS MiB':>14}{'x cp':>7}"

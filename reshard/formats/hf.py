@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, TensorNotFoundError
-from ..intervals import full_block
+from ..intervals import Block, full_block
 from ..io.header import Header, read_header
 from ..io.writer import FileResult, write_json
 from ..mesh import Mesh
@@ -20,6 +21,13 @@ from .safetensors import SafetensorsFile, header_order, split_parts
 __all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
 
 
+@lru_cache(maxsize=65536)
+def _whole(shape: tuple[int, ...]) -> tuple[Block]:
+    """One piece holding the whole tensor; one object per shape, so the executor's per-geometry
+    caches (keyed by identity) hit for every tensor of that shape."""
+    return (full_block(shape),)
+
+
 def _tensor(name: str, header: Header, file_index: int) -> TensorSource:
     e = header.entry(name)
     return TensorSource(
@@ -28,7 +36,7 @@ def _tensor(name: str, header: Header, file_index: int) -> TensorSource:
         shape=e.shape,
         piece_files=(file_index,),
         piece_offsets=(header.data_start + e.start,),
-        piece_blocks=(full_block(e.shape),),
+        piece_blocks=_whole(e.shape),
         signature=("full", e.shape),
     )
 

@@ -7,6 +7,7 @@ dtype/shape/placements, per-file size and checksum.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import TypedDict
 
 from ..errors import HeaderError
 from ..io.safe import expect_object, load_json
-from ..io.writer import FileResult, write_json
+from ..io.writer import FileResult, write_atomic
 from ..mesh import Mesh
 from ..plan import Plan
 from ..version import __version__
@@ -95,8 +96,25 @@ def manifest_for(plan: Plan, results: Sequence[FileResult]) -> Manifest:
 
 
 def write_manifest(directory: Path, doc: Manifest) -> None:
-    """Write ``reshard.json`` atomically (a fresh temporary, then rename)."""
-    write_json(directory / MANIFEST, doc)
+    """Write ``reshard.json`` atomically (a fresh temporary, then rename).
+
+    Indented, but one line per tensor: still readable, a quarter of the size, and written
+    by the C encoder (a 100k-tensor manifest indented throughout took seconds and 17 MB).
+    """
+    mark = "\x00tensors\x00"  # where the tensors go, in their place among the keys
+    text = json.dumps({k: (mark if k == "tensors" else v) for k, v in doc.items()}, indent=2)
+    compact = (",", ":")
+    cache: dict[tuple[str, tuple[int, ...], tuple[str, ...]], str] = {}
+    lines = []
+    for name, info in doc["tensors"].items():
+        key = (info["dtype"], tuple(info["shape"]), tuple(info["placements"]))
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = json.dumps(info, separators=compact)
+        lines.append(f"    {json.dumps(name, ensure_ascii=False)}: {value}")
+    body = "{\n" + ",\n".join(lines) + "\n  }" if lines else "{}"
+    text = text.replace(json.dumps(mark), body, 1) + "\n"
+    write_atomic(directory / MANIFEST, text.encode())
 
 
 def read_manifest(directory: Path) -> dict[str, object] | None:

@@ -6,17 +6,20 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from ..checkpoint import Checkpoint, TensorSource
+from ..dtypes import DTYPE_RANK
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
+from ..intervals import Block, block_shape
 from ..io.header import Header, TensorEntry, read_header
 from ..io.safe import expect_object, expect_shape, expect_strings, load_json
 from ..io.writer import FileResult
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh, check_world_size
-from ..placements import Placement
+from ..placements import Placement, Shard, StridedShard, parse_placement
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, manifest_for, read_manifest, write_manifest
@@ -33,6 +36,7 @@ __all__ = [
     "rank_file_name",
     "rank_metadata",
     "tensors_text",
+    "describe_tensors",
     "open_per_rank",
     "self_description",
     "RankMetadata",
@@ -107,8 +111,15 @@ class RankMetadata(TypedDict):
     tensors: dict[str, TensorDescription]
 
 
-def self_description(header: Header, path: Path) -> RankMetadata | None:
-    """The ``reshard`` metadata a per-rank file written by reshard carries, or None."""
+def self_description(header: Header, path: Path, *, tensors: bool = True) -> RankMetadata | None:
+    """The ``reshard`` metadata a per-rank file written by reshard carries, or None.
+
+    Every version reads into the same form: ``format_version`` 1 lists each tensor's global
+    shape and placements; 2 (:func:`describe_tensors`) stores the distinct placements once
+    and per tensor an index, plus the global shapes an even split does not give. Without
+    ``tensors`` the ``tensors`` member is left empty (the other ranks' files: only their
+    rank and mesh are compared).
+    """
     meta = header.metadata or {}
     raw = meta.get("reshard")
     if raw is None:
@@ -121,24 +132,89 @@ def self_description(header: Header, path: Path) -> RankMetadata | None:
         error=HeaderError,
     )
     try:
-        if data.get("format_version") != 1:
+        version = data.get("format_version")
+        if version not in (1, 2):
             raise ValueError("unsupported format_version")
-        mesh = expect_object(data["mesh"], path=where, field="reshard.mesh", error=HeaderError)
-        shape = expect_shape(mesh["shape"], path=where, field="reshard.mesh.shape", error=HeaderError)
-        for d in shape:
-            check_world_size(d, what=f"{where}: reshard.mesh.shape")
-        names = expect_strings(mesh["names"], path=where, field="reshard.mesh.names", error=HeaderError)
-        Mesh(tuple(names), shape)
+        mesh = _described_mesh(data, where)
         data["rank"] = int(data["rank"])
-        tensors = expect_object(data["tensors"], path=where, field="reshard.tensors", error=HeaderError)
-        for name, info in tensors.items():
-            field = f"reshard.tensors[{json.dumps(name)}]"
-            info = expect_object(info, path=where, field=field, error=HeaderError)
-            expect_shape(info.get("shape"), path=where, field=field + ".shape", error=HeaderError)
-            expect_strings(info.get("placements"), path=where, field=field + ".placements", error=HeaderError)
-    except (ValueError, KeyError, TypeError) as e:
+        if version == 2:
+            data["tensors"] = _v2_tensors(data, header, mesh, where) if tensors else {}
+        _check_tensors(data["tensors"], where)
+    except (ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
         raise HeaderError(f"{path}: invalid reshard metadata ({e})", path=str(path)) from None
     return cast(RankMetadata, data)  # the fields used are checked above
+
+
+_CODES = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+"""Format version 2: a tensor's index into the placements table, one character each."""
+
+
+def _described_mesh(data: dict[str, Any], where: str) -> Mesh:
+    """The mesh a file's reshard metadata names, checked as untrusted input."""
+    mesh = expect_object(data["mesh"], path=where, field="reshard.mesh", error=HeaderError)
+    shape = expect_shape(mesh["shape"], path=where, field="reshard.mesh.shape", error=HeaderError)
+    for d in shape:
+        check_world_size(d, what=f"{where}: reshard.mesh.shape")
+    names = expect_strings(mesh["names"], path=where, field="reshard.mesh.names", error=HeaderError)
+    return Mesh(tuple(names), shape)
+
+
+def _check_tensors(tensors: object, where: str) -> None:
+    """Each described tensor has a shape and a list of placement strings (untrusted input).
+
+    Version 2's descriptions share their values per placement code and geometry, so each
+    distinct value is checked once.
+    """
+    tensors = expect_object(tensors, path=where, field="reshard.tensors", error=HeaderError)
+    seen: set[int] = set()
+    for name, info in tensors.items():
+        field = f"reshard.tensors[{json.dumps(name)}]"
+        info = expect_object(info, path=where, field=field, error=HeaderError)
+        shape, pls = info.get("shape"), info.get("placements")
+        if id(shape) not in seen:
+            expect_shape(shape, path=where, field=field + ".shape", error=HeaderError)
+            seen.add(id(shape))
+        if id(pls) not in seen:
+            expect_strings(pls, path=where, field=field + ".placements", error=HeaderError)
+            seen.add(id(pls))
+
+
+def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) -> dict[str, TensorDescription]:
+    """Format version 2's description, per tensor (in this file's data order) global shape and placements."""
+    table = [
+        list(expect_strings(pls, path=where, field="reshard.placements[]", error=HeaderError))
+        for pls in data["placements"]
+    ]
+    codes = data["layout"]
+    shapes = data.get("shapes", {})
+    if not isinstance(codes, str) or len(codes) != len(header.entries) or not isinstance(shapes, dict):
+        raise ValueError(f'"layout" must hold one code per tensor ({len(header.entries)})')
+    index = {c: i for i, c in enumerate(_CODES[: len(table)])}
+    derived: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    out: dict[str, TensorDescription] = {}
+    for e, code in zip(header.entries, codes):
+        pls = table[index[code]]
+        shape = shapes.get(e.name)
+        if shape is None:
+            key = (e.shape, code)
+            shape = derived.get(key)
+            if shape is None:
+                shape = derived[key] = _even_global(e.shape, mesh, pls)
+        out[e.name] = {"shape": shape, "placements": pls}
+    return out
+
+
+def _even_global(local: tuple[int, ...], mesh: Mesh, pls: Sequence[str]) -> list[int]:
+    """The global shape of an evenly split tensor: each sharded dim times its mesh sizes."""
+    shape = list(local)
+    for p, n in zip(pls, mesh.shape):
+        try:
+            q = parse_placement(p)
+        except ReshardError as e:  # a bad placement in the file: reported as invalid metadata
+            raise ValueError(e.message) from None
+        if isinstance(q, (Shard, StridedShard)):
+            shape[q.dim % len(shape)] *= n
+    return shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,11 +265,17 @@ def layout_describe(
 ) -> Describe:
     """Placements from a layout, the global shape derived from the local shapes (checked on every rank)."""
 
+    shapes: dict[tuple[object, ...], tuple[int, ...]] = {}  # per geometry: derived once
+
     def describe(
         name: str, local_shapes: Sequence[tuple[int, ...]]
     ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
         pls = placements_for(name)
-        return _derived_shape(name, local_shapes, mesh, pls, where, layout_source), pls
+        key = (tuple(local_shapes), tuple(pls))
+        shape = shapes.get(key)
+        if shape is None:
+            shape = shapes[key] = _derived_shape(name, local_shapes, mesh, pls, where, layout_source)
+        return shape, pls
 
     return describe
 
@@ -248,24 +330,29 @@ def rank_checkpoint(
     coords = list(mesh.coordinates())
     where = files.entries()
     tensors: dict[str, TensorSource] = {}
+    geometries: dict[tuple[object, ...], _Geometry] = {}
     for name in _common_names(files, where):
         found = _rank_entries(name, files, where)
         entries = [en for _, en in found]
-        shape, pls = describe(name, [en.shape for en in entries])
-        layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
-        _check_local_shapes(name, layout, coords, [files.paths[i] for i, _ in found], entries)
-        partial_op = layout.partial_op
+        local_shapes = tuple(en.shape for en in entries)
+        shape, pls = describe(name, local_shapes)
+        piece_files = tuple(i for i, _ in found)
+        key = (local_shapes, shape, tuple(pls), piece_files)
+        geo = geometries.get(key)
+        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+            paths = [files.paths[i] for i in piece_files]
+            geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, piece_files, paths, entries)
         tensors[name] = TensorSource(
             name=name,
             dtype=entries[0].dtype,
-            shape=shape,
-            piece_files=tuple(i for i, _ in found),
+            shape=geo.layout.shape,
+            piece_files=geo.files,
             piece_offsets=tuple(files.headers[i].data_start + en.start for i, en in found),
-            piece_blocks=layout.blocks(),
-            signature=("layout", shape, mesh.shape, layout.placements),
-            piece_partials=tuple(layout.partial_index(c) for c in coords) if partial_op else None,
-            reduce_op=partial_op,
-            placements=layout.placements,
+            piece_blocks=geo.blocks,
+            signature=geo.signature,
+            piece_partials=geo.partials,
+            reduce_op=geo.layout.partial_op,
+            placements=geo.layout.placements,
         )
     return Checkpoint(
         path=str(directory),
@@ -274,6 +361,40 @@ def rank_checkpoint(
         file_sizes=tuple(p.stat().st_size for p in files.paths),
         tensors=tensors,
         mesh=mesh,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """What tensors of one global shape, placements and local shapes share."""
+
+    layout: TensorLayout
+    files: tuple[int, ...]
+    blocks: tuple[Block, ...]
+    signature: tuple[object, ...]
+    partials: tuple[int, ...] | None
+
+
+def _geometry(
+    name: str,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    pls: Sequence[Placement | str],
+    coords: Sequence[tuple[int, ...]],
+    piece_files: tuple[int, ...],
+    paths: Sequence[Path],
+    entries: Sequence[TensorEntry],
+) -> _Geometry:
+    """The layout of ``name``, its local shapes checked against every rank's entry."""
+    layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
+    _check_local_shapes(name, layout, coords, paths, entries)
+    partials = tuple(layout.partial_index(c) for c in coords) if layout.partial_op else None
+    return _Geometry(
+        layout,
+        piece_files,
+        layout.blocks(),
+        ("layout", layout.shape, mesh.shape, layout.placements),
+        partials,
     )
 
 
@@ -309,7 +430,7 @@ def _rank_mesh(
     if described:
         assert desc0 is not None
         for r, (p, h) in enumerate(zip(paths, headers)):
-            d = self_description(h, p)
+            d = self_description(h, p, tensors=False)
             if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"]:
                 raise HeaderError(
                     f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
@@ -527,29 +648,75 @@ def rank_file_name(rank: int, world: int) -> str:
 
 
 def tensors_text(tensors: Iterable[tuple[str, Sequence[int], Sequence[str]]]) -> str:
-    """The ``tensors`` member of the per-rank metadata: name -> global shape and placements."""
-    return json.dumps(
+    """Format version 1's ``tensors`` member: name -> global shape and placements."""
+    return '"tensors":' + json.dumps(
         {name: {"shape": list(shape), "placements": list(pls)} for name, shape, pls in tensors},
         separators=(",", ":"),
     )
 
 
-def rank_metadata(mesh: Mesh, rank: int, tensors: str) -> dict[str, str]:
-    """The ``__metadata__`` of rank ``rank``'s file (``tensors`` from :func:`tensors_text`).
+def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[int, str]:
+    """The format version and the tensor members of the per-rank metadata, from ``(name, dtype, layout)``.
+
+    Version 2 (compact: well under the header entries' own size, where version 1 doubled
+    a 100k-tensor header): ``"placements"`` lists the distinct placements once,
+    ``"layout"`` holds one character per tensor in the file's data order (dtype, then
+    name, as the reference writer lays them out) indexing it, and ``"shapes"`` the global
+    shapes of the tensors that are not split evenly (every other one is its local shape
+    times the mesh sizes sharding each dim). More distinct placements than codes: version 1.
+    """
+    ordered = sorted(tensors, key=lambda t: (-DTYPE_RANK[t[1]], t[0]))
+    table: dict[tuple[str, ...], str] = {}
+    codes = []
+    shapes = {}
+    for name, _, layout in ordered:
+        pls = _placement_texts(layout.placements)
+        code = table.get(pls)
+        if code is None:
+            if len(table) == len(_CODES):
+                return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, _, lay in ordered)
+            code = table[pls] = _CODES[len(table)]
+        codes.append(code)
+        if not _splits_evenly(layout):
+            shapes[name] = list(layout.shape)
+    compact = (",", ":")
+    text = (
+        f'"placements":{json.dumps([list(p) for p in table], separators=compact)},'
+        f'"layout":"{"".join(codes)}","shapes":{json.dumps(shapes, separators=compact)}'
+    )
+    return 2, text
+
+
+@lru_cache(maxsize=4096)
+def _placement_texts(placements: tuple[Placement, ...]) -> tuple[str, ...]:
+    return tuple(str(p) for p in placements)
+
+
+@lru_cache(maxsize=65536)
+def _splits_evenly(layout: TensorLayout) -> bool:
+    """Every rank holds the local shape :func:`_even_global` turns back into the global shape."""
+    pls = layout.placement_strs()
+    return all(_even_global(block_shape(b), layout.mesh, pls) == list(layout.shape) for b in layout.blocks())
+
+
+def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, str]:
+    """The ``__metadata__`` of rank ``rank``'s file (``tensors`` from :func:`describe_tensors`).
 
     The one place it is made: converted files and :func:`reshard.dist.save_dtensors`'
     files are byte-identical.
     """
     compact = (",", ":")
+    version, text = tensors
     meta = (
-        f'{{"format_version":1,"mesh":{json.dumps(mesh.to_json(), separators=compact)},"rank":{rank},'
-        f'"coordinate":{json.dumps(list(mesh.coordinate(rank)), separators=compact)},"tensors":{tensors}}}'
+        f'{{"format_version":{version},"mesh":{json.dumps(mesh.to_json(), separators=compact)},'
+        f'"rank":{rank},"coordinate":{json.dumps(list(mesh.coordinate(rank)), separators=compact)},'
+        f"{text}}}"
     )
     return {"reshard": meta}
 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
-    text = tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in tensors)
+    text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
     ordered = header_order(tensors)
     return [
         SafetensorsFile(

@@ -37,9 +37,12 @@ class SafetensorsFile(OutFile):
     def lay_out(self) -> FileLayout:
         r = self.local_rank
         items = []
+        texts: dict[tuple[int, str], tuple[str, int]] = {}  # tensors of one geometry share a layout
         for t in self.tensors:
-            shape_text, nbytes = _local_texts(t.layout, t.dtype)[r]
-            items.append((_quoted(t.name), t.dtype, shape_text, nbytes))
+            text = texts.get((id(t.layout), t.dtype))
+            if text is None:
+                text = texts[(id(t.layout), t.dtype)] = _local_texts(t.layout, t.dtype)[r]
+            items.append((_quoted(t.name), t.dtype, text[0], text[1]))
         prefix, starts = header_prefix(items, self._meta)
         base = len(prefix)
         entries = tuple(OutEntry(t, r, base + a, it[3]) for t, a, it in zip(self.tensors, starts, items))

@@ -142,7 +142,7 @@ def test_save_dtensors_writes_a_checked_self_describing_checkpoint(saved: Path) 
     for r, coord in enumerate(mesh.coordinates()):
         with safe_open(str(saved / rank_file(r, world)), "pt") as f:
             meta = json.loads(f.metadata()["reshard"])
-        assert meta["format_version"] == 1 and meta["rank"] == r and meta["coordinate"] == list(coord)
+        assert meta["format_version"] == 2 and meta["rank"] == r and meta["coordinate"] == list(coord)
         assert meta["mesh"] == doc["mesh"]
         # every local tensor is what torch's own placement splitting gives this coordinate
         got = load_file(str(saved / rank_file(r, world)))
