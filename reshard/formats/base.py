@@ -14,7 +14,7 @@ convert, verify, ``inspect --check``, ``load_dtensors``) works on that.
 Writer: ``files(tensors, mesh, options) -> [OutFile]`` lays out each output file
 (fixed bytes, tensor entries at absolute offsets, optional CRC32 patches) and
 ``complete(dst, plan, results)`` writes what makes a finished directory (an
-index, a ``.metadata``, and :func:`reshard.formats.manifest.write_manifest` last).
+index, a ``.metadata``, and :func:`reshard.formats.manifest.complete_with_manifest` last).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class Writer:
             :meth:`~reshard.plan.OutFile.lay_out` says where each byte goes.
         complete: called once on the main process after every file is in place, with
             the results in plan order: write index files, then ``reshard.json`` last
-            (:func:`reshard.formats.manifest.write_manifest`).
+            (:func:`reshard.formats.manifest.complete_with_manifest`).
         consolidated: one consolidated checkpoint: every tensor whole (``--consolidate``).
         lockstep: the files are sibling ranks holding the same tensors cut differently;
             a worker then writes up to 8 of them slab by slab, sharing source reads.

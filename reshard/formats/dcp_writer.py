@@ -35,7 +35,7 @@ from ..mesh import Mesh
 from ..plan import FileLayout, OutEntry, OutFile, Plan, TargetTensor, WriteOptions
 from .base import Writer
 from .dcp_boxes import dedup_owners, save_items
-from .manifest import manifest_for, write_manifest
+from .manifest import complete_with_manifest
 
 __all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes"]
 
@@ -165,7 +165,7 @@ def metadata_bytes(files: Sequence[OutFile], results: Sequence[FileResult]) -> b
 def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
     """``.metadata`` (what makes a checkpoint to torch: durable before the rename), then ``reshard.json``."""
     write_atomic(dst / METADATA, metadata_bytes(plan.files, results), fsync=True)
-    write_manifest(dst, manifest_for(plan, results))
+    complete_with_manifest(dst, plan, results)
 
 
 WRITER = Writer(

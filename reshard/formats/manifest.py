@@ -22,6 +22,7 @@ from ..version import __version__
 
 __all__ = [
     "MANIFEST",
+    "complete_with_manifest",
     "TensorInfo",
     "FileInfo",
     "Manifest",
@@ -93,6 +94,11 @@ def manifest_for(plan: Plan, results: Sequence[FileResult]) -> Manifest:
         for t in plan.tensors
     }
     return manifest(plan.format, plan.mesh, rules, tensors, ((r.name, r.size, r.checksum) for r in results))
+
+
+def complete_with_manifest(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
+    """``Writer.complete`` for formats whose finished directory needs only ``reshard.json``."""
+    write_manifest(dst, manifest_for(plan, results))
 
 
 def write_manifest(directory: Path, doc: Manifest) -> None:

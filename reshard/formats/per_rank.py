@@ -16,13 +16,12 @@ from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, Tensor
 from ..intervals import Block, block_shape
 from ..io.header import Header, TensorEntry, read_header
 from ..io.safe import expect_object, expect_shape, expect_strings, load_json
-from ..io.writer import FileResult
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh, check_world_size
 from ..placements import Placement, Shard, StridedShard, parse_placement
-from ..plan import OutFile, Plan, TargetTensor, WriteOptions
+from ..plan import OutFile, TargetTensor, WriteOptions
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
-from .manifest import MANIFEST, manifest_for, read_manifest, write_manifest
+from .manifest import MANIFEST, complete_with_manifest, read_manifest
 from .safetensors import SafetensorsFile, header_order, metadata_text
 
 if TYPE_CHECKING:
@@ -726,15 +725,11 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
     ]
 
 
-def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
-    write_manifest(dst, manifest_for(plan, results))
-
-
 WRITER = Writer(
     name="per-rank",
     help="one self-described safetensors file per target rank",
     files=_files,
-    complete=_complete,
+    complete=complete_with_manifest,
     lockstep=True,
     owns=(".safetensors",),
 )

@@ -25,12 +25,11 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
 from ..errors import HeaderError, LayoutError, UsageError
-from ..io.writer import FileResult
 from ..mesh import Mesh
 from ..placements import Placement
-from ..plan import OutFile, Plan, TargetTensor, WriteOptions
+from ..plan import OutFile, TargetTensor, WriteOptions
 from .base import NO, YES, Probe, Reader, ReadOptions, Writer
-from .manifest import MANIFEST, manifest_for, read_manifest, write_manifest
+from .manifest import MANIFEST, complete_with_manifest, read_manifest
 from .per_rank import Describe, RankFiles, layout_describe, manifest_layout, rank_checkpoint, source_layout
 from .safetensors import SafetensorsFile, header_order, split_parts
 
@@ -155,16 +154,12 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
     return out
 
 
-def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
-    write_manifest(dst, manifest_for(plan, results))
-
-
 WRITER = Writer(
     name="sharded-state",
     help="vLLM/SGLang model-rank-{rank}-part-{part}.safetensors per target rank, parts split at "
     "--max-shard-size (placements in reshard.json; tensor names kept)",
     files=_files,
-    complete=_complete,
+    complete=complete_with_manifest,
     lockstep=True,
     owns=(".safetensors",),
 )
