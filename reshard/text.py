@@ -28,8 +28,6 @@ experts\\[gate].weight \\[/bad]
 
 from __future__ import annotations
 
-from rich.markup import escape
-
 __all__ = ["shown", "markup_safe"]
 
 
@@ -67,6 +65,8 @@ def markup_safe(text: str) -> str:
     For a whole value, ``rich.text.Text(shown(text))`` does the same without markup.
     Emoji codes (``:smile:``) are not markup: print with ``Console(emoji=False)``.
     """
+    from rich.markup import escape  # only when printing: `convert --quiet` never loads rich
+
     body = shown(text)
     stripped = body.rstrip("\\")
     tail = len(body) - len(stripped)
