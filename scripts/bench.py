@@ -36,6 +36,13 @@ With --pt, on veRL-style per-rank torch.save files of the same tensors (DTensors
   pt-hf         reshard convert PT OUT --consolidate
   torch-pt-hf   torch.load each file, cat the local tensors, save_file (one round; --naive-rounds)
 
+and with --distcp, on torch DCP's default format (`.metadata` + `__{rank}_0.distcp`) of the
+same tensors, written by dcp.save (FileSystemWriter) from 4 gloo ranks (DTensors on ("tp",)):
+
+  distcp-hf         reshard convert DISTCP OUT --consolidate
+  torch-distcp-hf   torch: dcp_to_torch_save (one process, the whole model in RAM), torch.load,
+                    save_file (one round; --naive-rounds)
+
 and with --dcp-write, writing DCP (torch Distributed Checkpoint, .metadata + .distcp):
 
   hf-dcp8        reshard convert HF OUT --to dcp --target-layout llama-tp --target-mesh tp=8
@@ -213,6 +220,24 @@ def worker(rank, src, out):
 mp.start_processes(worker, args=(sys.argv[1], sys.argv[2]), nprocs=4, join=True, start_method="fork")
 """
 
+GEN_DISTCP = GEN_PT.replace(
+    'os.makedirs(out, exist_ok=True)\n    torch.save(sd, f"{out}/model_world_size_4_rank_{rank}.pt")',
+    "import torch.distributed.checkpoint as dcp\n    dcp.save(sd, checkpoint_id=out)",
+)
+assert GEN_DISTCP != GEN_PT
+
+TORCH_DISTCP_HF = r"""
+import os, sys, torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+dcp_to_torch_save(src, f"{dst}/full.pt")
+sd = torch.load(f"{dst}/full.pt", weights_only=True, mmap=True)
+save_file(sd, f"{dst}/model.safetensors")
+os.remove(f"{dst}/full.pt")
+"""
+
 TORCH_PT_HF = r"""
 import os, sys, torch
 import torch.distributed.tensor  # registers DTensor for weights_only loading
@@ -376,6 +401,21 @@ def generate_pt(base: Path, src: Path) -> Path:
     return pt_dir
 
 
+# jobs whose source is not the TP-4 directory: their ratio is to `cp -r` of their own source
+CP_OF = {"distcp-hf": "cp-distcp", "torch-distcp-hf": "cp-distcp", "pt-hf": "cp-pt", "torch-pt-hf": "cp-pt"}
+
+
+def generate_distcp(base: Path, src: Path) -> Path:
+    """The torch DCP (.distcp) checkpoint of the TP-4 source, written once by dcp.save."""
+    out = base / "src-distcp"
+    if not (base / "generated-distcp").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        sys.stderr.write(f"writing the DCP (.distcp) checkpoint with torch (4 gloo ranks) in {out} ...\n")
+        subprocess.run([sys.executable, "-c", GEN_DISTCP, str(src), str(out)], check=True)
+        (base / "generated-distcp").write_text("")
+    return out
+
+
 def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one child process."""
     if cold:
@@ -430,6 +470,12 @@ def main() -> int:
         "--dcp-write",
         action="store_true",
         help="also HF -> DCP TP-8: reshard (job hf-dcp8) against torch's dcp.save (naive rounds)",
+    )
+    ap.add_argument(
+        "--distcp",
+        action="store_true",
+        help="also torch DCP .distcp (dcp.save, 4 gloo ranks) -> consolidated: reshard (job distcp-hf) "
+        "against dcp_to_torch_save + save_file (naive rounds)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--json", action="store_true")
@@ -490,6 +536,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-c", GEN_DCP, str(src), str(dcp_dir)], check=True)
         (base / "generated-dcp").write_text("")
     pt_dir = generate_pt(base, src) if args.pt else base / "src-pt"
+    distcp_dir = generate_distcp(base, src) if args.distcp else base / "src-distcp"
     size = sum(p.stat().st_size for p in src.iterdir())
     lay = str(base / "layout.yaml")
     w = ["--workers", str(args.workers)] if args.workers > 0 else []
@@ -552,6 +599,12 @@ def main() -> int:
             ],
             [hf],
         ),
+        "cp-distcp": (["cp", "-r", str(distcp_dir), "OUT"], [distcp_dir]),
+        "cp-pt": (["cp", "-r", str(pt_dir), "OUT"], [pt_dir]),
+        "distcp-hf": (
+            [reshard, "convert", str(distcp_dir), "OUT", "--consolidate", "--quiet", *w],
+            [distcp_dir],
+        ),
         "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
     default_jobs = "tp4-tp8,tp4-hf,hf-tp8" + (",inspect,plan,check,verify" if args.tensors else "")
@@ -559,7 +612,8 @@ def main() -> int:
         ["cp"] + [j for j in (args.jobs or default_jobs).split(",") if j] + (["dcp-hf"] if args.dcp else [])
     )
     chosen += ["hf-dcp8"] if args.dcp_write and "hf-dcp8" not in chosen else []
-    chosen += ["pt-hf"] if args.pt else []
+    chosen += ["cp-pt", "pt-hf"] if args.pt else []
+    chosen += ["cp-distcp", "distcp-hf"] if args.distcp else []
     times: dict[str, list[float]] = {j: [] for j in chosen}
     rss: dict[str, list[int]] = {j: [] for j in chosen}
     out = base / "out"
@@ -595,6 +649,8 @@ def main() -> int:
         slow.append(("torch-dcp-hf", [sys.executable, "-c", TORCH_CONSOLIDATE, str(dcp_dir), "OUT"]))
     if args.dcp_write:
         slow.append(("torch-hf-dcp8", [sys.executable, "-c", TORCH_DCP8, str(hf), "OUT"]))
+    if args.distcp:
+        slow.append(("torch-distcp-hf", [sys.executable, "-c", TORCH_DISTCP_HF, str(distcp_dir), "OUT"]))
     if args.pt:
         slow.append(("torch-pt-hf", [sys.executable, "-c", TORCH_PT_HF, str(pt_dir), "OUT"]))
     for name, slow_cmd in slow:
@@ -608,14 +664,14 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     # ratios per round against cp in the same round
     rows = []
-    cp_med = statistics.median(times["cp"])
     for j, ts in times.items():
         med = statistics.median(ts)
+        base_job = CP_OF.get(j, "cp")
         if j in chosen:
-            ratios = [t / c for t, c in zip(ts, times["cp"])]
+            ratios = [t / c for t, c in zip(ts, times[base_job])]
             ratio = statistics.median(ratios)
         else:
-            ratio = med / cp_med
+            ratio = med / statistics.median(times[base_job])
         rows.append(
             {
                 "job": j,
