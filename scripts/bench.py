@@ -50,7 +50,8 @@ and with --dcp-write, writing DCP (torch Distributed Checkpoint, .metadata + .di
                  (one round; --naive-rounds)
 
 It prints one table: median wall time and spread, GB/s, peak RSS of the
-child process (os.wait4), and the ratio to `cp` measured in the same rounds.
+child process (os.wait4), the ratio to `cp` measured in the same rounds, and the
+median CPU seconds (user + system) of the child.
 Everything runs in the page cache unless --cold (then sources are evicted
 with posix_fadvise(DONTNEED) after a sync before each run).
 
@@ -416,8 +417,12 @@ def generate_distcp(base: Path, src: Path) -> Path:
     return out
 
 
+LAST_CPU = [0.0]
+
+
 def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process."""
+    """Wall seconds and peak RSS (bytes) of one child process; its CPU seconds (user + system)
+    are left in ``LAST_CPU[0]`` (less skewed than wall time on a machine shared with other work)."""
     if cold:
         os.sync()
         for d in cold:
@@ -433,6 +438,7 @@ def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
     err = proc.stderr.read().decode() if proc.stderr else ""
     if proc.returncode != 0:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{err}")
+    LAST_CPU[0] = ru.ru_utime + ru.ru_stime
     return wall, ru.ru_maxrss * 1024
 
 
@@ -616,6 +622,7 @@ def main() -> int:
     chosen += ["cp-distcp", "distcp-hf"] if args.distcp else []
     times: dict[str, list[float]] = {j: [] for j in chosen}
     rss: dict[str, list[int]] = {j: [] for j in chosen}
+    cpu: dict[str, list[float]] = {}
     out = base / "out"
     for rnd in range(args.rounds):
         for j in chosen:
@@ -625,6 +632,7 @@ def main() -> int:
             t, m = run(cmd, jobs[j][1] if args.cold else None)
             times[j].append(t)
             rss[j].append(m)
+            cpu.setdefault(j, []).append(LAST_CPU[0])
             sys.stderr.write(f"round {rnd + 1}/{args.rounds} {j}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
     phases = None
     if args.tensors:
@@ -660,6 +668,7 @@ def main() -> int:
             t, m = run([str(out) if c == "OUT" else c for c in slow_cmd])
             times.setdefault(name, []).append(t)
             rss.setdefault(name, []).append(m)
+            cpu.setdefault(name, []).append(LAST_CPU[0])
             sys.stderr.write(f"{name}: {t:.3f} s, {m / 2**20:.0f} MiB\n")
     shutil.rmtree(out, ignore_errors=True)
     # ratios per round against cp in the same round
@@ -680,6 +689,7 @@ def main() -> int:
                 "spread_s": round(max(ts) - min(ts), 3),
                 "gb_per_s": round(size / med / 1e9, 2),
                 "peak_rss_mib": round(max(rss[j]) / 2**20, 1),
+                "cpu_s": round(statistics.median(cpu[j]), 3),
                 "ratio_to_cp": round(ratio, 2),
             }
         )
@@ -713,12 +723,12 @@ def main() -> int:
             )
         print(
             f"{'job':<15}{'runs':>5}{'median s':>10}{'spread s':>10}{'GB/s':>8}"
-            f"{'peak RSS MiB':>14}{'x cp':>7}"
+            f"{'peak RSS MiB':>14}{'x cp':>7}{'CPU s':>8}"
         )
         for r in rows:
             print(
                 f"{r['job']:<15}{r['runs']:>5}{r['median_s']:>10.3f}{r['spread_s']:>10.3f}"
-                f"{r['gb_per_s']:>8.2f}{r['peak_rss_mib']:>14.1f}{r['ratio_to_cp']:>7.2f}"
+                f"{r['gb_per_s']:>8.2f}{r['peak_rss_mib']:>14.1f}{r['ratio_to_cp']:>7.2f}{r['cpu_s']:>8.2f}"
             )
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
