@@ -12,6 +12,8 @@ the zip's stored ``data/N`` records and are read in place by offset.
   or ``…_{r}.pt`` when the name holds one number. A directory holding several
   kinds of rank files (veRL's ``model_…``, ``optim_…``, ``extra_state_…``) is read
   through its ``model`` files.
+- **One file** (``torch.save(model.state_dict())``: ``model.pt``, ``pytorch_model.bin``),
+  given as the path or alone in its directory without a rank number, is a world of one.
 - **Leaves** of nested dicts and lists are named by their keys joined with ``.``.
   Non-tensor leaves (ints, strings, ...) are listed, not converted.
 - **DTensors describe themselves**: global shape, placements (``_StridedShard``
@@ -44,7 +46,7 @@ from ..io.torchzip import STORED, TorchZip, read_record, read_torch_zip
 from ..io.unpickle import SAFETENSORS_DTYPES, MeshInfo, StoredDTensor, StoredTensor, load_torch_save
 from ..mesh import Mesh
 from ..placements import Placement
-from .base import NO, YES, Probe, Reader, ReadOptions
+from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions
 from .per_rank import RankFiles, exact_rules, layout_describe, rank_checkpoint, source_layout
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["READER", "pt_files", "rank_of", "read_pt"]
 
 _SUFFIXES = (".pt", ".pth")
+_SINGLE_SUFFIXES = (*_SUFFIXES, ".bin")  # one whole state dict: also HF's legacy pytorch_model.bin
 _RANK = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)", re.I)
 _NUMBER = re.compile(r"\d+")
 _LEGACY_START = b"\x80\x02\x8a\x0a"  # a protocol-2 pickle of torch's 10-byte magic number (LONG1)
@@ -93,6 +96,10 @@ def pt_files(directory: Path) -> list[Path]:
                     f"{p}: rank {got[1]} also given by {groups[got[0]][got[1]].name}", path=str(p)
                 )
             groups[got[0]][got[1]] = p
+    if not groups:
+        single = _single_file(directory)
+        if single is not None:
+            return [single]
     if len(groups) > 1:  # veRL: model_…, optim_…, extra_state_…: the model is what converts
         groups = {t: g for t, g in groups.items() if t.startswith("model")} or groups
     if len(groups) != 1:
@@ -107,6 +114,12 @@ def pt_files(directory: Path) -> list[Path]:
     if missing:
         raise HeaderError(f"{directory}: no .pt file for rank(s) {missing[:8]}", path=str(directory))
     return [files[r] for r in range(len(files))]
+
+
+def _single_file(directory: Path) -> Path | None:
+    """The directory's only ``torch.save`` file when it holds exactly one (by suffix), else None."""
+    found = [p for p in sorted(directory.iterdir()) if p.name.endswith(_SINGLE_SUFFIXES) and p.is_file()]
+    return found[0] if len(found) == 1 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,9 +306,9 @@ def _described(paths: Sequence[Path], files: Sequence[PtFile]) -> _Described:
     return out
 
 
-def open_pt(directory: Path, options: ReadOptions) -> Checkpoint:
-    """Open a directory of per-rank ``torch.save`` files (see the module docstring)."""
-    paths = pt_files(directory)
+def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None = None) -> Checkpoint:
+    """Open a directory of per-rank ``torch.save`` files, or the given ones (see the module docstring)."""
+    paths = pt_files(directory) if paths is None else paths
     files = [read_pt(p) for p in paths]
     cfg = source_layout(options)
     described = _described(paths, files)
@@ -353,21 +366,31 @@ def open_pt(directory: Path, options: ReadOptions) -> Checkpoint:
 
 
 def _open(path: Path, options: ReadOptions) -> Checkpoint:
-    if not path.is_dir():
-        raise UsageError(f"{path}: a pt checkpoint is a directory of per-rank .pt files", path=str(path))
-    return open_pt(path, options)
+    if path.is_dir():
+        return open_pt(path, options)
+    if not path.name.endswith(_SINGLE_SUFFIXES):
+        raise UsageError(
+            f"{path}: a pt checkpoint is a torch.save file ({', '.join(_SINGLE_SUFFIXES)}) "
+            "or a directory of per-rank .pt files",
+            path=str(path),
+        )
+    return open_pt(path.parent, options, [path])
 
 
 def _detect(probe: Probe) -> int:
     if probe.is_file:
-        return NO
-    return YES if any(rank_of(n) is not None for n in probe.names) else NO
+        return MAYBE if probe.path.name.endswith(_SINGLE_SUFFIXES) else NO
+    if any(rank_of(n) is not None for n in probe.names):
+        return YES
+    single = [n for n in probe.names if n.endswith(_SINGLE_SUFFIXES)]
+    return MAYBE if len(single) == 1 else NO
 
 
 READER = Reader(
     name="pt",
     help="one torch.save .pt file per rank (rank_{r}.pt, veRL model_world_size_W_rank_r.pt): "
-    "DTensors self-described, plain tensors with --source-layout",
+    "DTensors self-described, plain tensors with --source-layout; or one whole state dict "
+    "(model.pt, pytorch_model.bin)",
     detect=_detect,
     open=_open,
 )

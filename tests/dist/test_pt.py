@@ -180,6 +180,40 @@ def test_one_file_of_every_dtype_needs_no_layout(tmp_path: Path) -> None:
         assert same_bits(got[f"model.{n}"], t), n
 
 
+@pytest.mark.parametrize("name", ["model.pt", "pytorch_model.bin"])
+def test_one_whole_state_dict_file_converts(tmp_path: Path, name: str) -> None:
+    """``torch.save(model.state_dict())``: the file itself, or alone in its directory, is a world of one;
+    tied weights (one storage, two names) and views at a storage offset come out as torch holds them."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=True))
+    model[1].weight = model[0].weight  # tied: both names save one storage
+    state = model.state_dict()
+    state["part"] = torch.arange(24, dtype=torch.bfloat16)[6:18].view(3, 4)  # a view into a bigger storage
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save(state, src / name)
+    for given in (src, src / name):
+        out = tmp_path / f"hf-{given.name}"
+        reshard("convert", given, out, "--consolidate", "--quiet")
+        got = load_file(str(out / "model.safetensors"))
+        assert sorted(got) == sorted(state)
+        for n, t in state.items():
+            assert same_bits(got[n], t), n
+    doc = json.loads(reshard("inspect", src / name, "--check", "--json").stdout)
+    assert doc["format"] == "pt" and doc["ok"] is True
+    reshard(
+        "convert", src, tmp_path / "tp", "--target-layout", "replicated", "--target-mesh", "tp=2", "--quiet"
+    )
+    for r in range(2):
+        got = load_file(str(tmp_path / "tp" / f"rank-{r:05d}-of-00002.safetensors"))
+        assert sorted(got) == sorted(state) and all(same_bits(got[n], t) for n, t in state.items())
+    (src / "other.pt").write_bytes((src / name).read_bytes())  # two whole files: which one is meant?
+    res = reshard("convert", src, tmp_path / "x", "--consolidate", code=2)
+    assert str(src) in res.stderr
+    (tmp_path / "notes.txt").write_text("hello")
+    res = reshard("inspect", tmp_path / "notes.txt", "--from", "pt", code=2)
+    assert "notes.txt" in res.stderr and "torch.save" in res.stderr
+
+
 def test_check_verifies_the_zip_crc32s(world: Path, tmp_path: Path) -> None:
     import shutil
 
