@@ -107,9 +107,12 @@ def entry_runs(src: TensorSource, copies: tuple[Copy, ...], isz: int) -> tuple[R
 
 
 def _dense(strides: Sequence[int], sizes: Sequence[int]) -> bool:
-    """Whether a box of a piece with element ``strides`` is one contiguous run (row-major or not)."""
+    """Whether a box of a piece with element ``strides`` is one contiguous run in the box's own
+    row-major order (a transposed view's box is not, even when its elements are contiguous)."""
     want = 1
-    for st, z in sorted((st, z) for st, z in zip(strides, sizes) if z != 1):
+    for st, z in zip(reversed(strides), reversed(sizes)):
+        if z == 1:
+            continue
         if st != want:
             return False
         want *= z
