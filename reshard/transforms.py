@@ -1091,7 +1091,8 @@ def apply(
         more = f" and {len(left) - 5} more" if len(left) > 5 else ""
         raise ConfigError(
             f"{spec.source}: no transform rule touches {', '.join(repr(n) for n in left[:5])}{more}; "
-            "add a rule for them (a rename keeps or changes the name), or set allow_unused: true",
+            "add a rule for them (a rename keeps or changes the name), or set allow_unused: true "
+            "(--allow-unused)",
             path=spec.source,
             tensor=left[0],
         )
