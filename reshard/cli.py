@@ -419,11 +419,6 @@ def convert(
             raise UsageError(
                 "--verify proves the output bit-identical to the source; --dtype changes the bits"
             )
-        if verify and (transforms is not None or (target_layout and _layout_has_transforms(target_layout))):
-            raise UsageError(
-                "--verify compares names as they are; after transforms run "
-                "`reshard verify SRC DST --transforms ...` instead"
-            )
         budget = _budget(workers, max_memory)
         with _progress(_show_progress(json_, quiet), "converting") as prog:
 
@@ -431,19 +426,20 @@ def convert(
                 if prog is not None:
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
 
+            tspec = _target(
+                target_layout,
+                target_mesh,
+                to,
+                consolidate,
+                dtype,
+                max_shard_size,
+                config_from,
+                (transforms, inverse, model_config, allow_unused),
+            )
             result = run(
                 _source(src, from_, source_layout, source_mesh, include, exclude),
                 dst,
-                _target(
-                    target_layout,
-                    target_mesh,
-                    to,
-                    consolidate,
-                    dtype,
-                    max_shard_size,
-                    config_from,
-                    (transforms, inverse, model_config, allow_unused),
-                ),
+                tspec,
                 workers=budget.workers,
                 buffer_size=budget.buffer,
                 window=budget.window,
@@ -455,7 +451,7 @@ def convert(
             )
         if verify:
             result["verify"] = verify_output(
-                _source(src, from_, source_layout, source_mesh, include, exclude), dst
+                _source(src, from_, source_layout, source_mesh, include, exclude), dst, tspec
             )
         _report_convert(result, json_, quiet)
     if verify and not result["verify"]["equal"]:
@@ -703,12 +699,6 @@ def verify(
                 console().print(f"{len(doc['differences'])} difference(s)")
         if not doc["equal"]:
             raise typer.Exit(1)
-
-
-def _layout_has_transforms(layout: str) -> bool:
-    from .transform_plan import layout_transforms
-
-    return layout_transforms(layout) is not None
 
 
 def _human(n: float) -> str:

@@ -395,3 +395,23 @@ def test_usage_errors_exit_2_and_write_nothing(hf: Path, tmp_path: Path) -> None
     )
     assert p.returncode == 2 and "num_key_value_heads" in p.stderr and "config.json" in p.stderr
     assert not dst.exists()
+
+
+def test_convert_verify_and_the_python_api_follow_the_transforms(hf: Path, tmp_path: Path) -> None:
+    from reshard.api import compare_checkpoints, convert_checkpoint, plan_conversion
+
+    (tmp_path / "tt.yaml").write_text(TT_LAYOUT.format(tp=2))
+    out = tmp_path / "tt"
+    p = run("convert", str(hf), str(out), "--transforms", "hf-to-torchtitan-llama",
+            "--target-layout", str(tmp_path / "tt.yaml"), "--verify", "--json")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["verify"]["equal"] is True
+    assert compare_checkpoints(hf, out, transforms="hf-to-torchtitan-llama")["equal"]
+    assert not compare_checkpoints(hf, out)["equal"]
+    back = convert_checkpoint(
+        out, tmp_path / "back", consolidate=True, transforms="hf-to-torchtitan-llama", inverse=True,
+        model_config=str(hf / "config.json"), verify=True,
+    )  # fmt: skip
+    assert back["verify"]["equal"] and back["tensors"] == 21
+    doc = plan_conversion(hf, target_layout=str(tmp_path / "tt.yaml"), transforms="hf-to-torchtitan-llama")
+    assert doc["transforms"]["feeds"]["norm.weight"][0]["source"] == "model.norm.weight"
