@@ -169,6 +169,30 @@ def _refuse_inconsistent(ckpt: Checkpoint) -> None:
         )
 
 
+def _refuse_broken_ties(ckpt: Checkpoint, target: Target) -> None:
+    """An ``untie`` drops a tensor as a copy of another: refuse when it is not one (tied
+    copies can diverge, torchtitan PR #3764), before anything is written. Reads both.
+
+    Raises:
+        ConfigError: naming both tensors and the first differing index.
+    """
+    tf = target.transforms
+    pair = tf.untied(ckpt) if tf is not None else None
+    if tf is None or pair is None:
+        return
+    from .verify import verify_checkpoints
+
+    dropped, kept, names = pair
+    for d in verify_checkpoints(dropped, kept)["differences"]:
+        at = f" (first at index {d['index']})" if "index" in d else ""
+        raise ConfigError(
+            f'{tf.origin}: untie drops "{names[d["tensor"]]}" as a copy of "{d["tensor"]}", but their '
+            f"values differ{at}; nothing was converted",
+            tensor=names[d["tensor"]],
+            hint="use drop: instead if the copy is meant to be discarded",
+        )
+
+
 class _Verifier:
     """The source's files hashed against its ``reshard.json`` checksums, on a thread beside the
     copy (xxh3 runs without the GIL); the result is awaited before ``reshard.json`` is written."""
@@ -504,6 +528,7 @@ def convert(
         if on_plan is not None:
             on_plan(plan)
         _refuse_inconsistent(ckpt)
+        _refuse_broken_ties(ckpt, tgt)
         run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
         run.verifier = _Verifier(ckpt) if verify_source and coordinator().is_main else None
         run.extras, run.extras_dtype = extras, tgt.dtype

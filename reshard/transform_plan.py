@@ -235,7 +235,10 @@ def target_sources(
 
 
 def resolve_transforms(
-    spec: TransformSpec, source: Checkpoint, config: Mapping[str, Any] | None
+    spec: TransformSpec,
+    source: Checkpoint,
+    config: Mapping[str, Any] | None,
+    ties: list[tuple[TransformedTensor, TransformedTensor]] | None = None,
 ) -> dict[str, TransformedTensor]:
     """``apply`` the spec to the source checkpoint's tensors (shapes and dtypes checked).
 
@@ -248,6 +251,7 @@ def resolve_transforms(
         {n: t.shape for n, t in tensors.items()},
         dtypes={n: t.dtype for n, t in tensors.items()},
         config=config,
+        ties=ties,
     )
 
 
@@ -373,6 +377,22 @@ class Transforms:
         """:meth:`sources`, and per target tensor what feeds it (:func:`feeds`, for ``plan``)."""
         tts = self.resolve(source)
         return target_sources(tts, source.tensors), {n: feeds(tt, source.tensors) for n, tt in tts.items()}
+
+    def untied(self, source: Checkpoint) -> tuple[Checkpoint, Checkpoint, dict[str, str]] | None:
+        """What ``untie`` rules drop and what they keep, as two checkpoints whose tensors pair
+        up by the kept name (for ``verify_checkpoints``), and kept -> dropped names; None
+        without ``untie``."""
+        ties: list[tuple[TransformedTensor, TransformedTensor]] = []
+        resolve_transforms(self.spec, source, self.config, ties)
+        if not ties:
+            return None
+        dropped = {k.name: dataclasses.replace(d, name=k.name) for d, k in ties}
+        kept = {k.name: k for _, k in ties}
+        return (
+            dataclasses.replace(source, tensors=target_sources(dropped, source.tensors)),
+            dataclasses.replace(source, tensors=target_sources(kept, source.tensors)),
+            {k.name: d.name for d, k in ties},
+        )
 
     def checkpoint(self, source: Checkpoint) -> Checkpoint:
         """``source`` seen through the transforms: its tensors under target names (for verify)."""

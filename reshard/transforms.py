@@ -273,6 +273,7 @@ class _Step:
     outputs: tuple[_Out, ...]
     consumed: frozenset[str]
     used: frozenset[str] = frozenset()
+    ties: tuple[tuple[TransformedTensor, TransformedTensor], ...] = ()  # untie: (dropped, kept)
 
 
 State: TypeAlias = Mapping[str, TransformedTensor]
@@ -928,7 +929,8 @@ class Untie(_Base):
                     tensor=n,
                 )
             dropped.append(n)
-        return _Step((), frozenset(dropped))
+        ties = tuple((state[n], state[_fill(self.same_as, m)]) for n, m in _matches(self.tensor, state))
+        return _Step((), frozenset(dropped), ties=ties)
 
     def inverse(self) -> Op:
         if not self.tensor.invertible:
@@ -1051,6 +1053,7 @@ def apply(
     *,
     dtypes: Mapping[str, str] | None = None,
     config: Mapping[str, Any] | None = None,
+    ties: list[tuple[TransformedTensor, TransformedTensor]] | None = None,
 ) -> dict[str, TransformedTensor]:
     """Resolve ``spec`` on source tensors into target tensors whose parts read the sources.
 
@@ -1059,6 +1062,8 @@ def apply(
         shapes: source tensor name -> shape.
         dtypes: source tensor name -> dtype, to check that fused tensors agree.
         config: values for size names (a model's config.json), after the spec's ``config:``.
+        ties: when given, gets ``(dropped, kept)`` per tensor an ``untie`` drops, both as
+            parts reading the sources, for the caller to compare their values.
 
     Returns:
         Target tensor name -> :class:`TransformedTensor`, sorted by name.
@@ -1084,6 +1089,8 @@ def apply(
                     "matches no tensor; fix the pattern, or add optional: true if that is expected"
                 )
             state = _advance(state, step, touched)
+            if ties is not None:
+                ties.extend(step.ties)
         except ConfigError as e:
             raise ConfigError(spec.where(i) + e.message, path=spec.source, tensor=e.tensor) from None
     left = sorted(n for n in state if n not in touched)

@@ -415,3 +415,26 @@ def test_convert_verify_and_the_python_api_follow_the_transforms(hf: Path, tmp_p
     assert back["verify"]["equal"] and back["tensors"] == 21
     doc = plan_conversion(hf, target_layout=str(tmp_path / "tt.yaml"), transforms="hf-to-torchtitan-llama")
     assert doc["transforms"]["feeds"]["norm.weight"][0]["source"] == "model.norm.weight"
+
+
+def test_untie_compares_the_dropped_copy_and_refuses_a_broken_tie(tmp_path: Path) -> None:
+    """untie drops lm_head as a copy of the embeddings: only when the values are equal."""
+    spec = tmp_path / "untie.yaml"
+    spec.write_text(
+        "transforms:\n  - untie: {tensor: lm_head.weight, same_as: model.embed_tokens.weight}\n"
+        "allow_unused: true\n"
+    )
+    sd = llama_hf()
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd["lm_head.weight"][7, 3] = -sd["lm_head.weight"][7, 3]  # a tie that diverged
+    broken = save_hf(tmp_path / "broken", sd, LLAMA)
+    p = run("convert", str(broken), str(tmp_path / "o1"), "--transforms", str(spec), "--consolidate")
+    assert p.returncode == 2, p.stderr
+    assert 'untie drops "lm_head.weight" as a copy of "model.embed_tokens.weight"' in p.stderr
+    assert "[7, 3]" in p.stderr and not (tmp_path / "o1").exists()
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    tied = save_hf(tmp_path / "tied", sd, LLAMA)
+    p = run("convert", str(tied), str(tmp_path / "o2"), "--transforms", str(spec), "--consolidate")
+    assert p.returncode == 0, p.stderr
+    got = load_file(str(tmp_path / "o2" / "model.safetensors"))
+    assert "lm_head.weight" not in got and len(got) == len(sd) - 1
