@@ -174,6 +174,10 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
         f"files={len(doc['files'])} ({human(doc['file_bytes'])})",
         soft_wrap=True,
     )
+    tf = doc.get("transforms")
+    if isinstance(tf, dict):  # written by a conversion that applied transforms
+        how = " --inverse" if tf.get("inverse") else ""
+        console.print(f"transforms: {markup_safe(str(tf.get('origin')))}{how}", soft_wrap=True)
     table = Table(show_edge=False, pad_edge=False)
     for col in ("tensor", "count", "dtype", "shape", "placements", "local shape(s)", "bytes"):
         table.add_column(col, overflow="fold")

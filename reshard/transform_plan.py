@@ -36,6 +36,7 @@ from .dtypes import DTYPE_SIZES
 from .errors import PlanError, UsageError
 from .indexmap import Part, full_dims, localize, unit_segments
 from .intervals import Block, block_shape, block_volume, box_span, full_block, row_major_strides
+from .io.safe import MAX_LAYOUT_BYTES, read_document
 from .plan import Copy, match_blocks
 from .transforms import (
     TransformedTensor,
@@ -408,20 +409,18 @@ class Transforms:
         }
 
 
-def _has_transforms(path: Path) -> bool:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return False  # the layout loader reports unreadable files
-    return re.search(r"^transforms\s*:", text, re.MULTILINE) is not None
-
-
 def layout_transforms(layout: str) -> TransformSpec | None:
-    """The ``transforms:`` section of a layout file or preset, or None when it has none."""
+    """The ``transforms:`` section of a layout file or preset, or None when it has none.
+
+    Raises:
+        ConfigError: the file is not a regular file, too large, or its section is invalid.
+    """
     path = resolve_preset(layout)
-    if not _has_transforms(path):
+    raw = read_document(path, limit=MAX_LAYOUT_BYTES, what="layout file")
+    text = raw.decode("utf-8", errors="replace")  # the layout loader reports bad UTF-8
+    if re.search(r"^transforms\s*:", text, re.MULTILINE) is None:
         return None
-    return parse_transforms_text(path.read_text(encoding="utf-8"), str(path))
+    return parse_transforms_text(text, str(path))
 
 
 def transforms_for(

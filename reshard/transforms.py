@@ -44,6 +44,7 @@ import yaml
 from .config import _Parser, _yaml_error
 from .errors import ConfigError
 from .indexmap import DimMap, Part, Seg, compose, full_dims, identity_part, merge_parts, part_numel
+from .io.safe import MAX_LAYOUT_BYTES, read_document
 
 __all__ = [
     "Expr",
@@ -1333,12 +1334,14 @@ def parse_transforms_text(text: str, source: str = "<transforms>") -> TransformS
 
 
 def _read(path: str | os.PathLike[str], what: str) -> str:
+    """A small text document: regular files only (a FIFO is refused at once), bounded in size."""
+    raw = read_document(path, limit=MAX_LAYOUT_BYTES, what=what)
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = getattr(e, "strerror", None) or str(e)
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise ConfigError(
-            f"{os.fspath(path)}: cannot read the {what}: {reason}", path=os.fspath(path)
+            f"{os.fspath(path)}: cannot read the {what}: not UTF-8 text ({e.reason} at byte {e.start})",
+            path=os.fspath(path),
         ) from None
 
 

@@ -115,6 +115,7 @@ def test_hf_to_torchtitan_tp_matches_torch_then_verifies_and_records(
     assert manifest["transforms"]["spec"] == load_transforms("hf-to-torchtitan-llama").to_json()
     doc = json.loads(run("inspect", str(out), "--json").stdout)
     assert doc["transforms"]["origin"] == "hf-to-torchtitan-llama" and doc["transforms"]["inverse"] is False
+    assert "transforms: hf-to-torchtitan-llama" in run("inspect", str(out)).stderr
     # verify across names and the RoPE permutation
     p = run("verify", str(hf), str(out), "--transforms", "hf-to-torchtitan-llama", "--json")
     assert p.returncode == 0, p.stderr
@@ -372,7 +373,7 @@ def test_usage_errors_exit_2_and_write_nothing(hf: Path, tmp_path: Path) -> None
         (["--consolidate", "--inverse"], "need --transforms"),
         (["--consolidate", "--transforms", "no-such-profile"], "profiles: hf-to-megatron-gpt"),
         (["--consolidate", "--transforms", "hf-to-torchtitan-llama", "--model-config", str(tmp_path / "no")],
-         "cannot read the model config"),
+         "no: no such file"),
         (["--target-mesh", "tp=2", "--transforms", "hf-to-torchtitan-llama"], "--target-layout"),
     ]  # fmt: skip
     (tmp_path / "drop.yaml").write_text(
@@ -438,3 +439,13 @@ def test_untie_compares_the_dropped_copy_and_refuses_a_broken_tie(tmp_path: Path
     assert p.returncode == 0, p.stderr
     got = load_file(str(tmp_path / "o2" / "model.safetensors"))
     assert "lm_head.weight" not in got and len(got) == len(sd) - 1
+
+
+def test_a_fifo_as_transforms_or_model_config_exits_2_at_once(hf: Path, tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for args in (["--transforms", str(fifo)], ["--transforms", "hf-to-vllm", "--model-config", str(fifo)]):
+        p = run("plan", str(hf), "--consolidate", *args)  # run() times out instead of hanging
+        assert p.returncode == 2 and "FIFO" in p.stderr, (args, p.stderr)
