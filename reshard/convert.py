@@ -378,7 +378,7 @@ def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWar
 def build_plan(source: Checkpoint, target: Target) -> Plan:
     rules = target.rules
     tf = target.transforms
-    tensors, feeds = (None, None) if tf is None else tf.plan_inputs(source)
+    tensors, transformed = (None, None) if tf is None else tf.plan_inputs(source)
     if rules is not None and rules is not source.layout:
         for w in rule_warnings(rules, source.tensors if tensors is None else tensors):
             if w not in source.warnings:
@@ -401,7 +401,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         match=match_blocks if tf is None else match_any,
         transforms=None if tf is None else tf.record(),
     )
-    plan.feeds = feeds
+    plan.transformed = transformed
     return plan
 
 

@@ -381,7 +381,7 @@ class Plan:
     files: list[OutFile]
     rules: LayoutConfig | None = None  # the target's layout rules, when there are any
     transforms: dict[str, Any] | None = None  # the transforms applied (recorded in reshard.json)
-    feeds: dict[str, list[dict[str, Any]]] | None = None  # per target tensor, the source regions read
+    transformed: Mapping[str, Any] | None = None  # target name -> TransformedTensor (for `plan`)
 
     @property
     def format(self) -> str:

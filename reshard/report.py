@@ -13,7 +13,7 @@ from .dtypes import DTYPE_SIZES
 from .intervals import Block, block_shape, box_span, format_box
 from .plan import Plan, copy_boxes
 from .text import markup_safe, shown
-from .transform_plan import piece_strides
+from .transform_plan import feeds, piece_strides
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
 
@@ -316,7 +316,9 @@ def _transforms_report(plan: Plan) -> dict[str, Any]:
     """With transforms: what was applied, and per target tensor the source regions feeding it."""
     if plan.transforms is None:
         return {}
-    return {"transforms": {**plan.transforms, "feeds": plan.feeds or {}}}
+    sources = plan.source.tensors
+    feeds_ = {n: feeds(tt, sources) for n, tt in (plan.transformed or {}).items()}
+    return {"transforms": {**plan.transforms, "feeds": feeds_}}
 
 
 def _render_feeds(doc: dict[str, Any], console: Any, most: int = 40) -> None:

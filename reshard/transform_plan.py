@@ -372,12 +372,10 @@ class Transforms:
         """The tensors to plan, by target name (:func:`target_sources`)."""
         return target_sources(self.resolve(source), source.tensors)
 
-    def plan_inputs(
-        self, source: Checkpoint
-    ) -> tuple[dict[str, TensorSource], dict[str, list[dict[str, Any]]]]:
-        """:meth:`sources`, and per target tensor what feeds it (:func:`feeds`, for ``plan``)."""
+    def plan_inputs(self, source: Checkpoint) -> tuple[dict[str, TensorSource], dict[str, TransformedTensor]]:
+        """:meth:`sources`, and the resolved target tensors (for ``plan``'s :func:`feeds`)."""
         tts = self.resolve(source)
-        return target_sources(tts, source.tensors), {n: feeds(tt, source.tensors) for n, tt in tts.items()}
+        return target_sources(tts, source.tensors), tts
 
     def untied(self, source: Checkpoint) -> tuple[Checkpoint, Checkpoint, dict[str, str]] | None:
         """What ``untie`` rules drop and what they keep, as two checkpoints whose tensors pair
