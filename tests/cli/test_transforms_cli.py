@@ -449,3 +449,56 @@ def test_a_fifo_as_transforms_or_model_config_exits_2_at_once(hf: Path, tmp_path
     for args in (["--transforms", str(fifo)], ["--transforms", "hf-to-vllm", "--model-config", str(fifo)]):
         p = run("plan", str(hf), "--consolidate", *args)  # run() times out instead of hanging
         assert p.returncode == 2 and "FIFO" in p.stderr, (args, p.stderr)
+
+
+VLLM_LAYOUT = """\
+mesh: {tp: 2}
+placements:
+  "*.qkv_proj.weight": _S(0, 3)
+  "*.gate_up_proj.weight": _S(0, 2)
+  "*.o_proj.weight": S(1)
+  "*.down_proj.weight": S(1)
+  "model.embed_tokens.weight": S(0)
+  "lm_head.weight": S(0)
+  "*": R
+"""
+
+HF_TP4 = """\
+mesh: {tp: 4}
+placements:
+  "*.[qkv]_proj.weight": S(0)
+  "*.gate_proj.weight": S(0)
+  "*.up_proj.weight": S(0)
+  "*.o_proj.weight": S(1)
+  "*.down_proj.weight": S(1)
+  "model.embed_tokens.weight": S(0)
+  "lm_head.weight": S(0)
+  "*": R
+"""
+
+
+def test_fused_qkv_strided_tp2_splits_into_q_k_v_sharded_tp4_in_one_pass(tmp_path: Path) -> None:
+    """vLLM-style qkv_proj [q; k; v] (equal sizes) cut _S(0, 3) over TP-2, gate_up _S(0, 2), vocab
+    padded to 64 -> HF q/k/v, gate/up each S(0) over TP-4, vocab unpadded: one convert."""
+    cfg = {**LLAMA, "num_key_value_heads": LLAMA["num_attention_heads"]}
+    hf = llama_hf(cfg)
+    fused = torch_apply(load_transforms("hf-to-vllm"), hf, cfg)
+    assert fused["model.layers.0.self_attn.qkv_proj.weight"].shape == (96, 32)
+    src = tmp_path / "vllm"
+    src.mkdir()
+    for r in range(2):
+        local = {
+            n: torch_local(t, (2,), (r,), [parse_placement(x) for x in _layout_placements(VLLM_LAYOUT, n)])
+            for n, t in fused.items()
+        }
+        save_file(
+            {n: t.contiguous() for n, t in local.items()}, str(src / f"rank-{r:05d}-of-00002.safetensors")
+        )
+    (tmp_path / "vllm.yaml").write_text(VLLM_LAYOUT)
+    (tmp_path / "hf4.yaml").write_text(HF_TP4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = run("convert", str(src), str(tmp_path / "tp4"), "--source-layout", str(tmp_path / "vllm.yaml"),
+            "--transforms", "hf-to-vllm", "--inverse", "--model-config", str(tmp_path / "config.json"),
+            "--target-layout", str(tmp_path / "hf4.yaml"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    check_ranks(tmp_path / "tp4", (4,), hf, HF_TP4)
