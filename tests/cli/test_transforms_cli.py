@@ -502,3 +502,26 @@ def test_fused_qkv_strided_tp2_splits_into_q_k_v_sharded_tp4_in_one_pass(tmp_pat
             "--target-layout", str(tmp_path / "hf4.yaml"))  # fmt: skip
     assert p.returncode == 0, p.stderr
     check_ranks(tmp_path / "tp4", (4,), hf, HF_TP4)
+
+
+def test_hf_to_torchtitan_tp2_equals_torchtitans_own_adapter_split(hf: Path, tmp_path: Path) -> None:
+    """Oracle: torchtitan's Llama3StateDictAdapter.from_hf on the full tensors, then torch's
+    split per rank; and back, to_hf of those tensors against reshard's consolidated HF."""
+    from tests.unit.test_transform_profiles import torchtitan_llama3_adapter
+
+    adapter = torchtitan_llama3_adapter(LLAMA)
+    titan = {n: t.contiguous() for n, t in adapter.from_hf(llama_hf()).items()}
+    layout = TT_LAYOUT.format(tp=2)
+    (tmp_path / "tt.yaml").write_text(layout)
+    p = run("convert", str(hf), str(tmp_path / "tt"), "--transforms", "hf-to-torchtitan-llama",
+            "--target-layout", str(tmp_path / "tt.yaml"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    check_ranks(tmp_path / "tt", (2,), titan, layout)
+    p = run("convert", str(tmp_path / "tt"), str(tmp_path / "hf2"), "--transforms", "hf-to-torchtitan-llama",
+            "--inverse", "--model-config", str(hf / "config.json"), "--consolidate")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    got = load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    want = adapter.to_hf(titan)
+    assert sorted(got) == sorted(want)
+    for n, t in want.items():
+        assert torch.equal(got[n], t.contiguous()), n
