@@ -41,6 +41,7 @@ from .plan import Copy, match_blocks
 from .transforms import (
     TransformedTensor,
     TransformSpec,
+    Untie,
     apply,
     load_hf_config,
     load_transforms,
@@ -381,6 +382,8 @@ class Transforms:
         """What ``untie`` rules drop and what they keep, as two checkpoints whose tensors pair
         up by the kept name (for ``verify_checkpoints``), and kept -> dropped names; None
         without ``untie``."""
+        if not any(isinstance(op, Untie) for op in self.spec.ops):
+            return None  # (no second resolution of the spec)
         ties: list[tuple[TransformedTensor, TransformedTensor]] = []
         resolve_transforms(self.spec, source, self.config, ties)
         if not ties:
