@@ -21,6 +21,7 @@ from .convert import SourceSpec, TargetSpec, build_plan, open_source, parse_size
 from .convert import convert as _convert
 from .errors import UsageError
 from .report import inspect_report, plan_report
+from .transform_plan import transforms_for
 from .verify import verify_checkpoints
 
 __all__ = [
@@ -43,6 +44,10 @@ def _target(**kw: Any) -> TargetSpec:
         dtype=kw["dtype"],
         max_shard_size=kw["max_shard_size"],
         config_from=kw.get("config_from"),
+        transforms=kw.get("transforms"),
+        inverse=kw.get("inverse", False),
+        model_config=kw.get("model_config"),
+        allow_unused=kw.get("allow_unused", False),
     )
 
 
@@ -64,6 +69,10 @@ def convert_checkpoint(
     overwrite: bool = False,
     resume: bool = False,
     verify: bool = False,
+    transforms: str | None = None,
+    inverse: bool = False,
+    model_config: str | None = None,
+    allow_unused: bool = False,
 ) -> dict[str, Any]:
     """``reshard convert SRC DST ...``; options as the CLI's (``target_mesh="tp=8"``: ``--target-mesh tp=8``).
 
@@ -74,10 +83,11 @@ def convert_checkpoint(
         raise UsageError("--verify proves the output bit-identical to the source; --dtype changes the bits")
     source = SourceSpec(str(src), None, source_layout, source_mesh)
     budget = budget_for(parse_size(max_memory, option="--max-memory"), workers or default_workers())
+    target = _target(**locals())
     result = _convert(
         source,
         dst,
-        _target(**locals()),
+        target,
         workers=budget.workers,
         buffer_size=budget.buffer,
         window=budget.window,
@@ -85,17 +95,29 @@ def convert_checkpoint(
         resume=resume,
     )
     if verify:
-        result["verify"] = verify_output(source, dst)
+        result["verify"] = verify_output(source, dst, target)
     return result
 
 
-def verify_output(source: SourceSpec, dst: PathLike) -> dict[str, Any]:
-    """``convert --verify``: the written ``dst`` against the source, bit for bit (rank 0 under torchrun)."""
+def verify_output(source: SourceSpec, dst: PathLike, target: TargetSpec | None = None) -> dict[str, Any]:
+    """``convert --verify``: the written ``dst`` against the source, bit for bit (rank 0 under torchrun);
+    with the target's transforms, the source seen through them."""
     from .dist import coordinator
 
     if not coordinator().is_main:
         return {"equal": True}
-    return dict(verify_checkpoints(open_source(source), open_source(SourceSpec(str(dst)))))
+    ck = open_source(source)
+    if target is not None:
+        tf = transforms_for(
+            ck,
+            transforms=target.transforms,
+            layout=target.layout,
+            inverse=target.inverse,
+            model_config=target.model_config,
+            allow_unused=target.allow_unused,
+        )
+        ck = tf.checkpoint(ck) if tf is not None else ck
+    return dict(verify_checkpoints(ck, open_source(SourceSpec(str(dst)))))
 
 
 def inspect_checkpoint(path: PathLike, *, layout: str | None = None, check: bool = False) -> dict[str, Any]:
@@ -120,6 +142,10 @@ def plan_conversion(
     max_shard_size: str = "5GB",
     workers: int | None = None,
     max_memory: str = "64MiB",
+    transforms: str | None = None,
+    inverse: bool = False,
+    model_config: str | None = None,
+    allow_unused: bool = False,
 ) -> dict[str, Any]:
     """``reshard plan SRC ...``: what :func:`convert_checkpoint` would read and write; writes nothing."""
     ck = open_source(SourceSpec(str(src), None, source_layout, None))
@@ -128,12 +154,24 @@ def plan_conversion(
 
 
 def compare_checkpoints(
-    a: PathLike, b: PathLike, *, layout_a: str | None = None, layout_b: str | None = None
+    a: PathLike,
+    b: PathLike,
+    *,
+    layout_a: str | None = None,
+    layout_b: str | None = None,
+    transforms: str | None = None,
+    inverse: bool = False,
+    model_config: str | None = None,
+    allow_unused: bool = False,
 ) -> dict[str, Any]:
-    """``reshard verify A B``: ``"equal"`` when both hold the same tensors bit for bit.
+    """``reshard verify A B``: ``"equal"`` when both hold the same tensors bit for bit
+    (with ``transforms``: A seen through them).
 
     Otherwise ``"differences"`` lists them (missing, extra, dtype, shape, values).
     """
     ca = open_source(SourceSpec(str(a), None, layout_a, None))
     cb = open_source(SourceSpec(str(b), None, layout_b, None))
-    return dict(verify_checkpoints(ca, cb))
+    tf = transforms_for(
+        ca, transforms=transforms, inverse=inverse, model_config=model_config, allow_unused=allow_unused
+    )
+    return dict(verify_checkpoints(tf.checkpoint(ca) if tf is not None else ca, cb))

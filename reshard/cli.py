@@ -143,6 +143,35 @@ WorkersOpt = Annotated[
 ]
 
 
+TransformsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--transforms",
+        help="Rename, fuse/split, stack, permute or pad tensors on the way: a transforms YAML or a "
+        "bundled profile (hf-to-torchtitan-llama, hf-to-megatron-gpt, hf-to-vllm, "
+        "mixtral-experts-stack). A --target-layout may carry a transforms: section instead.",
+        metavar="FILE|PROFILE",
+    ),
+]
+InverseOpt = Annotated[
+    bool, typer.Option("--inverse", help="Apply the inverse of the transforms (e.g. torchtitan -> HF).")
+]
+ModelConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model-config",
+        help="config.json whose integer keys name sizes in the transforms (head counts, vocab) "
+        "\\[default: SRC/config.json when present].",
+        metavar="FILE",
+        show_default=False,
+    ),
+]
+AllowUnusedOpt = Annotated[
+    bool,
+    typer.Option("--allow-unused", help="Let tensors no transform rule touches pass through unchanged."),
+]
+
+
 def _budget(workers: int | None, max_memory: str) -> Budget:
     """Worker threads (one per core by default) and each one's buffers under ``--max-memory``."""
     from .budget import budget_for, default_workers
@@ -191,10 +220,11 @@ def _target(
     dtype: str | None,
     max_shard_size: str,
     config_from: str | None = None,
+    transforms: tuple[str | None, bool, str | None, bool] = (None, False, None, False),
 ) -> TargetSpec:
     from .convert import TargetSpec
 
-    return TargetSpec(layout, mesh, to, consolidate, dtype, max_shard_size, config_from)
+    return TargetSpec(layout, mesh, to, consolidate, dtype, max_shard_size, config_from, *transforms)
 
 
 MaxMemoryOpt = Annotated[
@@ -348,6 +378,10 @@ def convert(
             metavar="DIR",
         ),
     ] = None,
+    transforms: TransformsOpt = None,
+    inverse: InverseOpt = False,
+    model_config: ModelConfigOpt = None,
+    allow_unused: AllowUnusedOpt = False,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
     verify: Annotated[
@@ -374,6 +408,8 @@ def convert(
       reshard convert dcp-step-1000 hf-out --consolidate --exclude 'optimizer.*'
 
       reshard convert ckpt-tp4 ckpt-tp8 --target-mesh tp=8 --verify
+
+      reshard convert hf-model tt-tp8 --transforms hf-to-torchtitan-llama --target-layout tt-tp.yaml
     """
     from .api import verify_output
     from .convert import convert as run
@@ -390,10 +426,20 @@ def convert(
                 if prog is not None:
                     prog.set_total(plan.bytes_written)  # type: ignore[attr-defined]
 
+            tspec = _target(
+                target_layout,
+                target_mesh,
+                to,
+                consolidate,
+                dtype,
+                max_shard_size,
+                config_from,
+                (transforms, inverse, model_config, allow_unused),
+            )
             result = run(
                 _source(src, from_, source_layout, source_mesh, include, exclude),
                 dst,
-                _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size, config_from),
+                tspec,
                 workers=budget.workers,
                 buffer_size=budget.buffer,
                 window=budget.window,
@@ -405,7 +451,7 @@ def convert(
             )
         if verify:
             result["verify"] = verify_output(
-                _source(src, from_, source_layout, source_mesh, include, exclude), dst
+                _source(src, from_, source_layout, source_mesh, include, exclude), dst, tspec
             )
         _report_convert(result, json_, quiet)
     if verify and not result["verify"]["equal"]:
@@ -522,6 +568,10 @@ def plan(
     max_shard_size: MaxShardOpt = "5GB",
     workers: WorkersOpt = None,
     max_memory: MaxMemoryOpt = "64MiB",
+    transforms: TransformsOpt = None,
+    inverse: InverseOpt = False,
+    model_config: ModelConfigOpt = None,
+    allow_unused: AllowUnusedOpt = False,
     show: ShowOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -543,10 +593,19 @@ def plan(
         _no_json_show(show, json_)
         budget = _budget(workers, max_memory)
         ck = open_source(_source(src, from_, source_layout, source_mesh, include, exclude))
-        p = build_plan(
-            ck,
-            resolve_target(ck, _target(target_layout, target_mesh, to, consolidate, dtype, max_shard_size)),
+        tspec = _target(
+            target_layout,
+            target_mesh,
+            to,
+            consolidate,
+            dtype,
+            max_shard_size,
+            None,
+            (transforms, inverse, model_config, allow_unused),
         )
+        p = build_plan(ck, resolve_target(ck, tspec))
+        if show is not None and p.transforms is not None:
+            raise UsageError("--show draws one tensor's layouts by name; it does not follow transforms yet")
         if show is not None:
             from .show import render_plan as plan_picture
             from .show import source_picture
@@ -576,6 +635,18 @@ def verify(
     ] = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
+    transforms: Annotated[
+        str | None,
+        typer.Option(
+            "--transforms",
+            help="Compare A seen through these transforms (file or profile) with B: across names "
+            "and fused forms.",
+            metavar="FILE|PROFILE",
+        ),
+    ] = None,
+    inverse: InverseOpt = False,
+    model_config: ModelConfigOpt = None,
+    allow_unused: AllowUnusedOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -588,6 +659,8 @@ def verify(
       reshard verify ckpt-tp4 ckpt-tp8
 
       reshard verify ckpt-tp4 hf-out --json
+
+      reshard verify hf-model tt-tp8 --transforms hf-to-torchtitan-llama
     """
     from .convert import SourceSpec, open_source
     from .verify import verify_checkpoints
@@ -597,6 +670,17 @@ def verify(
 
         ca = open_source(SourceSpec(a, None, layout_a, None))
         cb = open_source(SourceSpec(b, None, layout_b, None))
+        from .transform_plan import transforms_for
+
+        tf = transforms_for(
+            ca,
+            transforms=transforms,
+            inverse=inverse,
+            model_config=model_config,
+            allow_unused=allow_unused,
+        )
+        if tf is not None:
+            ca = tf.checkpoint(ca)
         ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or ())
         for w in unmatched:
             console().print(f"warning: {w}")

@@ -81,10 +81,10 @@ class LayoutJson(TypedDict):
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
 _KINDS = ("positional", "named", "all")
-# A layout with a transforms: section is refused until convert applies transforms
-# (reshard/transforms.py parses them; docs/TRANSFORMS.md): silently ignoring one would write wrong names.
 _TOP_KEYS = ("mesh", "placements", "name", "description")
-_LATER_KEYS = ("config", "transforms", "allow_unused")
+# A layout's transforms section: read by reshard.transform_plan.layout_transforms (a target layout's
+# is applied by convert, a source layout's refused), skipped here
+_TRANSFORM_KEYS = ("config", "transforms", "allow_unused")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
@@ -601,12 +601,8 @@ class _Parser:
             )
         top = {key: (k, v) for key, k, v in self.mapping(root, "top-level")}
         for key, (k, v) in top.items():
-            if key in _LATER_KEYS:
-                raise self.error(
-                    k,
-                    f"{key!r}: transforms in a layout file are not applied by convert yet "
-                    "(docs/TRANSFORMS.md); remove the config/transforms/allow_unused keys",
-                )
+            if key in _TRANSFORM_KEYS:
+                continue
             if key not in _TOP_KEYS:
                 close = difflib.get_close_matches(key, _TOP_KEYS, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""

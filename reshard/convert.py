@@ -26,8 +26,9 @@ from .io.staging import Stage, refuse_non_files
 from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
-from .plan import Plan, WriteOptions, make_plan
+from .plan import Plan, WriteOptions, make_plan, match_blocks
 from .resume import finished_files, is_journal, record_finished, source_identity, start_journal
+from .transform_plan import Transforms, layout_transforms, match_any, transforms_for
 
 __all__ = [
     "SourceSpec",
@@ -115,6 +116,14 @@ class TargetSpec:
     config_from: str | None = None
     """hf output: the model directory whose config, tokenizer and other non-weight files to copy
     (default: the source directory, when it has a ``config.json``)."""
+    transforms: str | None = None
+    """A transforms file or bundled profile (``reshard/configs/transforms``) applied on the way."""
+    inverse: bool = False
+    """Apply the inverse of the transforms (e.g. torchtitan -> HF with the HF -> torchtitan profile)."""
+    model_config: str | None = None
+    """The model's ``config.json`` for size names (default: the source's, when it has one)."""
+    allow_unused: bool = False
+    """Let source tensors no transform rule touches pass through unchanged."""
 
 
 def _load_layout(text: str) -> LayoutConfig:
@@ -124,6 +133,12 @@ def _load_layout(text: str) -> LayoutConfig:
 def open_source(spec: SourceSpec) -> Checkpoint:
     """Open the source checkpoint named by ``spec``."""
     layout = _load_layout(spec.layout) if spec.layout else None
+    if spec.layout and layout_transforms(spec.layout) is not None:
+        raise UsageError(
+            f"{spec.layout}: its transforms apply on the way to a target; give this file as "
+            "--target-layout (or --transforms), not as the source's layout",
+            path=spec.layout,
+        )
     sizes = parse_mesh_spec(spec.mesh, option="--source-mesh") if spec.mesh else None
     ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
     if layout is not None:
@@ -151,6 +166,30 @@ def _refuse_inconsistent(ckpt: Checkpoint) -> None:
             path=first["path"],
             tensor=first["tensor"],
             hint=f"run `reshard inspect --check {ckpt.path}` to see every problem",
+        )
+
+
+def _refuse_broken_ties(ckpt: Checkpoint, target: Target) -> None:
+    """An ``untie`` drops a tensor as a copy of another: refuse when it is not one (tied
+    copies can diverge, torchtitan PR #3764), before anything is written. Reads both.
+
+    Raises:
+        ConfigError: naming both tensors and the first differing index.
+    """
+    tf = target.transforms
+    pair = tf.untied(ckpt) if tf is not None else None
+    if tf is None or pair is None:
+        return
+    from .verify import verify_checkpoints
+
+    dropped, kept, names = pair
+    for d in verify_checkpoints(dropped, kept)["differences"]:
+        at = f" (first at index {d['index']})" if "index" in d else ""
+        raise ConfigError(
+            f'{tf.origin}: untie drops "{names[d["tensor"]]}" as a copy of "{d["tensor"]}", but their '
+            f"values differ{at}; nothing was converted",
+            tensor=names[d["tensor"]],
+            hint="use drop: instead if the copy is meant to be discarded",
         )
 
 
@@ -206,6 +245,7 @@ class Target:
     rules: LayoutConfig | None
     dtype: str | None
     options: WriteOptions
+    transforms: Transforms | None = None  # applied on the way (--transforms, a layout's section)
 
     @property
     def fmt(self) -> str:
@@ -236,13 +276,21 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
                 f"{to.name} output is one consolidated checkpoint; drop --target-layout/--target-mesh, "
                 f"or write --to {SHARDED}"
             )
+    tf = transforms_for(
+        source,
+        transforms=spec.transforms,
+        layout=spec.layout,
+        inverse=spec.inverse,
+        model_config=spec.model_config,
+        allow_unused=spec.allow_unused,
+    )
     if to is not None and (to.consolidated or (to.whole_by_default and not spec.layout and not sizes)):
-        return Target(to, Mesh.single(), None, dtype, options)
-    mesh, rules = _target_rules(source, spec.layout, sizes)
+        return Target(to, Mesh.single(), None, dtype, options, tf)
+    mesh, rules = _target_rules(source, spec.layout, sizes, tf is not None)
     w = to or writer(SHARDED if mesh.size > 1 else CONSOLIDATED)
     if w.consolidated:
-        return Target(w, Mesh.single(), None, dtype, options)
-    return Target(w, mesh, rules, dtype, options)
+        return Target(w, Mesh.single(), None, dtype, options, tf)
+    return Target(w, mesh, rules, dtype, options, tf)
 
 
 def _target_dtype(text: str | None) -> str | None:
@@ -255,7 +303,7 @@ def _target_dtype(text: str | None) -> str | None:
 
 
 def _target_rules(
-    source: Checkpoint, layout: str | None, sizes: dict[str, int] | None
+    source: Checkpoint, layout: str | None, sizes: dict[str, int] | None, transforms: bool = False
 ) -> tuple[Mesh, LayoutConfig]:
     """The target mesh and rules: ``--target-layout``, else the source's rules on ``--target-mesh``."""
     if layout:
@@ -264,6 +312,11 @@ def _target_rules(
         return mesh, cfg.with_mesh(mesh)
     if sizes:
         base = source.layout
+        if base is not None and transforms:
+            raise UsageError(
+                "--target-mesh alone reuses the source's placement rules, which name the source's "
+                "tensors; with --transforms give --target-layout FILE with rules for the target names"
+            )
         if base is None:
             raise UsageError(
                 f"{source.path}: the source ({source.format}) has no placement rules to reuse; "
@@ -324,8 +377,10 @@ def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWar
 
 def build_plan(source: Checkpoint, target: Target) -> Plan:
     rules = target.rules
+    tf = target.transforms
+    tensors, transformed = (None, None) if tf is None else tf.plan_inputs(source)
     if rules is not None and rules is not source.layout:
-        for w in rule_warnings(rules, source.tensors):
+        for w in rule_warnings(rules, source.tensors if tensors is None else tensors):
             if w not in source.warnings:
                 source.warnings.append(w)
 
@@ -334,7 +389,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             return ["R"] * target.mesh.ndim
         return rules.placements_for(name)
 
-    return make_plan(
+    plan = make_plan(
         source,
         target.mesh,
         placements_for,
@@ -342,7 +397,12 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         dtype=target.dtype,
         options=target.options,
         rules=rules,
+        sources=tensors,
+        match=match_blocks if tf is None else match_any,
+        transforms=None if tf is None else tf.record(),
     )
+    plan.transformed = transformed
+    return plan
 
 
 def _is_within(child: Path, parent: Path) -> bool:
@@ -468,6 +528,7 @@ def convert(
         if on_plan is not None:
             on_plan(plan)
         _refuse_inconsistent(ckpt)
+        _refuse_broken_ties(ckpt, tgt)
         run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
         run.verifier = _Verifier(ckpt) if verify_source and coordinator().is_main else None
         run.extras, run.extras_dtype = extras, tgt.dtype

@@ -32,9 +32,11 @@ from .dtypes import DTYPE_SIZES
 from .errors import SourceChangedError
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, SourceFiles
-from .io.reader import DENSE, Piece, RowCache, read_box
+from .io.reader import DENSE, RowCache, read_box, uint_dtype
+from .io.views import open_piece
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
+from .transform_plan import piece_strides
 
 __all__ = ["ProgressFn", "execute_plan", "GROUP_FILES"]
 
@@ -104,20 +106,36 @@ def entry_runs(src: TensorSource, copies: tuple[Copy, ...], isz: int) -> tuple[R
     return hit[2]
 
 
+def _dense(strides: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether a box of a piece with element ``strides`` is one contiguous run in the box's own
+    row-major order (a transposed view's box is not, even when its elements are contiguous)."""
+    want = 1
+    for st, z in zip(reversed(strides), reversed(sizes)):
+        if z == 1:
+            continue
+        if st != want:
+            return False
+        want *= z
+    return True
+
+
 def _runs(src: TensorSource, copies: Sequence[Copy], isz: int) -> tuple[Run, ...] | None:
     # the target block's shape: the copies cover it exactly (the planner checked)
     ndim = len(copies[0].segments) if copies else 0
     dshape = tuple(max(s[1] + s[2] for c in copies for s in c.segments[d]) for d in range(ndim))
     runs: list[Run] = []
     for c in copies:
-        sshape = src.piece_shape(c.piece)
+        sstrides = piece_strides(src, c.piece)  # a transform's view may be strided
+        if sstrides is None:
+            return None  # zeros: gathered
         for s_st, d_st, sz in copy_boxes(c):
-            if not (_contiguous(sshape, s_st, sz) and _contiguous(dshape, d_st, sz)):
+            if not (_dense(sstrides, sz) and _contiguous(dshape, d_st, sz)):
                 return None
             n = isz
             for x in sz:
                 n *= x
-            runs.append((_box_offset(dshape, d_st) * isz, c.piece, _box_offset(sshape, s_st) * isz, n))
+            s_off = sum(a * st for a, st in zip(s_st, sstrides))
+            runs.append((_box_offset(dshape, d_st) * isz, c.piece, s_off * isz, n))
     runs.sort()
     merged: list[Run] = []
     for r in runs:
@@ -299,8 +317,8 @@ class _Writer:
         d_isz = DTYPE_SIZES[t.dtype]
         budget_items = max(1, self.bufs.budget // max(s_isz, d_isz))
         pages, rows = self.bufs.pages, self.bufs.rows
-        plans = [(c.group, Piece.of(self.sources, src, c.piece), list(copy_boxes(c))) for c in copies]
-        npt = plans[0][1].arr.dtype
+        plans = [(c.group, open_piece(self.sources, src, c.piece), list(copy_boxes(c))) for c in copies]
+        npt = uint_dtype(s_isz)
         for slab in slabs(dshape, 1, budget_items):
             _check(self.stop)
             shape = tuple(b - a for a, b in slab)
@@ -313,6 +331,9 @@ class _Writer:
                 for s_st, d_st, sz in boxes:
                     clipped = clip_box(slab, s_st, d_st, sz)
                     if clipped is not None:
+                        if piece is None:  # a transform's zero part (padding)
+                            views[g][clipped[1]] = 0
+                            continue
                         part = read_box(pages, piece, clipped[0], rows)
                         views[g][clipped[1]] = part
                         self.bytes_read += part.nbytes

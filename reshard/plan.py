@@ -10,11 +10,11 @@ target local tensor. Work is shared between tensors of the same geometry
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .checkpoint import Checkpoint, TensorSource
 from .dtypes import DTYPE_SIZES, FLOAT_DTYPES
@@ -41,6 +41,7 @@ __all__ = [
     "OutputFormat",
     "local_nbytes",
     "Plan",
+    "Matcher",
     "make_plan",
 ]
 
@@ -175,7 +176,14 @@ def plan_tensor(src: TensorSource, layout: TensorLayout, dtype: str) -> TargetTe
     return _target(src, layout, dtype, _matched(src, layout))
 
 
-def _matched(src: TensorSource, layout: TensorLayout) -> tuple[tuple[tuple[Copy, ...], ...], int]:
+Matcher = Callable[[TensorSource, Sequence[Block]], tuple[tuple[tuple[Copy, ...], ...], int]]
+"""How target blocks are matched against a source's pieces (:func:`match_blocks`, or through
+transform views: :func:`reshard.transform_plan.match_any`)."""
+
+
+def _matched(
+    src: TensorSource, layout: TensorLayout, match: Matcher = match_blocks
+) -> tuple[tuple[tuple[Copy, ...], ...], int]:
     if layout.partial_op is not None:
         raise PlanError(
             f'tensor "{src.name}": a Partial target placement {layout.placement_strs()} is not '
@@ -185,7 +193,7 @@ def _matched(src: TensorSource, layout: TensorLayout) -> tuple[tuple[tuple[Copy,
     key = (src.signature, layout.shape, layout.mesh.shape, layout.placements)
     hit = _MATCH_CACHE.get(key)
     if hit is None:
-        hit = match_blocks(src, layout.blocks())
+        hit = match(src, layout.blocks())
         if len(_MATCH_CACHE) > 100_000:
             _MATCH_CACHE.clear()
         _MATCH_CACHE[key] = hit
@@ -372,6 +380,8 @@ class Plan:
     tensors: list[TargetTensor]
     files: list[OutFile]
     rules: LayoutConfig | None = None  # the target's layout rules, when there are any
+    transforms: dict[str, Any] | None = None  # the transforms applied (recorded in reshard.json)
+    transformed: Mapping[str, Any] | None = None  # target name -> TransformedTensor (for `plan`)
 
     @property
     def format(self) -> str:
@@ -394,7 +404,8 @@ class Plan:
                 per = shared[(id(copies), t.src.dtype)] = [(c.piece, c.numel * isz) for c in copies]
             files = t.src.piece_files
             for k, n in per:
-                out[files[k]] = out.get(files[k], 0) + n
+                if files[k] >= 0:  # -1: zeros (transform padding), nothing read
+                    out[files[k]] = out.get(files[k], 0) + n
         return out
 
     @property
@@ -428,6 +439,9 @@ def make_plan(
     dtype: str | None = None,
     options: WriteOptions = WriteOptions(),
     rules: LayoutConfig | None = None,
+    sources: Mapping[str, TensorSource] | None = None,
+    match: Matcher = match_blocks,
+    transforms: dict[str, Any] | None = None,
 ) -> Plan:
     """Plan a conversion of ``source`` to ``mesh`` with the placements ``placements_for(name)``.
 
@@ -440,12 +454,16 @@ def make_plan(
         dtype: cast floating tensors to this safetensors dtype (``BF16``, ``F16``, ``F32``).
         options: what the writer may use (``max_shard_size``).
         rules: the target layout rules, recorded in the output.
+        sources: the tensors to plan, by target name (default: the source's own); transforms
+            give views of the source's pieces (:mod:`reshard.transform_plan`), with ``match``.
+        transforms: what those transforms were, recorded in the output.
 
     Raises:
         LayoutError: a placement does not fit a tensor.
         PlanError: the source cannot produce the target.
     """
-    names = sorted(source.tensors, key=natural_key)
+    by_name = source.tensors if sources is None else sources
+    names = sorted(by_name, key=natural_key)
     tensors: list[TargetTensor] = []
     whole = writer.consolidated
     # Tensors of one geometry share one layout object and one matching, found by identity
@@ -454,7 +472,7 @@ def make_plan(
     layouts: dict[tuple[object, ...], tuple[object, TensorLayout]] = {}
     matched: dict[tuple[int, int, int], tuple[object, object, tuple[tuple[tuple[Copy, ...], ...], int]]] = {}
     for name in names:
-        src = source.tensors[name]
+        src = by_name[name]
         out_dtype = src.dtype
         if dtype is not None and src.dtype != dtype and src.dtype in FLOAT_DTYPES:
             out_dtype = dtype
@@ -467,7 +485,7 @@ def make_plan(
         mkey = (id(src.piece_blocks), id(src.piece_partials), id(layout))
         hit = matched.get(mkey)
         if hit is None or src.signature != hit[0]:
-            hit = matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout))
+            hit = matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout, match))
         tensors.append(_target(src, layout, out_dtype, hit[2]))
     files = writer.files(tensors, mesh, options)
-    return Plan(source, writer, mesh, tensors, files, rules=rules)
+    return Plan(source, writer, mesh, tensors, files, rules=rules, transforms=transforms)

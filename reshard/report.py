@@ -10,9 +10,10 @@ from typing import Any
 from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
-from .intervals import Block, block_shape, box_span, format_box, row_major_strides
+from .intervals import Block, block_shape, box_span, format_box
 from .plan import Plan, copy_boxes
 from .text import markup_safe, shown
+from .transform_plan import feeds, piece_strides
 
 __all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
 
@@ -80,6 +81,8 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
         "warnings": [str(w) for w in ck.warnings],
         **({"note": _DCP_NOTE} if ck.format == "dcp" else {}),
     }
+    if ck.manifest is not None and isinstance(ck.manifest.get("transforms"), dict):
+        doc["transforms"] = ck.manifest["transforms"]  # what the conversion that wrote it applied
     if ck.non_tensors:  # only formats that have them (DCP, torch.save) add the key
         doc["non_tensors"] = [
             {
@@ -171,6 +174,10 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
         f"files={len(doc['files'])} ({human(doc['file_bytes'])})",
         soft_wrap=True,
     )
+    tf = doc.get("transforms")
+    if isinstance(tf, dict):  # written by a conversion that applied transforms
+        how = " --inverse" if tf.get("inverse") else ""
+        console.print(f"transforms: {markup_safe(str(tf.get('origin')))}{how}", soft_wrap=True)
     table = Table(show_edge=False, pad_edge=False)
     for col in ("tensor", "count", "dtype", "shape", "placements", "local shape(s)", "bytes"):
         table.add_column(col, overflow="fold")
@@ -215,7 +222,9 @@ def _relative_spans(src: Any, copies: Any) -> list[tuple[int, int, int]]:
     isz = DTYPE_SIZES[src.dtype]
     out = []
     for c in copies:
-        strides = row_major_strides(block_shape(src.piece_blocks[c.piece]))
+        strides = piece_strides(src, c.piece)
+        if strides is None:
+            continue  # zeros (transform padding): nothing read
         for s_st, _d, sz in copy_boxes(c):
             first, stop = box_span(strides, s_st, sz)
             out.append((c.piece, first * isz, stop * isz))
@@ -299,7 +308,41 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
         "workers": budget.workers,
         "buffer_size": budget.buffer,
         "peak_memory_estimate": memory_estimate(plan, budget),
+        **_transforms_report(plan),
     }
+
+
+def _transforms_report(plan: Plan) -> dict[str, Any]:
+    """With transforms: what was applied, and per target tensor the source regions feeding it."""
+    if plan.transforms is None:
+        return {}
+    sources = plan.source.tensors
+    feeds_ = {n: feeds(tt, sources) for n, tt in (plan.transformed or {}).items()}
+    return {"transforms": {**plan.transforms, "feeds": feeds_}}
+
+
+def _render_feeds(doc: dict[str, Any], console: Any, most: int = 40) -> None:
+    tf = doc.get("transforms")
+    if tf is None:
+        return
+    feeds = tf["feeds"]
+    how = " (inverted)" if tf["inverse"] else ""
+    console.print(
+        f"transforms: {markup_safe(tf['origin'])}{how}; target tensor <- source tensor [region] bytes"
+    )
+    for i, (name, parts) in enumerate(feeds.items()):
+        if i == most:
+            console.print(f"  ... {len(feeds) - most} more target tensors (--json lists them all)")
+            break
+        for j, f in enumerate(parts):
+            head = shown(name) if j == 0 else " " * min(len(shown(name)), 8) + "+"
+            if f["source"] is None:
+                what = f"zeros ({human(f['zeros'])})"
+            else:
+                region = ",".join(f"{a}:{b}" for a, b in f["region"])
+                span = f["byte_range"]
+                what = f"{shown(f['source'])} [{region}] bytes {span[0]}..{span[1]} ({human(f['bytes'])})"
+            console.print(f"  {markup_safe(head)} <- {markup_safe(what)}", soft_wrap=True)
 
 
 def render_plan(doc: dict[str, Any], console: Any) -> None:
@@ -333,3 +376,4 @@ def render_plan(doc: dict[str, Any], console: Any) -> None:
         f"{tot['copies']} copies, read amplification {tot['read_amplification']:.2f}, "
         f"peak memory ~{human(doc['peak_memory_estimate'])} ({doc['workers']} worker(s))"
     )
+    _render_feeds(doc, console)

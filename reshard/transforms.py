@@ -44,6 +44,7 @@ import yaml
 from .config import _Parser, _yaml_error
 from .errors import ConfigError
 from .indexmap import DimMap, Part, Seg, compose, full_dims, identity_part, merge_parts, part_numel
+from .io.safe import MAX_LAYOUT_BYTES, read_document
 
 __all__ = [
     "Expr",
@@ -273,6 +274,7 @@ class _Step:
     outputs: tuple[_Out, ...]
     consumed: frozenset[str]
     used: frozenset[str] = frozenset()
+    ties: tuple[tuple[TransformedTensor, TransformedTensor], ...] = ()  # untie: (dropped, kept)
 
 
 State: TypeAlias = Mapping[str, TransformedTensor]
@@ -928,7 +930,8 @@ class Untie(_Base):
                     tensor=n,
                 )
             dropped.append(n)
-        return _Step((), frozenset(dropped))
+        ties = tuple((state[n], state[_fill(self.same_as, m)]) for n, m in _matches(self.tensor, state))
+        return _Step((), frozenset(dropped), ties=ties)
 
     def inverse(self) -> Op:
         if not self.tensor.invertible:
@@ -1051,6 +1054,7 @@ def apply(
     *,
     dtypes: Mapping[str, str] | None = None,
     config: Mapping[str, Any] | None = None,
+    ties: list[tuple[TransformedTensor, TransformedTensor]] | None = None,
 ) -> dict[str, TransformedTensor]:
     """Resolve ``spec`` on source tensors into target tensors whose parts read the sources.
 
@@ -1059,6 +1063,8 @@ def apply(
         shapes: source tensor name -> shape.
         dtypes: source tensor name -> dtype, to check that fused tensors agree.
         config: values for size names (a model's config.json), after the spec's ``config:``.
+        ties: when given, gets ``(dropped, kept)`` per tensor an ``untie`` drops, both as
+            parts reading the sources, for the caller to compare their values.
 
     Returns:
         Target tensor name -> :class:`TransformedTensor`, sorted by name.
@@ -1084,6 +1090,8 @@ def apply(
                     "matches no tensor; fix the pattern, or add optional: true if that is expected"
                 )
             state = _advance(state, step, touched)
+            if ties is not None:
+                ties.extend(step.ties)
         except ConfigError as e:
             raise ConfigError(spec.where(i) + e.message, path=spec.source, tensor=e.tensor) from None
     left = sorted(n for n in state if n not in touched)
@@ -1091,7 +1099,8 @@ def apply(
         more = f" and {len(left) - 5} more" if len(left) > 5 else ""
         raise ConfigError(
             f"{spec.source}: no transform rule touches {', '.join(repr(n) for n in left[:5])}{more}; "
-            "add a rule for them (a rename keeps or changes the name), or set allow_unused: true",
+            "add a rule for them (a rename keeps or changes the name), or set allow_unused: true "
+            "(--allow-unused)",
             path=spec.source,
             tensor=left[0],
         )
@@ -1325,12 +1334,14 @@ def parse_transforms_text(text: str, source: str = "<transforms>") -> TransformS
 
 
 def _read(path: str | os.PathLike[str], what: str) -> str:
+    """A small text document: regular files only (a FIFO is refused at once), bounded in size."""
+    raw = read_document(path, limit=MAX_LAYOUT_BYTES, what=what)
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = getattr(e, "strerror", None) or str(e)
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise ConfigError(
-            f"{os.fspath(path)}: cannot read the {what}: {reason}", path=os.fspath(path)
+            f"{os.fspath(path)}: cannot read the {what}: not UTF-8 text ({e.reason} at byte {e.start})",
+            path=os.fspath(path),
         ) from None
 
 

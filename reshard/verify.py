@@ -35,7 +35,9 @@ from .intervals import (
     slabs,
 )
 from .io.reader import MappedFiles, Piece, read_box, uint_dtype
+from .io.views import open_piece
 from .plan import Copy, copy_boxes, match_blocks, natural_key
+from .transform_plan import TransformedSource, match_any
 
 __all__ = ["verify_checkpoints", "Verdict", "Difference"]
 
@@ -103,10 +105,19 @@ class _Region:
         self.npt = uint_dtype(self.isz)
         # One copy, one segment per dim, one group: the region is a view of one piece.
         self.view: tuple[Piece, tuple[int, ...]] | None = None
-        self.plans: list[tuple[int, Piece, list[_Box]]] = []
+        self.plans: list[tuple[int, Piece | None, list[_Box]]] = []  # None: zeros (transform padding)
         for c in copies:
-            piece = files.piece(src, c.piece, geometry[c.piece][0])
-            if groups == 1 and len(copies) == 1 and all(len(s) == 1 for s in c.segments):
+            piece = (
+                open_piece(files.sources, src, c.piece)
+                if isinstance(src, TransformedSource)
+                else files.piece(src, c.piece, geometry[c.piece][0])
+            )
+            if (
+                piece is not None
+                and groups == 1
+                and len(copies) == 1
+                and all(len(s) == 1 for s in c.segments)
+            ):
                 self.view = (piece, tuple(s[0][0] for s in c.segments))
             else:
                 self.plans.append((c.group, piece, list(copy_boxes(c))))
@@ -127,12 +138,12 @@ class _Region:
             if len(self.bufs[g]) < n * isz:
                 self.bufs[g] = bytearray(n * isz)
             views.append(np.frombuffer(self.bufs[g], dtype=self.npt, count=n).reshape(shape))
-        for g, p, boxes in self.plans:
+        for g, piece, boxes in self.plans:
             for s_st, d_st, sz in boxes:
                 clipped = clip_box(slab, s_st, d_st, sz)
                 if clipped is not None:
                     src_sl, dst_sl = clipped
-                    views[g][dst_sl or ...] = read_box(self.files, p, src_sl)
+                    views[g][dst_sl or ...] = 0 if piece is None else read_box(self.files, piece, src_sl)
         if self.groups == 1:
             return views[0]
         from .torch_ops import cast_reduce
@@ -215,7 +226,7 @@ def _match(a: TensorSource, b: TensorSource, a_path: str, b_path: str) -> _Match
             tensor=b.name,
         )
     try:
-        a_copies, ga = match_blocks(a, regions)
+        a_copies, ga = match_any(a, regions)
     except PlanError as e:
         raise PlanError(f"{a_path}: {e.message}", path=a_path, tensor=a.name) from None
     return _Match(

@@ -9,6 +9,8 @@ norms), then runs, alternating, for several rounds:
   tp4-tp8  reshard convert SRC OUT --target-mesh tp=8
   tp4-hf   reshard convert SRC OUT --consolidate
   hf-tp8   reshard convert HF OUT --target-layout llama-tp --target-mesh tp=8
+  hf-tt8   reshard convert HF OUT --transforms hf-to-torchtitan-llama (TP-8, torchtitan names;
+           not a default job: --jobs hf-tt8)
   naive-*  load everything with torch, cat, chunk, save_file (one round; --naive-rounds)
 
 and with --dcp, on a DCP safetensors checkpoint of the same tensors that torch's
@@ -442,6 +444,43 @@ def run(cmd: list[str], cold: list[Path] | None = None) -> tuple[float, int]:
     return wall, ru.ru_maxrss * 1024
 
 
+# -- transforms (issue 13): HF -> torchtitan names at TP-8, q/k rows RoPE-permuted on the way --
+
+TT_LAYOUT = """\
+mesh: {tp: 8}
+placements:
+  "layers.*.attention.qkv_linear.w[qkv].weight": S(0)
+  "layers.*.attention.wo.weight": S(1)
+  "layers.*.feed_forward.w[13].weight": S(0)
+  "layers.*.feed_forward.w2.weight": S(1)
+  "tok_embeddings.weight": S(0)
+  "lm_head.weight": S(0)
+  "*": R
+"""
+
+
+def transform_job(reshard: str, base: Path, hf: Path, w: list[str]) -> list[str]:
+    """``hf-tt8``: reshard convert HF OUT --transforms hf-to-torchtitan-llama at TP-8 (the model
+    config names the head counts: 128-wide heads of HIDDEN and KV)."""
+    cfg = {"num_attention_heads": HIDDEN // 128, "num_key_value_heads": KV // 128, "hidden_size": HIDDEN}
+    (base / "model-config.json").write_text(json.dumps(cfg))
+    (base / "tt-layout.yaml").write_text(TT_LAYOUT)
+    return [
+        reshard,
+        "convert",
+        str(hf),
+        "OUT",
+        "--transforms",
+        "hf-to-torchtitan-llama",
+        "--model-config",
+        str(base / "model-config.json"),
+        "--target-layout",
+        str(base / "tt-layout.yaml"),
+        "--quiet",
+        *w,
+    ]
+
+
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--generate-only":
         generate(Path(sys.argv[2]), int(sys.argv[3]))
@@ -613,6 +652,7 @@ def main() -> int:
         ),
         "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
+    jobs["hf-tt8"] = (transform_job(reshard, base, hf, w), [hf])
     default_jobs = "tp4-tp8,tp4-hf,hf-tp8" + (",inspect,plan,check,verify" if args.tensors else "")
     chosen = (
         ["cp"] + [j for j in (args.jobs or default_jobs).split(",") if j] + (["dcp-hf"] if args.dcp else [])

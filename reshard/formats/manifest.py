@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from ..errors import HeaderError
 from ..io.safe import expect_object, load_json
@@ -51,13 +51,18 @@ class _Producer(TypedDict):
     version: str
 
 
-class Manifest(TypedDict):
+class _ManifestCore(TypedDict):
     reshard: _Producer
     format: str
     mesh: dict[str, list[object]]
     rules: list[list[object]]
     tensors: dict[str, TensorInfo]
     files: dict[str, FileInfo]
+
+
+class Manifest(_ManifestCore, total=False):
+    transforms: dict[str, Any]
+    """The tensor transforms a conversion applied (``origin``, ``inverse``, ``model_config``, ``spec``)."""
 
 
 def manifest(
@@ -93,7 +98,10 @@ def manifest_for(plan: Plan, results: Sequence[FileResult]) -> Manifest:
         t.name: {"dtype": t.dtype, "shape": list(t.shape), "placements": t.layout.placement_strs()}
         for t in plan.tensors
     }
-    return manifest(plan.format, plan.mesh, rules, tensors, ((r.name, r.size, r.checksum) for r in results))
+    doc = manifest(plan.format, plan.mesh, rules, tensors, ((r.name, r.size, r.checksum) for r in results))
+    if plan.transforms is not None:
+        doc["transforms"] = plan.transforms
+    return doc
 
 
 def complete_with_manifest(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:

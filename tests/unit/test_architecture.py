@@ -14,7 +14,7 @@ LAYERS = [
     {"placements", "mesh"},
     {"layout", "config", "checkpoint", "indexmap"},
     {"transforms"},
-    {"plan", "select"},
+    {"plan", "select", "transform_plan"},
     {
         "io",
         "io.header",
@@ -23,6 +23,7 @@ LAYERS = [
         "io.checksum",
         "io.pages",
         "io.reader",
+        "io.views",
         "io.writer",
         "io.lock",
         "io.staging",

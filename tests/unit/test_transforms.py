@@ -308,15 +308,19 @@ def test_inverse_refuses_lossy_rules(text: str, message: str) -> None:
         inverse(spec_of(text))
 
 
-def test_layout_file_with_transforms_section_is_refused_until_convert_applies_it() -> None:
-    """convert does not apply transforms yet: a layout carrying them is refused, never silently ignored."""
+def test_layout_file_with_transforms_section_loads_as_layout_and_as_spec(tmp_path: Path) -> None:
+    """A layout carrying transforms is both: its rules load as a layout, its section as a spec."""
     from reshard.config import parse_layout_text
-    from reshard.errors import ConfigError as LayoutConfigError
+    from reshard.transform_plan import layout_transforms
 
     text = "mesh: {tp: 2}\nplacements: {'*': R}\nconfig: {h: 2}\ntransforms: [{drop: {tensors: x}}]\n"
-    with pytest.raises(LayoutConfigError, match="transforms"):
-        parse_layout_text(text, "l.yaml")
+    assert parse_layout_text(text, "l.yaml").mesh.size == 2
     assert len(parse_transforms_text(text, "l.yaml").ops) == 1
+    (tmp_path / "l.yaml").write_text(text, encoding="utf-8")
+    spec = layout_transforms(str(tmp_path / "l.yaml"))
+    assert spec is not None and len(spec.ops) == 1
+    (tmp_path / "plain.yaml").write_text("mesh: {tp: 2}\nplacements: {'*': R}\n", encoding="utf-8")
+    assert layout_transforms(str(tmp_path / "plain.yaml")) is None
 
 
 def test_sizes_from_model_config_json(tmp_path: Path) -> None:
