@@ -18,6 +18,12 @@ want="$(cat pyproject.toml | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import reshard, pytest, hypothesis" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
   "$VPY" -c "import reshard, pytest, hypothesis"
+  # torchtitan: the oracle of the hf-to-torchtitan-llama profile (tests only). Its own
+  # dependencies (datasets, wandb, tensorboard, ...) are not needed by the state-dict adapter
+  # the tests run, so it goes in without them, plus the two its imports need.
+  "$VPY" -m pip install -q --disable-pip-version-check "tyro" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VPY" -m pip install -q --disable-pip-version-check --no-deps "torchtitan==0.3.0" "spmd-types==0.2.3" 2>&1 \
+    | grep -v -e "^WARNING: Location" -e "dependency resolver" -e "^torchtitan .* requires" || true
   echo "$want" > "$stamp"
 fi
 # byte-compile reshard as a wheel install would: an editable install does not, and under
