@@ -71,11 +71,15 @@ __all__ = [
 REGEX_PREFIX = "re:"
 
 
-class LayoutJson(TypedDict):
-    """A layout as JSON (``reshard.json``'s ``mesh`` and ``rules``)."""
-
+class _LayoutJsonRequired(TypedDict):
     mesh: dict[str, list[object]]
     rules: list[list[object]]
+
+
+class LayoutJson(_LayoutJsonRequired, total=False):
+    """A layout as JSON (``reshard.json``'s ``mesh`` and ``rules``; ``optional`` when some rules are)."""
+
+    optional: list[str]
 
 
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
@@ -83,7 +87,7 @@ RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 _KINDS = ("positional", "named", "all")
 # A layout with a transforms: section is refused until convert applies transforms
 # (reshard/transforms.py parses them; docs/TRANSFORMS.md): silently ignoring one would write wrong names.
-_TOP_KEYS = ("mesh", "placements", "name", "description")
+_TOP_KEYS = ("mesh", "placements", "optional", "name", "description")
 _LATER_KEYS = ("config", "transforms", "allow_unused")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
@@ -259,11 +263,14 @@ class LayoutConfig:
         mesh: the mesh (sizes are defaults; see :meth:`with_mesh`).
         rules: the rules, in file order.
         source: where the rules came from, for messages.
+        optional: patterns of rules for tensors only some models have (a preset
+            covering several families): matching nothing is not worth a warning.
     """
 
     mesh: Mesh
     rules: tuple[Rule, ...]
     source: str = "<layout>"
+    optional: frozenset[str] = frozenset()
     # Matching index, derived from rules: a self-describing checkpoint brings one
     # exact-name rule per tensor, and trying every rule on every name is quadratic.
     # Literal patterns map name -> first rule index; the rest are tried in order.
@@ -288,6 +295,14 @@ class LayoutConfig:
                 )
             seen[rule.pattern] = rule
             self._placements(rule, self.mesh, None)
+        object.__setattr__(self, "optional", frozenset(self.optional))
+        missing = sorted(self.optional - seen.keys())
+        if missing:
+            raise ConfigError(
+                f"{self.source}: optional names {missing[0]!r}, which is not a pattern under placements:; "
+                "list patterns exactly as written there",
+                path=self.source,
+            )
         exact: dict[str, int] = {}
         patterns: list[int] = []
         for i, rule in enumerate(self.rules):
@@ -358,10 +373,10 @@ class LayoutConfig:
         Raises:
             ConfigError: a rule does not fit ``mesh``.
         """
-        return LayoutConfig(mesh, self.rules, self.source)
+        return LayoutConfig(mesh, self.rules, self.source, self.optional)
 
     def unused_rules(self, names: Iterable[str]) -> list[Rule]:
-        """Rules that are the first match of none of ``names`` (worth a warning).
+        """Rules that are the first match of none of ``names`` (worth a warning), except optional ones.
 
         Names no rule matches are ignored here; :meth:`match` reports them.
         """
@@ -372,14 +387,20 @@ class LayoutConfig:
                 used.add(i)
                 if len(used) == len(self.rules):
                     break
-        return [r for i, r in enumerate(self.rules) if i not in used]
+        return [r for i, r in enumerate(self.rules) if i not in used and r.pattern not in self.optional]
 
     def to_json(self) -> LayoutJson:
-        """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``."""
-        return {
+        """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``.
+
+        ``"optional": [pattern, ...]`` is added when some rules are optional.
+        """
+        out: LayoutJson = {
             "mesh": self.mesh.to_json(),
             "rules": [[r.pattern, r.to_json()] for r in self.rules],
         }
+        if self.optional:
+            out["optional"] = [r.pattern for r in self.rules if r.pattern in self.optional]
+        return out
 
     @classmethod
     def from_json(cls, data: object, source: str = "<reshard.json>") -> LayoutConfig:
@@ -412,7 +433,10 @@ class LayoutConfig:
                 path=source,
             )
         rules = [_rule_from_json(pair, pre, source) for pair in pairs]
-        return cls(mesh, tuple(rules), source)
+        optional = data.get("optional", [])
+        if not isinstance(optional, list) or not all(isinstance(p, str) for p in optional):
+            raise ConfigError(f"{pre}optional must be a list of rule patterns, got {optional!r}", path=source)
+        return cls(mesh, tuple(rules), source, frozenset(optional))
 
 
 # -- patterns ------------------------------------------------------------------
@@ -621,7 +645,28 @@ class _Parser:
             raise self.error(root, 'missing placements:; add ordered pattern -> placement rules, e.g. "*": R')
         mesh = self.mesh(*top["mesh"])
         rules = self.rules(*top["placements"])
-        return LayoutConfig(mesh, rules, self.source)
+        optional = self.optional(rules, top["optional"][1]) if "optional" in top else frozenset[str]()
+        return LayoutConfig(mesh, rules, self.source, optional)
+
+    def optional(self, rules: tuple[Rule, ...], node: yaml.Node) -> frozenset[str]:
+        """``optional:``, a list of patterns written under ``placements:`` (no warning when unused)."""
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.error(node, f"optional must be a list of rule patterns, got a {_kind(node)}")
+        self.plain(node)
+        patterns = {r.pattern for r in rules}
+        out: set[str] = set()
+        for item in node.value:
+            value = self.value(item) if isinstance(item, yaml.ScalarNode) else None
+            if not isinstance(value, str) or value not in patterns:
+                close = difflib.get_close_matches(str(value), sorted(patterns), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.error(
+                    item,
+                    f"optional lists {_short(item, value)}, which is not a pattern under placements:; "
+                    f"{hint}copy the pattern exactly as written there",
+                )
+            out.add(value)
+        return frozenset(out)
 
     def mesh(self, key: yaml.Node, node: yaml.Node) -> Mesh:
         example = "e.g. mesh: {fsdp: 2, tp: 4}"

@@ -329,6 +329,13 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             if w not in source.warnings:
                 source.warnings.append(w)
 
+    if rules is not None:
+        from .heads import check_heads  # lazy: reads config.json only when there are target rules
+
+        for w in check_heads(source, rules, target.mesh):
+            if w not in source.warnings:
+                source.warnings.append(w)
+
     def placements_for(name: str) -> Sequence[Placement | str]:
         if rules is None:  # no target layout: every tensor whole
             return ["R"] * target.mesh.ndim
