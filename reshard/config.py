@@ -55,6 +55,7 @@ from .mesh import Mesh
 from .placements import Placement, Replicate, StridedShard, parse_placement
 
 __all__ = [
+    "Own",
     "Rule",
     "RuleSpec",
     "LayoutJson",
@@ -83,6 +84,39 @@ class LayoutJson(_LayoutJsonRequired, total=False):
 
 
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
+
+_OWN = re.compile(r"\s*Own\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*(,\s*local\s*)?\)\s*")
+
+
+@dataclass(frozen=True, slots=True)
+class Own:
+    """Whole-tensor assignment on one mesh dim: ``{ep: Own(expert)}`` (expert parallelism).
+
+    The tensor is held whole, by the ranks of that mesh dim owning the number the rule's
+    ``re:`` pattern captures in group ``capture``: the E numbers of tensors whose names
+    differ only there are dealt in contiguous blocks of E/size (rank c owns
+    ``[c*E/size, (c+1)*E/size)``, as Megatron and vLLM place experts). ``local``: rename the
+    number to its index on the owning rank. Parsed and checked; convert refuses it until
+    per-rank outputs can hold a tensor on a subset of ranks (README, docs/TRANSFORMS.md).
+
+    >>> Own.parse("Own(expert, local)")
+    Own(capture='expert', local=True)
+    >>> str(Own("expert")), Own.parse("S(0)") is None
+    ('Own(expert)', True)
+    """
+
+    capture: str
+    local: bool = False
+
+    @classmethod
+    def parse(cls, value: object) -> Own | None:
+        """``Own(NAME)`` or ``Own(NAME, local)``; None for anything else (a placement)."""
+        m = _OWN.fullmatch(value) if isinstance(value, str) else None
+        return cls(m.group(1), m.group(2) is not None) if m else None
+
+    def __str__(self) -> str:
+        return f"Own({self.capture}, local)" if self.local else f"Own({self.capture})"
+
 
 _KINDS = ("positional", "named", "all")
 # A layout with a transforms: section is refused until convert applies transforms
@@ -133,6 +167,8 @@ class Rule:
     kind: str
     # Where it was written, not what it says: two rules differing only in line are equal.
     line: int = field(default=0, compare=False)
+    # (mesh dim, Own): a whole-tensor assignment on that dim; its spec entry holds R.
+    own: tuple[str, Own] | None = None
     # Compiled once: matches() runs for every tensor of a checkpoint.
     _regex: Matcher = field(init=False, repr=False, compare=False)
 
@@ -150,6 +186,8 @@ class Rule:
                 raise ConfigError(f"rule spec entries must be (dim name or None, placement), got {entry!r}")
         _check_spec_names(self.kind, spec)
         object.__setattr__(self, "_regex", _compile(self.pattern))
+        if self.own is not None:
+            _check_own(self.pattern, self.kind, self.own)
 
     @classmethod
     def from_json(cls, pattern: str, value: object, *, line: int = 0) -> Rule:
@@ -173,11 +211,14 @@ class Rule:
             return cls(pattern, tuple((None, _parse_value(v)) for v in value), "positional", line)
         if isinstance(value, Mapping):
             spec: list[tuple[str | None, Placement]] = []
+            own: tuple[str, Own] | None = None
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise ConfigError(f"mesh dim names must be strings, got {k!r}")
-                spec.append((k, _parse_value(v)))
-            return cls(pattern, tuple(spec), "named", line)
+                o = Own.parse(v)
+                own = (k, o) if o is not None else own
+                spec.append((k, Replicate() if o is not None else _parse_value(v)))
+            return cls(pattern, tuple(spec), "named", line, own)
         raise ConfigError(
             f"placements must be a string (R), a list ([R, S(1)]) or a mapping ({{tp: S(0)}}), got {value!r}"
         )
@@ -249,7 +290,8 @@ class Rule:
             return str(self.spec[0][1])
         if self.kind == "positional":
             return [str(p) for _, p in self.spec]
-        return {str(name): str(p) for name, p in self.spec}
+        own = dict([self.own]) if self.own is not None else {}
+        return {str(name): str(own.get(str(name), p)) for name, p in self.spec}
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +407,18 @@ class LayoutConfig:
             LayoutError: no rule matches ``name``.
             ConfigError: the matching rule does not fit ``mesh``.
         """
-        return self._placements(self.match(name), self.mesh if mesh is None else mesh, name)
+        rule = self.match(name)
+        if rule.own is not None:
+            raise LayoutError(
+                f'tensor "{name}": {self._where(rule)}assigns it whole to the {rule.own[0]} rank owning '
+                f"its {rule.own[1].capture} ({rule.own[1]}), but whole-tensor assignment is not implemented "
+                "yet (per-rank outputs hold every tensor on every rank); stack the experts into one tensor "
+                "per layer first (transforms profile mixtral-experts-stack) and shard it S(0) on "
+                f"{rule.own[0]}, or use llama-tp",
+                tensor=name,
+                path=self.source,
+            )
+        return self._placements(rule, self.mesh if mesh is None else mesh, name)
 
     def with_mesh(self, mesh: Mesh) -> LayoutConfig:
         """The same rules on another mesh (e.g. ``--target-mesh tp=8``).
@@ -721,10 +774,15 @@ class _Parser:
 
     def rule(self, pattern: str, key: yaml.Node, node: yaml.Node) -> Rule:
         spec: list[tuple[str | None, Placement]] = []
+        own: tuple[str, Own] | None = None
         if isinstance(node, yaml.MappingNode):
             kind = "named"
             for dim, _, v in self.mapping(node, f"rule {pattern!r}: mesh dim"):
-                spec.append((dim, self.placement(pattern, v)))
+                o = Own.parse(self.value(v)) if isinstance(v, yaml.ScalarNode) else None
+                if o is not None and own is not None:
+                    raise self.error(v, f"rule {pattern!r}: Own(...) is given twice; assign on one mesh dim")
+                own = (dim, o) if o is not None else own
+                spec.append((dim, Replicate() if o is not None else self.placement(pattern, v)))
         elif isinstance(node, yaml.SequenceNode):
             kind = "positional"
             self.plain(node)
@@ -734,7 +792,7 @@ class _Parser:
             kind = "all"
             spec.append((None, self.placement(pattern, node)))
         try:
-            return Rule(pattern, tuple(spec), kind, _line(key))
+            return Rule(pattern, tuple(spec), kind, _line(key), own)
         except ConfigError as e:
             raise self.error(key, f"rule {pattern!r}: {e.message}") from None
 
@@ -964,6 +1022,19 @@ def _check_spec_names(kind: str, spec: RuleSpec) -> None:
         raise ConfigError(f"an 'all' rule holds exactly one placement, got {len(spec)}")
     if kind == "positional" and not spec:
         raise ConfigError("the placement list is empty; give one placement per mesh dim")
+
+
+def _check_own(pattern: str, kind: str, own: tuple[str, Own]) -> None:
+    """``Own(NAME)`` sits in a ``{dim: ...}`` rule whose ``re:`` pattern has a group ``(?P<NAME>...)``."""
+    dim, o = own
+    if kind != "named":
+        raise ConfigError(f"{o} names no mesh dim; write it in the mapping form, e.g. {{ep: {o}}}")
+    groups = re.compile(pattern[len(REGEX_PREFIX) :]).groupindex if pattern.startswith(REGEX_PREFIX) else {}
+    if o.capture not in groups:
+        raise ConfigError(
+            f"{o} on {dim} needs the number it assigns by from the tensor name: write a re: pattern "
+            f"with a named group, e.g. 're:.*\\.experts\\.(?P<{o.capture}>\\d+)\\..*'"
+        )
 
 
 def _mesh_from_json(mesh_data: object) -> Mesh:
