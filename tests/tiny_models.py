@@ -87,7 +87,9 @@ def per_expert(family: str, name: str, tensors: dict[str, Any], experts: int) ->
     if tail == "experts.gate_up_proj":
         return torch.stack(
             [
-                torch.cat([tensors[f"{base}experts.{e}.{gate}.weight"], tensors[f"{base}experts.{e}.{up}.weight"]])
+                torch.cat(
+                    [tensors[f"{base}experts.{e}.{gate}.weight"], tensors[f"{base}experts.{e}.{up}.weight"]]
+                )
                 for e in range(experts)
             ]
         )

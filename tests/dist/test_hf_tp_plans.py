@@ -99,7 +99,9 @@ def _assert_matches_oracle(fam: str, got_dir: Path, want_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("fam", M.FAMILIES)
-def test_llama_tp_gives_each_rank_what_transformers_tp_plan_gives_it(oracle: Path, tmp_path: Path, fam: str) -> None:
+def test_llama_tp_gives_each_rank_what_transformers_tp_plan_gives_it(
+    oracle: Path, tmp_path: Path, fam: str
+) -> None:
     out = tmp_path / "tp2"
     _convert(oracle / "hf" / fam, out, "--target-layout", "llama-tp", "--target-mesh", "tp=2")
     _assert_matches_oracle(fam, out, oracle / "oracle" / "tp" / f"hf-{fam}")
