@@ -52,7 +52,7 @@ import yaml
 from .errors import ConfigError, LayoutError
 from .io.safe import MAX_LAYOUT_BYTES, read_document
 from .mesh import Mesh
-from .placements import Placement, Replicate, StridedShard, parse_placement
+from .placements import Owned, Placement, Replicate, StridedShard, parse_placement
 
 __all__ = [
     "Own",
@@ -313,6 +313,8 @@ class LayoutConfig:
     rules: tuple[Rule, ...]
     source: str = "<layout>"
     optional: frozenset[str] = frozenset()
+    # Own(capture) rules bound to a checkpoint's names (:meth:`assign`): name -> (number, count in its group).
+    numbers: Mapping[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
     # Matching index, derived from rules: a self-describing checkpoint brings one
     # exact-name rule per tensor, and trying every rule on every name is quadratic.
     # Literal patterns map name -> first rule index; the rest are tried in order.
@@ -408,17 +410,42 @@ class LayoutConfig:
             ConfigError: the matching rule does not fit ``mesh``.
         """
         rule = self.match(name)
-        if rule.own is not None:
+        mesh = self.mesh if mesh is None else mesh
+        out = self._placements(rule, mesh, name)
+        return out if rule.own is None else self._owned(rule, name, mesh, out)
+
+    def _owned(self, rule: Rule, name: str, mesh: Mesh, out: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """``out`` with the rule's ``Own(capture)`` dim set to ``Own(owner)`` for tensor ``name``."""
+        assert rule.own is not None
+        dim, own = rule.own
+        where = self._where(rule)
+        if own.local:
             raise LayoutError(
-                f'tensor "{name}": {self._where(rule)}assigns it whole to the {rule.own[0]} rank owning '
-                f"its {rule.own[1].capture} ({rule.own[1]}), but whole-tensor assignment is not implemented "
-                "yet (per-rank outputs hold every tensor on every rank); stack the experts into one tensor "
-                "per layer first (transforms profile mixtral-experts-stack) and shard it S(0) on "
-                f"{rule.own[0]}, or use llama-tp",
+                f'tensor "{name}": {where}{own} renames tensors to rank-local numbers, which per-rank '
+                f"outputs do not support yet; drop ', local' (each rank's file then holds its tensors "
+                "under their global names)",
                 tensor=name,
                 path=self.source,
             )
-        return self._placements(rule, self.mesh if mesh is None else mesh, name)
+        bound = self.numbers.get(name)
+        if bound is None:
+            raise LayoutError(
+                f'tensor "{name}": {where}{own} needs the checkpoint\'s tensor names to deal numbers to '
+                "ranks (LayoutConfig.assign); this command cannot place it",
+                tensor=name,
+                path=self.source,
+            )
+        number, count = bound
+        size = mesh.shape[mesh.names.index(dim)]
+        if count % size:
+            raise LayoutError(
+                f'tensor "{name}": {where}{own} deals {count} numbers over the {size} ranks of {dim}, '
+                f"which does not divide them; use a {dim} size dividing {count}",
+                tensor=name,
+                path=self.source,
+            )
+        i = mesh.names.index(dim)
+        return (*out[:i], Owned(number // (count // size)), *out[i + 1 :])
 
     def with_mesh(self, mesh: Mesh) -> LayoutConfig:
         """The same rules on another mesh (e.g. ``--target-mesh tp=8``).
@@ -426,7 +453,53 @@ class LayoutConfig:
         Raises:
             ConfigError: a rule does not fit ``mesh``.
         """
-        return LayoutConfig(mesh, self.rules, self.source, self.optional)
+        return LayoutConfig(mesh, self.rules, self.source, self.optional, self.numbers)
+
+    def assign(self, names: Iterable[str]) -> LayoutConfig:
+        """These rules with their ``Own(capture)`` assignments bound to the tensors ``names``.
+
+        Per rule, tensors whose names differ only in the captured number form a group (the
+        experts of one layer and projection); a group's numbers must be 0..E-1. Rank ``c`` of
+        the mesh dim then owns numbers ``[c*E/size, (c+1)*E/size)``.
+
+        Raises:
+            LayoutError: a group's numbers are not 0..E-1 (naming the rule and a tensor).
+        """
+        owning = [i for i, r in enumerate(self.rules) if r.own is not None]
+        if not owning:
+            return self
+        groups: dict[tuple[int, str], dict[str, int]] = {}
+        for name in names:
+            i = self._first(name)
+            if i is None or i not in owning:
+                continue
+            rule = self.rules[i]
+            assert rule.own is not None
+            m = re.fullmatch(rule.pattern[len(REGEX_PREFIX) :], name)
+            assert m is not None  # the rule matched it
+            key = m.group(rule.own[1].capture)
+            span = m.span(rule.own[1].capture)
+            if not key.isdigit():
+                raise LayoutError(
+                    f'tensor "{name}": {self._where(rule)}captures {key!r} for {rule.own[1]}; '
+                    "the group must capture a number, e.g. (?P<expert>\\d+)",
+                    tensor=name,
+                    path=self.source,
+                )
+            groups.setdefault((i, name[: span[0]] + "{}" + name[span[1] :]), {})[name] = int(key)
+        numbers: dict[str, tuple[int, int]] = {}
+        for (i, group), members in groups.items():
+            count = len(set(members.values()))
+            if sorted(set(members.values())) != list(range(count)):
+                raise LayoutError(
+                    f"{self._where(self.rules[i])}the tensors {group.replace('{}', '*')} are numbered "
+                    f"{sorted(set(members.values()))[:8]}, not 0..{count - 1}: Own(...) deals numbers "
+                    "0..E-1 to ranks in contiguous blocks",
+                    tensor=next(iter(members)),
+                    path=self.source,
+                )
+            numbers.update((name, (v, count)) for name, v in members.items())
+        return LayoutConfig(self.mesh, self.rules, self.source, self.optional, numbers)
 
     def unused_rules(self, names: Iterable[str]) -> list[Rule]:
         """Rules that are the first match of none of ``names`` (worth a warning), except optional ones.

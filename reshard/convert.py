@@ -322,19 +322,23 @@ def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWar
     ]
 
 
+def _checked_rules(source: Checkpoint, rules: LayoutConfig, mesh: Mesh) -> LayoutConfig:
+    """Target ``rules`` bound to the source's tensor names (``Own(...)`` assignments), their
+    warnings (rules matching nothing, KV heads split by the mesh) added to ``source``'s."""
+    from .heads import check_heads  # lazy: reads config.json only when there are target rules
+
+    warnings = rule_warnings(rules, source.tensors) if rules is not source.layout else []
+    rules = rules.assign(source.tensors)
+    for w in [*warnings, *check_heads(source, rules, mesh)]:
+        if w not in source.warnings:
+            source.warnings.append(w)
+    return rules
+
+
 def build_plan(source: Checkpoint, target: Target) -> Plan:
     rules = target.rules
-    if rules is not None and rules is not source.layout:
-        for w in rule_warnings(rules, source.tensors):
-            if w not in source.warnings:
-                source.warnings.append(w)
-
     if rules is not None:
-        from .heads import check_heads  # lazy: reads config.json only when there are target rules
-
-        for w in check_heads(source, rules, target.mesh):
-            if w not in source.warnings:
-                source.warnings.append(w)
+        rules = _checked_rules(source, rules, target.mesh)
 
     def placements_for(name: str) -> Sequence[Placement | str]:
         if rules is None:  # no target layout: every tensor whole

@@ -330,11 +330,13 @@ def rank_checkpoint(
     where = files.entries()
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
-    for name in _common_names(files, where):
-        found = _rank_entries(name, files, where)
+    for name in _all_names(where):
+        held = _rank_entries(name, files, where)
+        ndim = len(next(h for h in held if h is not None)[1].shape)
+        shape, pls = describe(name, tuple(h[1].shape if h else (0,) * ndim for h in held))
+        found = _fill_absent(name, held, files, (shape, mesh, pls), coords)
         entries = [en for _, en in found]
         local_shapes = tuple(en.shape for en in entries)
-        shape, pls = describe(name, local_shapes)
         piece_files = tuple(i for i, _ in found)
         key = (local_shapes, shape, tuple(pls), piece_files)
         geo = geometries.get(key)
@@ -437,37 +439,52 @@ def _rank_mesh(
     return mesh, desc0
 
 
-def _common_names(files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
-    """Rank 0's tensor names (in its files' order); no other rank may hold a tensor rank 0 does not."""
-    names = list(where[0])
-    first = files.paths[files.ranks[0][0]]
+def _all_names(where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
+    """Rank 0's tensor names (in its files' order), then those only other ranks hold (``Own``)."""
+    names = dict.fromkeys(where[0])
     for found in where[1:]:
-        extra = [n for n in found if n not in where[0]]
-        if extra:
-            p = files.paths[found[extra[0]][0]]
-            raise TensorNotFoundError(
-                f'{p}: tensor "{extra[0]}" is not in {first.name}; every rank must '
-                "hold every tensor (an empty shard has a 0-size dim)",
-                path=str(p),
-                tensor=extra[0],
+        names.update(dict.fromkeys(found))
+    return list(names)
+
+
+def _fill_absent(
+    name: str,
+    held: Sequence[tuple[int, TensorEntry] | None],
+    files: RankFiles,
+    described: tuple[tuple[int, ...], Mesh, Sequence[Placement | str]],
+    coords: Sequence[tuple[int, ...]],
+) -> list[tuple[int, TensorEntry]]:
+    """``held`` with an empty entry for each rank its ``Own`` placement leaves out; any other missing
+    rank is an error (every rank holds every tensor; an empty shard has a 0-size dim)."""
+    present = [h for h in held if h is not None]
+    if len(present) == len(held):
+        return present
+    layout = TensorLayout.for_tensor(name, described[0], described[1], list(described[2]))
+    out = []
+    for r, h in enumerate(held):
+        if h is None:
+            p = files.paths[files.ranks[r][0]]
+            if layout.holds(coords[r]):
+                raise TensorNotFoundError(
+                    f'{p}: tensor "{name}" is missing (it is in {files.paths[present[0][0]].name})',
+                    path=str(p),
+                    tensor=name,
+                )
+            h = (
+                files.ranks[r][0],
+                TensorEntry(name, present[0][1].dtype, layout.local_shape(coords[r]), 0, 0),
             )
-    return names
+        out.append(h)
+    return out
 
 
 def _rank_entries(
     name: str, files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]
-) -> list[tuple[int, TensorEntry]]:
-    """The tensor's (file index, header entry) on every rank, all of one dtype."""
-    found = []
-    first = files.paths[where[0][name][0]]
-    for r, w in enumerate(where):
-        hit = w.get(name)
-        if hit is None:
-            p = files.paths[files.ranks[r][0]]
-            raise TensorNotFoundError(
-                f'{p}: tensor "{name}" is missing (it is in {first.name})', path=str(p), tensor=name
-            )
-        found.append(hit)
+) -> list[tuple[int, TensorEntry] | None]:
+    """The tensor's (file index, header entry) on every rank holding it (None elsewhere), all of one dtype."""
+    held = [w.get(name) for w in where]
+    found = [h for h in held if h is not None]
+    first = files.paths[found[0][0]]
     dtype = found[0][1].dtype
     for i, en in found:
         if en.dtype != dtype:
@@ -478,7 +495,7 @@ def _rank_entries(
                 path=str(p),
                 tensor=name,
             )
-    return found
+    return held
 
 
 def _derived_shape(
@@ -715,11 +732,16 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
-    text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
     ordered = header_order(tensors)
+    if any(t.layout.assigned for t in ordered):  # Own(...): a rank's file leaves out others' tensors
+        text = (1, tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in ordered))
+        mine = [[t for t in ordered if t.layout.holds(c)] for c in mesh.coordinates()]
+    else:
+        text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
+        mine = [ordered] * mesh.size
     return [
         SafetensorsFile(
-            rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))
+            rank_file_name(rank, mesh.size), rank, mine[rank], metadata_text(rank_metadata(mesh, rank, text))
         )
         for rank in range(mesh.size)
     ]

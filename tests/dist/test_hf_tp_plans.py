@@ -130,3 +130,42 @@ def test_mixtral_moe_gives_each_rank_the_experts_transformers_ep_plan_gives_it(
         for name in experts:  # the dense part is TP-sharded in that world; mixtral-moe replicates it
             assert got[name].shape[0] == EXPERTS // WORLD
             assert same_bits(got[name], want[name]), f"{fam} rank {r} {name}"
+
+
+@pytest.mark.parametrize("fam", M.MOE)
+def test_mixtral_moe_gives_each_rank_its_whole_per_expert_tensors_as_transformers_ep_plan(
+    oracle: Path, tmp_path: Path, fam: str
+) -> None:
+    """Per-expert files (``Own(expert)``): rank r's file holds experts r*E/2 .. whole, and nothing else's."""
+    out = tmp_path / "ep2"
+    _convert(oracle / "hf" / fam, out, "--target-layout", "mixtral-moe", "--target-mesh", "ep=2")
+    want_dir = oracle / "oracle" / "ep" / f"hf-{fam}"
+    full = load_file(str(oracle / "hf" / fam / "model.safetensors"))
+    per = EXPERTS // WORLD
+    for r in range(WORLD):
+        got, want = _rank(out, r), _rank(want_dir, r)
+        mine = {
+            n for n in full if ".experts." in n and int(n.split(".experts.")[1].split(".")[0]) // per == r
+        }
+        assert {n for n in got if ".experts." in n} == mine  # only its own experts, under global names
+        assert all(same_bits(got[n], full[n]) for n in mine)
+        assert set(got) == {n for n in full if ".experts." not in n} | mine
+        for name in (n for n in want if ".mlp.experts." in n):
+            stacked = M.per_expert(fam, name, {_local(n, r * per): t for n, t in got.items()}, per)
+            assert same_bits(stacked, want[name]), f"{fam} rank {r} {name}"
+    # read back (ranks missing tensors by design) and consolidated: the source, bit for bit
+    back = tmp_path / "back"
+    _convert(out, back, "--consolidate")
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(full) and all(same_bits(got[n], full[n]) for n in full)
+    assert reshard_cli("inspect", str(out), "--check").returncode == 0
+    assert reshard_cli("verify", str(out), str(oracle / "hf" / fam)).returncode == 0
+
+
+def _local(name: str, first: int) -> str:
+    """``...experts.{e}...`` renumbered from ``first`` (the rank's first expert) to 0."""
+    head, sep, tail = name.partition(".experts.")
+    if not sep or not tail[:1].isdigit():
+        return name
+    e, _, rest = tail.partition(".")
+    return f"{head}.experts.{int(e) - first}.{rest}"

@@ -197,17 +197,29 @@ MIXTRAL = {
 }
 
 
-def test_mixtral_per_expert_tensors_are_assigned_whole_and_refused_until_implemented() -> None:
+def test_mixtral_per_expert_tensors_are_dealt_to_ep_ranks_in_contiguous_blocks() -> None:
     cfg = load_layout(resolve_preset("mixtral-moe"))
-    for name in (
-        "model.layers.0.block_sparse_moe.experts.3.w1.weight",
-        "model.layers.5.mlp.experts.0.down_proj.weight",
-    ):
-        rule = cfg.match(name)
-        assert rule.own == ("ep", Own("expert")) and rule.to_json() == {"ep": "Own(expert)"}
-        with pytest.raises(LayoutError, match=r"not implemented yet.*mixtral-experts-stack") as e:
-            cfg.placements_for(name)
-        assert e.value.tensor == name and "mixtral-moe.yaml:" in e.value.message
+    names = [
+        f"model.layers.{layer}.block_sparse_moe.experts.{e}.w{w}.weight"
+        for layer in range(2)
+        for e in range(8)
+        for w in (1, 2, 3)
+    ]
+    rule = cfg.match(names[0])
+    assert rule.own == ("ep", Own("expert")) and rule.to_json() == {"ep": "Own(expert)"}
+    with pytest.raises(LayoutError, match=r"needs the checkpoint's tensor names") as e:
+        cfg.placements_for(names[0])
+    assert e.value.tensor == names[0] and "mixtral-moe.yaml:" in e.value.message
+    bound = cfg.assign([*names, "model.norm.weight"])
+    for n in names:  # 8 experts over ep=4: experts 2c and 2c+1 on rank c
+        expert = int(n.split(".experts.")[1].split(".")[0])
+        assert [str(p) for p in bound.placements_for(n)] == [f"Own({expert // 2})"], n
+    two = bound.with_mesh(Mesh(("ep",), (2,)))
+    assert [str(p) for p in two.placements_for(names[-1])] == ["Own(1)"]
+    with pytest.raises(LayoutError, match=r"deals 8 numbers over the 3 ranks of ep, which does not divide"):
+        bound.with_mesh(Mesh(("ep",), (3,))).placements_for(names[0])
+    with pytest.raises(LayoutError, match=r"numbered \[0, 1, 3\], not 0..2"):
+        cfg.assign([f"m.mlp.experts.{e}.w1.weight" for e in (0, 1, 3)])
 
 
 def test_mixtral_expert_rule_is_first() -> None:
@@ -952,5 +964,5 @@ def test_own_needs_a_named_group_in_a_regex_and_a_mesh_dim() -> None:
     assert rule.own == ("ep", Own("e", local=True))
     assert rule.to_json() == {"fsdp": "S(0)", "ep": "Own(e, local)"}
     assert cfg.placements_for("l.0.other") == (Replicate(), Replicate())
-    with pytest.raises(LayoutError, match=r'tensor "l.0.experts.7.w1".*assigns it whole to the ep rank'):
-        cfg.placements_for("l.0.experts.7.w1")
+    with pytest.raises(LayoutError, match=r'tensor "l.0.experts.7.w1".*rank-local numbers'):
+        cfg.assign([f"l.0.experts.{e}.w1" for e in range(8)]).placements_for("l.0.experts.7.w1")
