@@ -345,7 +345,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             return ["R"] * target.mesh.ndim
         return rules.placements_for(name)
 
-    return make_plan(
+    plan = make_plan(
         source,
         target.mesh,
         placements_for,
@@ -354,6 +354,16 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         options=target.options,
         rules=rules,
     )
+    owned = next((t for t in plan.tensors if t.layout.assigned), None) if target.fmt != SHARDED else None
+    if owned is not None:
+        raise UsageError(
+            f'tensor "{owned.name}" is placed {owned.layout.placement_strs()} by '
+            f"{rules.rule_location(owned.name) if rules else 'the layout'}: whole-tensor assignment "
+            f"(Own) is written by --to {SHARDED} only, whose rank files leave out the tensors a rank "
+            "does not own",
+            tensor=owned.name,
+        )
+    return plan
 
 
 def _is_within(child: Path, parent: Path) -> bool:

@@ -215,3 +215,84 @@ def test_kv_rows_sharded_beyond_the_kv_heads_warn(
         warnings[0],
     ), warnings[0]
     assert "key/value heads" in p.stderr
+
+
+# -- whole-tensor assignment: per-expert tensors on the ep rank owning their expert -----------
+
+
+def rank_file(directory: Path, r: int, world: int) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / f"rank-{r:05d}-of-{world:05d}.safetensors"))
+
+
+def expert_of(name: str) -> int | None:
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+@pytest.mark.parametrize("fam", M.MOE)
+def test_mixtral_moe_deals_whole_experts_to_ep_ranks_and_reads_back(
+    models: Path, tmp_path: Path, fam: str
+) -> None:
+    src = models / fam
+    full = load_file(str(src / "model.safetensors"))
+    ep2, ep4, back = tmp_path / "ep2", tmp_path / "ep4", tmp_path / "back"
+    p = run("convert", str(src), str(ep2), "--target-layout", "mixtral-moe", "--target-mesh", "ep=2")
+    assert p.returncode == 0, p.stderr
+    p = run("convert", str(ep2), str(ep4), "--target-mesh", "ep=4")  # the rules from ep2's reshard.json
+    assert p.returncode == 0, p.stderr
+    for out, world in ((ep2, 2), (ep4, 4)):
+        for r in range(world):
+            got = rank_file(out, r, world)
+            want = {n for n in full if expert_of(n) is None or expert_of(n) // (4 // world) == r}
+            assert set(got) == want, (world, r)  # 4 experts: 2 per rank at ep=2, 1 at ep=4
+            assert all(torch.equal(got[n], full[n]) for n in want)
+        assert run("inspect", str(out), "--check").returncode == 0
+    with safe_open(str(ep2 / "rank-00001-of-00002.safetensors"), "pt") as f:
+        meta = json.loads(f.metadata()["reshard"])
+    assert meta["format_version"] == 1 and set(meta["tensors"]) == set(full)  # absent ones described too
+    placed = meta["tensors"][next(n for n in full if expert_of(n) == 3)]["placements"]
+    assert placed == ["Own(1)"]
+    p = run("convert", str(ep4), str(back), "--consolidate")
+    assert p.returncode == 0, p.stderr
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--target-mesh", "ep=3"],
+            r"Own\(expert\) deals 4 numbers over the 3 ranks of ep, which does not divide",
+        ),
+        (["--to", "sharded-state"], r"whole-tensor assignment \(Own\) is written by --to per-rank only"),
+    ],
+)
+def test_mixtral_moe_refuses_what_it_cannot_deal(
+    models: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    out = tmp_path / "out"
+    p = run("convert", str(models / "mixtral"), str(out), "--target-layout", "mixtral-moe", *args)
+    assert p.returncode == 2, p.stderr
+    assert re.search(message, " ".join(p.stderr.split())), p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_a_tensor_missing_on_a_rank_is_still_an_error_unless_own_leaves_it_out(
+    models: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    out = tmp_path / "tp2"
+    p = run(
+        "convert", str(models / "llama"), str(out), "--target-layout", "llama-tp", "--target-mesh", "tp=2"
+    )
+    assert p.returncode == 0, p.stderr
+    path = out / "rank-00001-of-00002.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        kept = {n: f.get_tensor(n) for n in f.keys() if n != "model.norm.weight"}
+    save_file(kept, str(path), metadata=meta)
+    p = run("convert", str(out), str(tmp_path / "back"), "--consolidate")
+    assert p.returncode == 2
+    assert 'tensor "model.norm.weight" is missing (it is in rank-00000-of-00002.safetensors)' in p.stderr
