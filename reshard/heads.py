@@ -148,7 +148,7 @@ def _check_fused(
         known = f"its rows are q {parts[0]} + k {parts[1]} + v {parts[2]} (from {src})"
     raise LayoutError(
         f'tensor "{name}" of shape {list(shape)}: {rules.rule_location(name)} places it {p}, which '
-        f"cuts 3 equal parts of {rows / 3:g} rows, but {known}; {_SPLIT_HINT}",
+        f"cuts it into 3 equal parts ({rows}/3 rows each), but {known}; {_SPLIT_HINT}",
         tensor=name,
         path=rules.source,
     )
