@@ -327,7 +327,9 @@ def _checked_rules(source: Checkpoint, rules: LayoutConfig, mesh: Mesh) -> Layou
     warnings (rules matching nothing, KV heads split by the mesh) added to ``source``'s."""
     from .heads import check_heads  # lazy: reads config.json only when there are target rules
 
-    warnings = rule_warnings(rules, source.tensors) if rules is not source.layout else []
+    base = source.layout  # its own rules on another mesh (--target-mesh): not the user's to fix
+    reused = base is not None and rules.rules == base.rules and rules.source == base.source
+    warnings = [] if reused else rule_warnings(rules, source.tensors)
     rules = rules.assign(source.tensors)
     for w in [*warnings, *check_heads(source, rules, mesh)]:
         if w not in source.warnings:

@@ -336,6 +336,11 @@ def _owned(pos: list[str], kw: dict[str, str], text: str) -> Placement:
     owner = _arg(pos, kw, "owner")
     if owner is None or pos or kw:
         raise ConfigError(f"placement {_short(text)}: Own takes one owner coordinate, e.g. Own(3)")
+    if not _INT.fullmatch(owner):
+        raise ConfigError(
+            f"placement {_short(text)}: Own(NAME) (the owner by a number the pattern captures) goes in "
+            "a layout rule's {dim: Own(NAME)} mapping; as a placement, Own takes a mesh coordinate: Own(3)"
+        )
     return Owned(_int(owner, "the owner", text))
 
 

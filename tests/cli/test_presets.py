@@ -238,8 +238,9 @@ def test_mixtral_moe_deals_whole_experts_to_ep_ranks_and_reads_back(
     ep2, ep4, back = tmp_path / "ep2", tmp_path / "ep4", tmp_path / "back"
     p = run("convert", str(src), str(ep2), "--target-layout", "mixtral-moe", "--target-mesh", "ep=2")
     assert p.returncode == 0, p.stderr
-    p = run("convert", str(ep2), str(ep4), "--target-mesh", "ep=4")  # the rules from ep2's reshard.json
+    p = run("convert", str(ep2), str(ep4), "--target-mesh", "ep=4", "--json")  # ep2's reshard.json rules
     assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["warnings"] == []  # its unused (stacked-expert) rule is not the user's
     for out, world in ((ep2, 2), (ep4, 4)):
         for r in range(world):
             got = rank_file(out, r, world)
