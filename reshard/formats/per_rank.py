@@ -331,12 +331,13 @@ def rank_checkpoint(
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
     for name in _all_names(where):
-        held = _rank_entries(name, files, where)
-        ndim = len(next(h for h in held if h is not None)[1].shape)
-        shape, pls = describe(name, tuple(h[1].shape if h else (0,) * ndim for h in held))
-        found = _fill_absent(name, held, files, (shape, mesh, pls), coords)
+        found, missing = _rank_entries(name, files, where)
+        if missing:
+            found, shape, pls = _fill_absent(name, found, missing, files, describe, mesh, coords)
         entries = [en for _, en in found]
         local_shapes = tuple(en.shape for en in entries)
+        if not missing:
+            shape, pls = describe(name, local_shapes)
         piece_files = tuple(i for i, _ in found)
         key = (local_shapes, shape, tuple(pls), piece_files)
         geo = geometries.get(key)
@@ -449,41 +450,52 @@ def _all_names(where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]
 
 def _fill_absent(
     name: str,
-    held: Sequence[tuple[int, TensorEntry] | None],
+    found: list[tuple[int, TensorEntry]],
+    missing: Sequence[int],
     files: RankFiles,
-    described: tuple[tuple[int, ...], Mesh, Sequence[Placement | str]],
+    describe: Describe,
+    mesh: Mesh,
     coords: Sequence[tuple[int, ...]],
-) -> list[tuple[int, TensorEntry]]:
-    """``held`` with an empty entry for each rank its ``Own`` placement leaves out; any other missing
-    rank is an error (every rank holds every tensor; an empty shard has a 0-size dim)."""
-    present = [h for h in held if h is not None]
-    if len(present) == len(held):
-        return present
-    layout = TensorLayout.for_tensor(name, described[0], described[1], list(described[2]))
-    out = []
-    for r, h in enumerate(held):
-        if h is None:
-            p = files.paths[files.ranks[r][0]]
-            if layout.holds(coords[r]):
-                raise TensorNotFoundError(
-                    f'{p}: tensor "{name}" is missing (it is in {files.paths[present[0][0]].name})',
-                    path=str(p),
-                    tensor=name,
-                )
-            h = (
-                files.ranks[r][0],
-                TensorEntry(name, present[0][1].dtype, layout.local_shape(coords[r]), 0, 0),
+) -> tuple[list[tuple[int, TensorEntry]], tuple[int, ...], Sequence[Placement | str]]:
+    """Every rank's entry, global shape and placements of a tensor some ranks' files leave out.
+
+    Its ``Own`` placement must leave out exactly those ranks: each gets an empty entry. Any
+    other missing rank is an error (every rank holds every tensor; an empty shard has a
+    0-size dim).
+    """
+    first = found[0]
+    shapes = [en.shape for _, en in found]
+    for r in missing:
+        shapes.insert(r, (0,) * len(first[1].shape))
+    shape, pls = describe(name, tuple(shapes))
+    layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
+    out = list(found)
+    for r in missing:
+        p = files.paths[files.ranks[r][0]]
+        if layout.holds(coords[r]):
+            raise TensorNotFoundError(
+                f'{p}: tensor "{name}" is missing (it is in {files.paths[first[0]].name})',
+                path=str(p),
+                tensor=name,
             )
-        out.append(h)
-    return out
+        empty = TensorEntry(name, first[1].dtype, layout.local_shape(coords[r]), 0, 0)
+        out.insert(r, (files.ranks[r][0], empty))
+    return out, shape, pls
 
 
 def _rank_entries(
     name: str, files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]
-) -> list[tuple[int, TensorEntry] | None]:
-    """The tensor's (file index, header entry) on every rank holding it (None elsewhere), all of one dtype."""
-    held = [w.get(name) for w in where]
-    found = [h for h in held if h is not None]
+) -> tuple[list[tuple[int, TensorEntry]], list[int]]:
+    """The tensor's (file index, header entry) on the ranks holding it, all of one dtype, and
+    the ranks whose files leave it out (``Own``; checked by :func:`_fill_absent`)."""
+    found = []
+    missing = []
+    for r, w in enumerate(where):
+        hit = w.get(name)
+        if hit is None:
+            missing.append(r)
+        else:
+            found.append(hit)
     first = files.paths[found[0][0]]
     dtype = found[0][1].dtype
     for i, en in found:
@@ -495,7 +507,7 @@ def _rank_entries(
                 path=str(p),
                 tensor=name,
             )
-    return held
+    return found, missing
 
 
 def _derived_shape(
