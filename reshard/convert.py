@@ -127,7 +127,11 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     sizes = parse_mesh_spec(spec.mesh, option="--source-mesh") if spec.mesh else None
     ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
     if layout is not None:
+        from .heads import check_heads  # lazy, as in build_plan
+
         ckpt.warnings.extend(rule_warnings(layout, ckpt.tensors))
+        if ckpt.layout is not None and ckpt.mesh is not None:
+            check_heads(ckpt, ckpt.layout, ckpt.mesh)  # a fused GQA qkv read as equal thirds; KV: as saved
     if spec.include or spec.exclude:
         from .select import select_checkpoint
 

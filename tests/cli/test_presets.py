@@ -50,6 +50,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for fam in M.FAMILIES:
         M.build(fam, root / fam, stacked=root / f"{fam}-stacked" if fam in M.MOE else None)
     M.build("phi3", root / "phi3-mha", kv_heads=4)
+    M.build("phi3", root / "phi3-kv1", kv_heads=1)  # qkv 64 + 16 + 16 rows: fits _S(0, 3) on 2 ranks
     return root
 
 
@@ -297,3 +298,19 @@ def test_a_tensor_missing_on_a_rank_is_still_an_error_unless_own_leaves_it_out(
     p = run("convert", str(out), str(tmp_path / "back"), "--consolidate")
     assert p.returncode == 2
     assert 'tensor "model.norm.weight" is missing (it is in rank-00000-of-00002.safetensors)' in p.stderr
+
+
+def test_gqa_qkv_read_as_equal_thirds_is_refused_too(models: Path, tmp_path: Path) -> None:
+    """Local shapes [48, 64] fit _S(0, 3) of 96 rows on 2 ranks: only the head counts tell it is wrong."""
+    tp2 = tmp_path / "tp2"
+    src = models / "phi3-kv1"
+    p = run("convert", str(src), str(tp2), "--target-layout", "llama-tp", "--target-mesh", "tp=2")
+    assert p.returncode == 0, p.stderr
+    shutil.copy(src / "config.json", tp2)  # the head counts, next to the rank files
+    out = tmp_path / "out"
+    p = run(
+        "convert", str(tp2), str(out), "--consolidate",
+        "--source-layout", "llama-tp-fused", "--source-mesh", "tp=2",
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert "q 64 + k 16 + v 16" in " ".join(p.stderr.split()) and not out.exists()
