@@ -465,8 +465,8 @@ def _fill_absent(
     """
     first = found[0]
     shapes = [en.shape for _, en in found]
-    for r in missing:
-        shapes.insert(r, (0,) * len(first[1].shape))
+    for r in missing:  # Own empties dim 0; the other dims as a holder's (for a layout deriving the shape)
+        shapes.insert(r, (0, *first[1].shape[1:]))
     shape, pls = describe(name, tuple(shapes))
     layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
     out = list(found)
@@ -632,6 +632,8 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
     if not path.is_dir():
         raise UsageError(f"{path}: a per-rank checkpoint is a directory", path=str(path))
     cfg = source_layout(options)
+    if cfg is not None and any(r.own is not None for r in cfg.rules):  # Own(...) deals by the names held
+        cfg = cfg.assign(n for p in _rank_paths(path, strict=False) for n in read_header(p).names)
     ckpt = open_per_rank(
         path,
         mesh=cfg.mesh if cfg is not None else None,

@@ -314,3 +314,37 @@ def test_gqa_qkv_read_as_equal_thirds_is_refused_too(models: Path, tmp_path: Pat
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     assert "q 64 + k 16 + v 16" in " ".join(p.stderr.split()) and not out.exists()
+
+
+def test_a_foreign_ep_checkpoint_reads_with_own_in_its_source_layout(models: Path, tmp_path: Path) -> None:
+    """Rank files without reshard's metadata (as another framework saves them, experts under global
+    names): ``--source-layout mixtral-moe`` deals the experts to ranks from the names held."""
+    from safetensors.torch import save_file
+
+    ep2, bare, back = tmp_path / "ep2", tmp_path / "bare", tmp_path / "back"
+    p = run(
+        "convert",
+        str(models / "mixtral"),
+        str(ep2),
+        "--target-layout",
+        "mixtral-moe",
+        "--target-mesh",
+        "ep=2",
+    )
+    assert p.returncode == 0, p.stderr
+    bare.mkdir()
+    for r in range(2):  # rank 0 holds experts 0-1, rank 1 experts 2-3, every other tensor whole
+        save_file(rank_file(ep2, r, 2), str(bare / f"model_rank{r}.safetensors"))
+    layout = ["--source-layout", "mixtral-moe", "--source-mesh", "ep=2"]
+    p = run("convert", str(bare), str(back), "--consolidate", *layout)
+    assert p.returncode == 0, p.stderr
+    full = load_file(str(models / "mixtral" / "model.safetensors"))
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
+    (bare / "model_rank1.safetensors").unlink()
+    save_file(rank_file(ep2, 0, 2), str(bare / "model_rank1.safetensors"))  # rank 1 with rank 0's experts
+    p = run("convert", str(bare), str(tmp_path / "bad"), "--consolidate", *layout)
+    assert p.returncode == 2, p.stderr  # experts 0-1 on both ranks: rank 1's do not fit Own(0)
+    assert re.search(
+        r'tensor "model\.layers\.0\.block_sparse_moe\.experts\.[01]\.w1\.weight": local shapes', p.stderr
+    )
