@@ -52,9 +52,10 @@ import yaml
 from .errors import ConfigError, LayoutError
 from .io.safe import MAX_LAYOUT_BYTES, read_document
 from .mesh import Mesh
-from .placements import Placement, Replicate, StridedShard, parse_placement
+from .placements import Owned, Placement, Replicate, StridedShard, parse_placement
 
 __all__ = [
+    "Own",
     "Rule",
     "RuleSpec",
     "LayoutJson",
@@ -71,17 +72,54 @@ __all__ = [
 REGEX_PREFIX = "re:"
 
 
-class LayoutJson(TypedDict):
-    """A layout as JSON (``reshard.json``'s ``mesh`` and ``rules``)."""
-
+class _LayoutJsonRequired(TypedDict):
     mesh: dict[str, list[object]]
     rules: list[list[object]]
 
 
+class LayoutJson(_LayoutJsonRequired, total=False):
+    """A layout as JSON (``reshard.json``'s ``mesh`` and ``rules``; ``optional`` when some rules are)."""
+
+    optional: list[str]
+
+
 RuleSpec: TypeAlias = tuple[tuple[str | None, Placement], ...]
 
+_OWN = re.compile(r"\s*Own\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*(,\s*local\s*)?\)\s*")
+
+
+@dataclass(frozen=True, slots=True)
+class Own:
+    """Whole-tensor assignment on one mesh dim: ``{ep: Own(expert)}`` (expert parallelism).
+
+    The tensor is held whole, by the ranks of that mesh dim owning the number the rule's
+    ``re:`` pattern captures in group ``capture``: the E numbers of tensors whose names
+    differ only there are dealt in contiguous blocks of E/size (rank c owns
+    ``[c*E/size, (c+1)*E/size)``, as Megatron and vLLM place experts). ``local``: rename the
+    number to its index on the owning rank: parsed, but refused by convert until the per-rank
+    writer can name a rank's tensors locally (README, "Expert parallelism").
+
+    >>> Own.parse("Own(expert, local)")
+    Own(capture='expert', local=True)
+    >>> str(Own("expert")), Own.parse("S(0)") is None
+    ('Own(expert)', True)
+    """
+
+    capture: str
+    local: bool = False
+
+    @classmethod
+    def parse(cls, value: object) -> Own | None:
+        """``Own(NAME)`` or ``Own(NAME, local)``; None for anything else (a placement)."""
+        m = _OWN.fullmatch(value) if isinstance(value, str) else None
+        return cls(m.group(1), m.group(2) is not None) if m else None
+
+    def __str__(self) -> str:
+        return f"Own({self.capture}, local)" if self.local else f"Own({self.capture})"
+
+
 _KINDS = ("positional", "named", "all")
-_TOP_KEYS = ("mesh", "placements", "name", "description")
+_TOP_KEYS = ("mesh", "placements", "optional", "name", "description")
 # A layout's transforms section: read by reshard.transform_plan.layout_transforms (a target layout's
 # is applied by convert, a source layout's refused), skipped here
 _TRANSFORM_KEYS = ("config", "transforms", "allow_unused")
@@ -129,6 +167,8 @@ class Rule:
     kind: str
     # Where it was written, not what it says: two rules differing only in line are equal.
     line: int = field(default=0, compare=False)
+    # (mesh dim, Own): a whole-tensor assignment on that dim; its spec entry holds R.
+    own: tuple[str, Own] | None = None
     # Compiled once: matches() runs for every tensor of a checkpoint.
     _regex: Matcher = field(init=False, repr=False, compare=False)
 
@@ -146,6 +186,8 @@ class Rule:
                 raise ConfigError(f"rule spec entries must be (dim name or None, placement), got {entry!r}")
         _check_spec_names(self.kind, spec)
         object.__setattr__(self, "_regex", _compile(self.pattern))
+        if self.own is not None:
+            _check_own(self.pattern, self.kind, self.own)
 
     @classmethod
     def from_json(cls, pattern: str, value: object, *, line: int = 0) -> Rule:
@@ -169,11 +211,14 @@ class Rule:
             return cls(pattern, tuple((None, _parse_value(v)) for v in value), "positional", line)
         if isinstance(value, Mapping):
             spec: list[tuple[str | None, Placement]] = []
+            own: tuple[str, Own] | None = None
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise ConfigError(f"mesh dim names must be strings, got {k!r}")
-                spec.append((k, _parse_value(v)))
-            return cls(pattern, tuple(spec), "named", line)
+                o = Own.parse(v)
+                own = (k, o) if o is not None else own
+                spec.append((k, Replicate() if o is not None else _parse_value(v)))
+            return cls(pattern, tuple(spec), "named", line, own)
         raise ConfigError(
             f"placements must be a string (R), a list ([R, S(1)]) or a mapping ({{tp: S(0)}}), got {value!r}"
         )
@@ -245,7 +290,8 @@ class Rule:
             return str(self.spec[0][1])
         if self.kind == "positional":
             return [str(p) for _, p in self.spec]
-        return {str(name): str(p) for name, p in self.spec}
+        own = dict([self.own]) if self.own is not None else {}
+        return {str(name): str(own.get(str(name), p)) for name, p in self.spec}
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,11 +305,16 @@ class LayoutConfig:
         mesh: the mesh (sizes are defaults; see :meth:`with_mesh`).
         rules: the rules, in file order.
         source: where the rules came from, for messages.
+        optional: patterns of rules for tensors only some models have (a preset
+            covering several families): matching nothing is not worth a warning.
     """
 
     mesh: Mesh
     rules: tuple[Rule, ...]
     source: str = "<layout>"
+    optional: frozenset[str] = frozenset()
+    # Own(capture) rules bound to a checkpoint's names (:meth:`assign`): name -> (number, count in its group).
+    numbers: Mapping[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
     # Matching index, derived from rules: a self-describing checkpoint brings one
     # exact-name rule per tensor, and trying every rule on every name is quadratic.
     # Literal patterns map name -> first rule index; the rest are tried in order.
@@ -288,6 +339,14 @@ class LayoutConfig:
                 )
             seen[rule.pattern] = rule
             self._placements(rule, self.mesh, None)
+        object.__setattr__(self, "optional", frozenset(self.optional))
+        missing = sorted(self.optional - seen.keys())
+        if missing:
+            raise ConfigError(
+                f"{self.source}: optional names {missing[0]!r}, which is not a pattern under placements:; "
+                "list patterns exactly as written there",
+                path=self.source,
+            )
         exact: dict[str, int] = {}
         patterns: list[int] = []
         for i, rule in enumerate(self.rules):
@@ -350,7 +409,43 @@ class LayoutConfig:
             LayoutError: no rule matches ``name``.
             ConfigError: the matching rule does not fit ``mesh``.
         """
-        return self._placements(self.match(name), self.mesh if mesh is None else mesh, name)
+        rule = self.match(name)
+        mesh = self.mesh if mesh is None else mesh
+        out = self._placements(rule, mesh, name)
+        return out if rule.own is None else self._owned(rule, name, mesh, out)
+
+    def _owned(self, rule: Rule, name: str, mesh: Mesh, out: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """``out`` with the rule's ``Own(capture)`` dim set to ``Own(owner)`` for tensor ``name``."""
+        assert rule.own is not None
+        dim, own = rule.own
+        where = self._where(rule)
+        if own.local:
+            raise LayoutError(
+                f'tensor "{name}": {where}{own} renames tensors to rank-local numbers, which per-rank '
+                f"outputs do not support yet; drop ', local' (each rank's file then holds its tensors "
+                "under their global names)",
+                tensor=name,
+                path=self.source,
+            )
+        bound = self.numbers.get(name)
+        if bound is None:
+            raise LayoutError(
+                f'tensor "{name}": {where}{own} needs the checkpoint\'s tensor names to deal numbers to '
+                "ranks (LayoutConfig.assign); this command cannot place it",
+                tensor=name,
+                path=self.source,
+            )
+        number, count = bound
+        size = mesh.shape[mesh.names.index(dim)]
+        if count % size:
+            raise LayoutError(
+                f'tensor "{name}": {where}{own} deals {count} numbers over the {size} ranks of {dim}, '
+                f"which does not divide them; use a {dim} size dividing {count}",
+                tensor=name,
+                path=self.source,
+            )
+        i = mesh.names.index(dim)
+        return (*out[:i], Owned(number // (count // size)), *out[i + 1 :])
 
     def with_mesh(self, mesh: Mesh) -> LayoutConfig:
         """The same rules on another mesh (e.g. ``--target-mesh tp=8``).
@@ -358,10 +453,56 @@ class LayoutConfig:
         Raises:
             ConfigError: a rule does not fit ``mesh``.
         """
-        return LayoutConfig(mesh, self.rules, self.source)
+        return LayoutConfig(mesh, self.rules, self.source, self.optional, self.numbers)
+
+    def assign(self, names: Iterable[str]) -> LayoutConfig:
+        """These rules with their ``Own(capture)`` assignments bound to the tensors ``names``.
+
+        Per rule, tensors whose names differ only in the captured number form a group (the
+        experts of one layer and projection); a group's numbers must be 0..E-1. Rank ``c`` of
+        the mesh dim then owns numbers ``[c*E/size, (c+1)*E/size)``.
+
+        Raises:
+            LayoutError: a group's numbers are not 0..E-1 (naming the rule and a tensor).
+        """
+        owning = [i for i, r in enumerate(self.rules) if r.own is not None]
+        if not owning:
+            return self
+        groups: dict[tuple[int, str], dict[str, int]] = {}
+        for name in names:
+            i = self._first(name)
+            if i is None or i not in owning:
+                continue
+            rule = self.rules[i]
+            assert rule.own is not None
+            m = re.fullmatch(rule.pattern[len(REGEX_PREFIX) :], name)
+            assert m is not None  # the rule matched it
+            key = m.group(rule.own[1].capture)
+            span = m.span(rule.own[1].capture)
+            if not key.isdigit():
+                raise LayoutError(
+                    f'tensor "{name}": {self._where(rule)}captures {key!r} for {rule.own[1]}; '
+                    "the group must capture a number, e.g. (?P<expert>\\d+)",
+                    tensor=name,
+                    path=self.source,
+                )
+            groups.setdefault((i, name[: span[0]] + "{}" + name[span[1] :]), {})[name] = int(key)
+        numbers: dict[str, tuple[int, int]] = {}
+        for (i, group), members in groups.items():
+            count = len(set(members.values()))
+            if sorted(set(members.values())) != list(range(count)):
+                raise LayoutError(
+                    f"{self._where(self.rules[i])}the tensors {group.replace('{}', '*')} are numbered "
+                    f"{sorted(set(members.values()))[:8]}, not 0..{count - 1}: Own(...) deals numbers "
+                    "0..E-1 to ranks in contiguous blocks",
+                    tensor=next(iter(members)),
+                    path=self.source,
+                )
+            numbers.update((name, (v, count)) for name, v in members.items())
+        return LayoutConfig(self.mesh, self.rules, self.source, self.optional, numbers)
 
     def unused_rules(self, names: Iterable[str]) -> list[Rule]:
-        """Rules that are the first match of none of ``names`` (worth a warning).
+        """Rules that are the first match of none of ``names`` (worth a warning), except optional ones.
 
         Names no rule matches are ignored here; :meth:`match` reports them.
         """
@@ -372,14 +513,20 @@ class LayoutConfig:
                 used.add(i)
                 if len(used) == len(self.rules):
                     break
-        return [r for i, r in enumerate(self.rules) if i not in used]
+        return [r for i, r in enumerate(self.rules) if i not in used and r.pattern not in self.optional]
 
     def to_json(self) -> LayoutJson:
-        """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``."""
-        return {
+        """``{"mesh": {"names": [...], "shape": [...]}, "rules": [[pattern, value], ...]}``.
+
+        ``"optional": [pattern, ...]`` is added when some rules are optional.
+        """
+        out: LayoutJson = {
             "mesh": self.mesh.to_json(),
             "rules": [[r.pattern, r.to_json()] for r in self.rules],
         }
+        if self.optional:
+            out["optional"] = [r.pattern for r in self.rules if r.pattern in self.optional]
+        return out
 
     @classmethod
     def from_json(cls, data: object, source: str = "<reshard.json>") -> LayoutConfig:
@@ -412,7 +559,10 @@ class LayoutConfig:
                 path=source,
             )
         rules = [_rule_from_json(pair, pre, source) for pair in pairs]
-        return cls(mesh, tuple(rules), source)
+        optional = data.get("optional", [])
+        if not isinstance(optional, list) or not all(isinstance(p, str) for p in optional):
+            raise ConfigError(f"{pre}optional must be a list of rule patterns, got {optional!r}", path=source)
+        return cls(mesh, tuple(rules), source, frozenset(optional))
 
 
 # -- patterns ------------------------------------------------------------------
@@ -617,7 +767,28 @@ class _Parser:
             raise self.error(root, 'missing placements:; add ordered pattern -> placement rules, e.g. "*": R')
         mesh = self.mesh(*top["mesh"])
         rules = self.rules(*top["placements"])
-        return LayoutConfig(mesh, rules, self.source)
+        optional = self.optional(rules, top["optional"][1]) if "optional" in top else frozenset[str]()
+        return LayoutConfig(mesh, rules, self.source, optional)
+
+    def optional(self, rules: tuple[Rule, ...], node: yaml.Node) -> frozenset[str]:
+        """``optional:``, a list of patterns written under ``placements:`` (no warning when unused)."""
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.error(node, f"optional must be a list of rule patterns, got a {_kind(node)}")
+        self.plain(node)
+        patterns = {r.pattern for r in rules}
+        out: set[str] = set()
+        for item in node.value:
+            value = self.value(item) if isinstance(item, yaml.ScalarNode) else None
+            if not isinstance(value, str) or value not in patterns:
+                close = difflib.get_close_matches(str(value), sorted(patterns), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.error(
+                    item,
+                    f"optional lists {_short(item, value)}, which is not a pattern under placements:; "
+                    f"{hint}copy the pattern exactly as written there",
+                )
+            out.add(value)
+        return frozenset(out)
 
     def mesh(self, key: yaml.Node, node: yaml.Node) -> Mesh:
         example = "e.g. mesh: {fsdp: 2, tp: 4}"
@@ -672,10 +843,15 @@ class _Parser:
 
     def rule(self, pattern: str, key: yaml.Node, node: yaml.Node) -> Rule:
         spec: list[tuple[str | None, Placement]] = []
+        own: tuple[str, Own] | None = None
         if isinstance(node, yaml.MappingNode):
             kind = "named"
             for dim, _, v in self.mapping(node, f"rule {pattern!r}: mesh dim"):
-                spec.append((dim, self.placement(pattern, v)))
+                o = Own.parse(self.value(v)) if isinstance(v, yaml.ScalarNode) else None
+                if o is not None and own is not None:
+                    raise self.error(v, f"rule {pattern!r}: Own(...) is given twice; assign on one mesh dim")
+                own = (dim, o) if o is not None else own
+                spec.append((dim, Replicate() if o is not None else self.placement(pattern, v)))
         elif isinstance(node, yaml.SequenceNode):
             kind = "positional"
             self.plain(node)
@@ -685,7 +861,7 @@ class _Parser:
             kind = "all"
             spec.append((None, self.placement(pattern, node)))
         try:
-            return Rule(pattern, tuple(spec), kind, _line(key))
+            return Rule(pattern, tuple(spec), kind, _line(key), own)
         except ConfigError as e:
             raise self.error(key, f"rule {pattern!r}: {e.message}") from None
 
@@ -915,6 +1091,19 @@ def _check_spec_names(kind: str, spec: RuleSpec) -> None:
         raise ConfigError(f"an 'all' rule holds exactly one placement, got {len(spec)}")
     if kind == "positional" and not spec:
         raise ConfigError("the placement list is empty; give one placement per mesh dim")
+
+
+def _check_own(pattern: str, kind: str, own: tuple[str, Own]) -> None:
+    """``Own(NAME)`` sits in a ``{dim: ...}`` rule whose ``re:`` pattern has a group ``(?P<NAME>...)``."""
+    dim, o = own
+    if kind != "named":
+        raise ConfigError(f"{o} names no mesh dim; write it in the mapping form, e.g. {{ep: {o}}}")
+    groups = re.compile(pattern[len(REGEX_PREFIX) :]).groupindex if pattern.startswith(REGEX_PREFIX) else {}
+    if o.capture not in groups:
+        raise ConfigError(
+            f"{o} on {dim} needs the number it assigns by from the tensor name: write a re: pattern "
+            f"with a named group, e.g. 're:.*\\.experts\\.(?P<{o.capture}>\\d+)\\..*'"
+        )
 
 
 def _mesh_from_json(mesh_data: object) -> Mesh:

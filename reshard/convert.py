@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +13,7 @@ from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
 from .check import Problem, check_metadata, source_checksum_problems
-from .checkpoint import Checkpoint, CheckpointWarning
+from .checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
 from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, UsageError, WriteError
@@ -142,7 +142,11 @@ def open_source(spec: SourceSpec) -> Checkpoint:
     sizes = parse_mesh_spec(spec.mesh, option="--source-mesh") if spec.mesh else None
     ckpt = open_checkpoint(spec.path, fmt=spec.fmt, layout=layout, mesh_sizes=sizes)
     if layout is not None:
+        from .heads import check_heads  # lazy, as in build_plan
+
         ckpt.warnings.extend(rule_warnings(layout, ckpt.tensors))
+        if ckpt.layout is not None and ckpt.mesh is not None:
+            check_heads(ckpt, ckpt.layout, ckpt.mesh)  # a fused GQA qkv read as equal thirds; KV: as saved
     if spec.include or spec.exclude:
         from .select import select_checkpoint
 
@@ -375,14 +379,32 @@ def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWar
     ]
 
 
+def _checked_rules(
+    source: Checkpoint, rules: LayoutConfig, mesh: Mesh, targets: Mapping[str, TensorSource] | None
+) -> LayoutConfig:
+    """Target ``rules`` bound to the target tensor names (the source's, or ``targets`` after
+    transforms) for ``Own(...)`` assignments, their warnings (rules matching nothing, KV heads
+    split by the mesh) added to ``source``'s."""
+    from .heads import check_heads  # lazy: reads config.json only when there are target rules
+
+    names = source.tensors if targets is None else targets
+    base = source.layout  # its own rules on another mesh (--target-mesh): not the user's to fix
+    reused = base is not None and rules.rules == base.rules and rules.source == base.source
+    warnings = [] if reused else rule_warnings(rules, names)
+    rules = rules.assign(names)
+    heads = check_heads(source, rules, mesh) if targets is None else []
+    for w in [*warnings, *heads]:
+        if w not in source.warnings:
+            source.warnings.append(w)
+    return rules
+
+
 def build_plan(source: Checkpoint, target: Target) -> Plan:
     rules = target.rules
     tf = target.transforms
     tensors, transformed = (None, None) if tf is None else tf.plan_inputs(source)
-    if rules is not None and rules is not source.layout:
-        for w in rule_warnings(rules, source.tensors if tensors is None else tensors):
-            if w not in source.warnings:
-                source.warnings.append(w)
+    if rules is not None:
+        rules = _checked_rules(source, rules, target.mesh, tensors)
 
     def placements_for(name: str) -> Sequence[Placement | str]:
         if rules is None:  # no target layout: every tensor whole
@@ -402,6 +424,15 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         transforms=None if tf is None else tf.record(),
     )
     plan.transformed = transformed
+    owned = next((t for t in plan.tensors if t.layout.assigned), None) if target.fmt != SHARDED else None
+    if owned is not None:
+        raise UsageError(
+            f'tensor "{owned.name}" is placed {owned.layout.placement_strs()} by '
+            f"{rules.rule_location(owned.name) if rules else 'the layout'}: whole-tensor assignment "
+            f"(Own) is written by --to {SHARDED} only, whose rank files leave out the tensors a rank "
+            "does not own",
+            tensor=owned.name,
+        )
     return plan
 
 

@@ -37,7 +37,7 @@ from .io.reader import Piece, read_box, uint_dtype
 from .io.writer import create_exclusive, temp_name
 from .layout import TensorLayout
 from .mesh import Mesh
-from .placements import Partial, Placement, Replicate, Shard, StridedShard
+from .placements import Owned, Partial, Placement, Replicate, Shard, StridedShard
 from .plan import copy_boxes, match_blocks, natural_key
 
 __all__ = ["Coordinator", "coordinator", "share_by_bytes", "load_dtensors", "save_dtensors"]
@@ -202,6 +202,12 @@ def _torch_placements(placements: Sequence[Placement], tensor: str) -> list[Any]
             out.append(_StridedShard(p.dim, split_factor=p.split_factor))
         elif isinstance(p, Replicate):
             out.append(TReplicate())
+        elif isinstance(p, Owned):
+            raise LayoutError(
+                f'tensor "{tensor}": {p} (whole-tensor assignment) has no DTensor form: a DTensor lives '
+                "on every rank of its mesh. Load such tensors with a layout placing them R or S(0)",
+                tensor=tensor,
+            )
         else:
             raise LayoutError(
                 f'tensor "{tensor}": a Partial target placement ({p}) cannot be loaded; '

@@ -9,7 +9,7 @@ from functools import lru_cache
 from .errors import LayoutError, ReshardError
 from .intervals import Block, IndexList, Interval, block_shape, normalize
 from .mesh import Mesh
-from .placements import Partial, Placement, Shard, StridedShard, parse_placement
+from .placements import Owned, Partial, Placement, Shard, StridedShard, parse_placement
 
 __all__ = ["TensorLayout", "layout_blocks", "infer_global_shape"]
 
@@ -37,7 +37,14 @@ class TensorLayout:
             )
         ndim = len(self.shape)
         ops = set()
-        for p in self.placements:
+        for p, size in zip(self.placements, self.mesh.shape):
+            if isinstance(p, Owned) and (ndim == 0 or p.owner >= size):
+                why = (
+                    "a 0-d tensor (scalar) has no extent to leave empty"
+                    if ndim == 0
+                    else (f"the mesh dim has {size} coordinates")
+                )
+                raise LayoutError(f"{p} does not fit: {why}")
             if isinstance(p, (Shard, StridedShard)):
                 if not 0 <= p.dim < ndim:
                     raise LayoutError(f"{p} does not fit a {ndim}-d tensor of shape {list(self.shape)}")
@@ -115,6 +122,19 @@ class TensorLayout:
     def placement_strs(self) -> list[str]:
         return [str(p) for p in self.placements]
 
+    @property
+    def assigned(self) -> bool:
+        """Whether some mesh dim holds the tensor on one coordinate only (:class:`Owned`)."""
+        return any(isinstance(p, Owned) for p in self.placements)
+
+    def holds(self, coordinate: Sequence[int]) -> bool:
+        """Whether the rank at ``coordinate`` holds the tensor at all (False off its ``Own`` owner).
+
+        A rank left an empty chunk by ``Shard`` still holds the tensor (a 0-size entry, as torch
+        saves it); a rank that an ``Own`` placement leaves out has no entry for it.
+        """
+        return all(not isinstance(p, Owned) or c == p.owner for p, c in zip(self.placements, coordinate))
+
 
 @lru_cache(maxsize=4096)
 def layout_blocks(
@@ -129,6 +149,8 @@ def layout_blocks(
     for m, p in enumerate(placements):
         if isinstance(p, (Shard, StridedShard)):
             sharding[p.dim].append(m)
+        elif isinstance(p, Owned):  # whole or nothing: non-owners hold an empty dim 0
+            sharding[0].append(m)
     per_dim: list[dict[tuple[int, ...], IndexList]] = []
     for d in range(ndim):
         table: dict[tuple[int, ...], IndexList] = {(): full[d]}
@@ -170,7 +192,8 @@ def infer_global_shape(
         mdims = [
             m
             for m, p in enumerate(parsed)
-            if isinstance(p, (Shard, StridedShard)) and (p.dim % ndim if ndim else 0) == d
+            if (isinstance(p, (Shard, StridedShard)) and (p.dim % ndim if ndim else 0) == d)
+            or (isinstance(p, Owned) and d == 0)
         ]
         if not mdims:
             cand.append(local_shapes[0][d])

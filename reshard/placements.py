@@ -1,8 +1,10 @@
-"""DTensor placements as pure index algebra: Replicate, Shard, StridedShard, Partial.
+"""DTensor placements as pure index algebra: Replicate, Shard, StridedShard, Partial (and Owned).
 
 Semantics are torch's, exactly (``torch.distributed.tensor.placement_types``):
 a placement on a mesh dim of size ``n`` turns the index list a rank already
 holds along one tensor dim into the sub-list it keeps at coordinate ``i``.
+:class:`Owned` (whole-tensor assignment, for expert parallelism) is reshard's own: it has
+no torch counterpart.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "Shard",
     "StridedShard",
     "Partial",
+    "Owned",
     "REDUCE_OPS",
     "MAX_SPLIT_FACTOR",
     "chunk_interval",
@@ -167,7 +170,35 @@ class Partial:
         return f"P({self.reduce_op})"
 
 
-Placement = Replicate | Shard | StridedShard | Partial
+@dataclass(frozen=True, slots=True)
+class Owned:
+    """The whole tensor on the ranks at coordinate ``owner`` of this mesh dim, nothing on the others.
+
+    Whole-tensor assignment: expert ``e``'s per-expert tensors held by the expert-parallel
+    rank owning ``e`` (a layout's ``Own(expert)`` resolves to ``Own(owner)`` per tensor). The
+    other ranks hold an empty extent along dim 0, and the per-rank writer leaves the
+    tensor out of their files. Not a torch placement: ``load_dtensors`` refuses it.
+
+    >>> [[str(iv) for iv in Owned(1).split((Interval(0, 8),), 4, r)] for r in range(3)]
+    [[], ['[0:8)'], []]
+    """
+
+    owner: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.owner, bool) or not isinstance(self.owner, int) or self.owner < 0:
+            raise ConfigError(f"Own owner must be a mesh coordinate (an integer >= 0), got {self.owner!r}")
+
+    def split(self, ilist: IndexList, n: int, i: int) -> IndexList:
+        if self.owner >= n:
+            raise ConfigError(f"{self}: owner {self.owner} is not a coordinate of a mesh dim of size {n}")
+        return ilist if i == self.owner else normalize([])
+
+    def __str__(self) -> str:
+        return f"Own({self.owner})"
+
+
+Placement = Replicate | Shard | StridedShard | Partial | Owned
 
 
 def _norm_dim(dim: int, ndim: int, p: object) -> int:
@@ -192,6 +223,8 @@ _NAMES = {
     "_stridedshard": "SS",
     "p": "P",
     "partial": "P",
+    "own": "O",
+    "owned": "O",
 }
 
 
@@ -218,7 +251,7 @@ def parse_placement(text: object) -> Placement:
     >>> [str(parse_placement(t)) for t in ["R", "Shard(-1)", "_S(0, 2)", "StridedShard(1, sf=tp)", "P(avg)"]]
     ['R', 'S(-1)', '_S(0, 2)', '_S(1, tp)', 'P(avg)']
     """
-    if isinstance(text, (Replicate, Shard, StridedShard, Partial)):
+    if isinstance(text, (Replicate, Shard, StridedShard, Partial, Owned)):
         return text
     if not isinstance(text, str):
         raise ConfigError(f"placement must be a string such as R, S(0) or _S(0, 2), got {_short(text)}")
@@ -299,4 +332,16 @@ def _strided(pos: list[str], kw: dict[str, str], text: str) -> Placement:
     return StridedShard(dim, sf)
 
 
-_BUILD = {"R": _replicate, "P": _partial, "S": _shard, "SS": _strided}
+def _owned(pos: list[str], kw: dict[str, str], text: str) -> Placement:
+    owner = _arg(pos, kw, "owner")
+    if owner is None or pos or kw:
+        raise ConfigError(f"placement {_short(text)}: Own takes one owner coordinate, e.g. Own(3)")
+    if not _INT.fullmatch(owner):
+        raise ConfigError(
+            f"placement {_short(text)}: Own(NAME) (the owner by a number the pattern captures) goes in "
+            "a layout rule's {dim: Own(NAME)} mapping; as a placement, Own takes a mesh coordinate: Own(3)"
+        )
+    return Owned(_int(owner, "the owner", text))
+
+
+_BUILD = {"R": _replicate, "P": _partial, "S": _shard, "SS": _strided, "O": _owned}

@@ -330,11 +330,14 @@ def rank_checkpoint(
     where = files.entries()
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
-    for name in _common_names(files, where):
-        found = _rank_entries(name, files, where)
+    for name in _all_names(where):
+        found, missing = _rank_entries(name, files, where)
+        if missing:
+            found, shape, pls = _fill_absent(name, found, missing, files, describe, mesh, coords)
         entries = [en for _, en in found]
         local_shapes = tuple(en.shape for en in entries)
-        shape, pls = describe(name, local_shapes)
+        if not missing:
+            shape, pls = describe(name, local_shapes)
         piece_files = tuple(i for i, _ in found)
         key = (local_shapes, shape, tuple(pls), piece_files)
         geo = geometries.get(key)
@@ -437,37 +440,63 @@ def _rank_mesh(
     return mesh, desc0
 
 
-def _common_names(files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
-    """Rank 0's tensor names (in its files' order); no other rank may hold a tensor rank 0 does not."""
-    names = list(where[0])
-    first = files.paths[files.ranks[0][0]]
+def _all_names(where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
+    """Rank 0's tensor names (in its files' order), then those only other ranks hold (``Own``)."""
+    names = dict.fromkeys(where[0])
     for found in where[1:]:
-        extra = [n for n in found if n not in where[0]]
-        if extra:
-            p = files.paths[found[extra[0]][0]]
+        names.update(dict.fromkeys(found))
+    return list(names)
+
+
+def _fill_absent(
+    name: str,
+    found: list[tuple[int, TensorEntry]],
+    missing: Sequence[int],
+    files: RankFiles,
+    describe: Describe,
+    mesh: Mesh,
+    coords: Sequence[tuple[int, ...]],
+) -> tuple[list[tuple[int, TensorEntry]], tuple[int, ...], Sequence[Placement | str]]:
+    """Every rank's entry, global shape and placements of a tensor some ranks' files leave out.
+
+    Its ``Own`` placement must leave out exactly those ranks: each gets an empty entry. Any
+    other missing rank is an error (every rank holds every tensor; an empty shard has a
+    0-size dim).
+    """
+    first = found[0]
+    shapes = [en.shape for _, en in found]
+    for r in missing:  # Own empties dim 0; the other dims as a holder's (for a layout deriving the shape)
+        shapes.insert(r, (0, *first[1].shape[1:]))
+    shape, pls = describe(name, tuple(shapes))
+    layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
+    out = list(found)
+    for r in missing:
+        p = files.paths[files.ranks[r][0]]
+        if layout.holds(coords[r]):
             raise TensorNotFoundError(
-                f'{p}: tensor "{extra[0]}" is not in {first.name}; every rank must '
-                "hold every tensor (an empty shard has a 0-size dim)",
+                f'{p}: tensor "{name}" is missing (it is in {files.paths[first[0]].name})',
                 path=str(p),
-                tensor=extra[0],
+                tensor=name,
             )
-    return names
+        empty = TensorEntry(name, first[1].dtype, layout.local_shape(coords[r]), 0, 0)
+        out.insert(r, (files.ranks[r][0], empty))
+    return out, shape, pls
 
 
 def _rank_entries(
     name: str, files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]
-) -> list[tuple[int, TensorEntry]]:
-    """The tensor's (file index, header entry) on every rank, all of one dtype."""
+) -> tuple[list[tuple[int, TensorEntry]], list[int]]:
+    """The tensor's (file index, header entry) on the ranks holding it, all of one dtype, and
+    the ranks whose files leave it out (``Own``; checked by :func:`_fill_absent`)."""
     found = []
-    first = files.paths[where[0][name][0]]
+    missing = []
     for r, w in enumerate(where):
         hit = w.get(name)
         if hit is None:
-            p = files.paths[files.ranks[r][0]]
-            raise TensorNotFoundError(
-                f'{p}: tensor "{name}" is missing (it is in {first.name})', path=str(p), tensor=name
-            )
-        found.append(hit)
+            missing.append(r)
+        else:
+            found.append(hit)
+    first = files.paths[found[0][0]]
     dtype = found[0][1].dtype
     for i, en in found:
         if en.dtype != dtype:
@@ -478,7 +507,7 @@ def _rank_entries(
                 path=str(p),
                 tensor=name,
             )
-    return found
+    return found, missing
 
 
 def _derived_shape(
@@ -603,6 +632,8 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
     if not path.is_dir():
         raise UsageError(f"{path}: a per-rank checkpoint is a directory", path=str(path))
     cfg = source_layout(options)
+    if cfg is not None and any(r.own is not None for r in cfg.rules):  # Own(...) deals by the names held
+        cfg = cfg.assign(n for p in _rank_paths(path, strict=False) for n in read_header(p).names)
     ckpt = open_per_rank(
         path,
         mesh=cfg.mesh if cfg is not None else None,
@@ -715,11 +746,16 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
-    text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
     ordered = header_order(tensors)
+    if any(t.layout.assigned for t in ordered):  # Own(...): a rank's file leaves out others' tensors
+        text = (1, tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in ordered))
+        mine = [[t for t in ordered if t.layout.holds(c)] for c in mesh.coordinates()]
+    else:
+        text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
+        mine = [ordered] * mesh.size
     return [
         SafetensorsFile(
-            rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))
+            rank_file_name(rank, mesh.size), rank, mine[rank], metadata_text(rank_metadata(mesh, rank, text))
         )
         for rank in range(mesh.size)
     ]

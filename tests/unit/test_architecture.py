@@ -14,6 +14,7 @@ LAYERS = [
     {"placements", "mesh"},
     {"layout", "config", "checkpoint", "indexmap"},
     {"transforms"},
+    {"heads"},
     {"plan", "select", "transform_plan"},
     {
         "io",

@@ -13,6 +13,7 @@ import pytest
 
 from reshard.config import (
     LayoutConfig,
+    Own,
     Rule,
     list_presets,
     load_layout,
@@ -188,14 +189,37 @@ MIXTRAL = {
     "model.layers.0.mlp.experts.w1.weight": ["S(0)"],
     "model.layers.0.mlp.experts.w2": ["S(0)"],
     "model.layers.0.block_sparse_moe.experts.w3.weight": ["S(0)"],
-    # per-expert tensors cannot be split by expert: replicated
-    "model.layers.0.block_sparse_moe.experts.3.w1.weight": ["R"],
     "model.layers.0.block_sparse_moe.gate.weight": ["R"],
     "model.layers.0.mlp.gate.weight": ["R"],
     "model.layers.0.self_attn.q_proj.weight": ["R"],
     "model.embed_tokens.weight": ["R"],
     "lm_head.weight": ["R"],
 }
+
+
+def test_mixtral_per_expert_tensors_are_dealt_to_ep_ranks_in_contiguous_blocks() -> None:
+    cfg = load_layout(resolve_preset("mixtral-moe"))
+    names = [
+        f"model.layers.{layer}.block_sparse_moe.experts.{e}.w{w}.weight"
+        for layer in range(2)
+        for e in range(8)
+        for w in (1, 2, 3)
+    ]
+    rule = cfg.match(names[0])
+    assert rule.own == ("ep", Own("expert")) and rule.to_json() == {"ep": "Own(expert)"}
+    with pytest.raises(LayoutError, match=r"needs the checkpoint's tensor names") as e:
+        cfg.placements_for(names[0])
+    assert e.value.tensor == names[0] and "mixtral-moe.yaml:" in e.value.message
+    bound = cfg.assign([*names, "model.norm.weight"])
+    for n in names:  # 8 experts over ep=4: experts 2c and 2c+1 on rank c
+        expert = int(n.split(".experts.")[1].split(".")[0])
+        assert [str(p) for p in bound.placements_for(n)] == [f"Own({expert // 2})"], n
+    two = bound.with_mesh(Mesh(("ep",), (2,)))
+    assert [str(p) for p in two.placements_for(names[-1])] == ["Own(1)"]
+    with pytest.raises(LayoutError, match=r"deals 8 numbers over the 3 ranks of ep, which does not divide"):
+        bound.with_mesh(Mesh(("ep",), (3,))).placements_for(names[0])
+    with pytest.raises(LayoutError, match=r"numbered \[0, 1, 3\], not 0..2"):
+        cfg.assign([f"m.mlp.experts.{e}.w1.weight" for e in (0, 1, 3)])
 
 
 def test_mixtral_expert_rule_is_first() -> None:
@@ -481,11 +505,12 @@ def test_json_round_trip(name: str) -> None:
     assert data["mesh"] == {"names": list(cfg.mesh.names), "shape": list(cfg.mesh.shape)}
     assert [pair[0] for pair in data["rules"]] == [r.pattern for r in cfg.rules]
     back = LayoutConfig.from_json(data, source="out/reshard.json")
-    assert back == LayoutConfig(cfg.mesh, cfg.rules, "out/reshard.json")
+    assert back == LayoutConfig(cfg.mesh, cfg.rules, "out/reshard.json", cfg.optional)
     assert [r.kind for r in back.rules] == [r.kind for r in cfg.rules]
     assert back.to_json() == cfg.to_json()
     for tensor in LLAMA_NAMES:
         assert back.placements_for(tensor) == cfg.placements_for(tensor)
+    assert [r.own for r in back.rules] == [r.own for r in cfg.rules]
 
 
 def test_from_json_accepts_layout_file_shapes() -> None:
@@ -887,3 +912,57 @@ def test_resolve_preset(tmp_path: Path) -> None:
 def test_import_does_not_pull_torch() -> None:
     code = "import reshard.config, sys; assert 'torch' not in sys.modules; assert 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+# -- optional rules and whole-tensor assignment -----------------------------------
+
+
+def test_optional_rules_are_not_reported_unused() -> None:
+    cfg = layout("""\
+        mesh: {tp: 2}
+        placements:
+          "*.experts.gate_up_proj": {tp: "_S(1, 2)"}
+          "*.q_proj.weight": {tp: S(0)}
+          "*.k_proj.weight": {tp: S(0)}
+          "*": R
+        optional: ["*.experts.gate_up_proj"]
+        """)
+    assert cfg.optional == {"*.experts.gate_up_proj"}
+    assert [r.pattern for r in cfg.unused_rules(["a.q_proj.weight", "norm"])] == ["*.k_proj.weight"]
+    assert cfg.with_mesh(Mesh(("tp",), (4,))).optional == cfg.optional
+    assert LayoutConfig.from_json(cfg.to_json()).optional == cfg.optional
+    assert "optional" not in load_layout(resolve_preset("replicated")).to_json()
+
+
+@pytest.mark.parametrize(
+    ("optional", "message"),
+    [
+        ('["*.k_proj"]', r"t.yaml:5: optional lists '\*.k_proj', which is not a pattern.*mean '\*.q_proj'"),
+        ("{a: 1}", r"t.yaml:5: optional must be a list of rule patterns, got a mapping"),
+        ("[[1]]", r"t.yaml:5: optional lists"),
+    ],
+)
+def test_optional_must_name_rule_patterns(optional: str, message: str) -> None:
+    text = f'mesh: {{tp: 2}}\nplacements:\n  "*.q_proj": {{tp: S(0)}}\n  "*": R\noptional: {optional}\n'
+    with pytest.raises(ConfigError, match=message):
+        parse_layout_text(text, "t.yaml")
+
+
+def test_own_needs_a_named_group_in_a_regex_and_a_mesh_dim() -> None:
+    needs = r"t.yaml:3: rule '\*.experts.\*': Own\(expert\) on ep needs .*named group"
+    with pytest.raises(ConfigError, match=needs):
+        parse_layout_text('mesh: {ep: 2}\nplacements:\n  "*.experts.*": {ep: Own(expert)}\n', "t.yaml")
+    with pytest.raises(ConfigError, match=r"Own\(expert\) names no mesh dim"):
+        Rule("re:e\\.(?P<expert>\\d+)", ((None, Replicate()),), "all", 0, ("ep", Own("expert")))
+    cfg = layout(r"""
+        mesh: {fsdp: 2, ep: 4}
+        placements:
+          're:l\.(?P<layer>\d+)\.experts\.(?P<e>\d+)\.w1': {fsdp: S(0), ep: "Own(e, local)"}
+          "*": R
+        """)
+    rule = cfg.rules[0]
+    assert rule.own == ("ep", Own("e", local=True))
+    assert rule.to_json() == {"fsdp": "S(0)", "ep": "Own(e, local)"}
+    assert cfg.placements_for("l.0.other") == (Replicate(), Replicate())
+    with pytest.raises(LayoutError, match=r'tensor "l.0.experts.7.w1".*rank-local numbers'):
+        cfg.assign([f"l.0.experts.{e}.w1" for e in range(8)]).placements_for("l.0.experts.7.w1")
