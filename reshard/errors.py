@@ -12,7 +12,31 @@ __all__ = [
     "UsageError",
     "WriteError",
     "SourceChangedError",
+    "clip_words",
 ]
+
+
+_LONG_WORD = 240
+"""A longer run of non-space characters in a message (a hostile tensor name, a huge number) is
+shown by its start and end: the message stays readable and its advice stays on screen."""
+
+
+def clip_words(message: str, limit: int = _LONG_WORD) -> str:
+    """``message`` with every run of more than ``limit`` non-space characters shortened to its
+    first and last characters around ``…(N characters)…``.
+
+    >>> clip_words("tensor " + "a" * 10 + " is bad", limit=6)
+    'tensor aaaa…(10 characters)…aa is bad'
+    """
+    if len(message) <= limit:
+        return message
+    out = []
+    for word in message.split(" "):
+        if len(word) > limit:
+            head, tail = limit * 2 // 3, limit // 3
+            word = f"{word[:head]}…({len(word)} characters)…{word[-tail:]}"
+        out.append(word)
+    return " ".join(out)
 
 
 class ReshardError(Exception):
@@ -34,6 +58,7 @@ class ReshardError(Exception):
         tensor: str | None = None,
         hint: str | None = None,
     ) -> None:
+        message = clip_words(message)
         super().__init__(message)
         self.message = message
         self.path = path
