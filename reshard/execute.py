@@ -19,7 +19,6 @@ workers split a file's entries. Where bytes go is the writer's
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -29,7 +28,6 @@ from typing import Any, TypeVar
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
-from .errors import SourceChangedError
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, SourceFiles
 from .io.reader import DENSE, Piece, RowCache, read_box
@@ -39,10 +37,6 @@ from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 __all__ = ["ProgressFn", "execute_plan", "GROUP_FILES"]
 
 ProgressFn = Callable[[int], None]
-
-_PREAD_MIN = 16384
-"""Queued source spans at least this long are read with ``pread``; shorter ones are copied from
-the file's map (no system call per span)."""
 
 T = TypeVar("T")
 
@@ -230,16 +224,14 @@ class _Writer:
     def _flush(self) -> None:
         """Gather the queued runs into the write buffer and write them with one ``pwrite``.
 
-        Neighbours in a source file are read as one span: long spans with ``pread``, short
-        ones copied from the file's map (no system call each; the pages are released by the
-        page window like any mapped read).
+        Neighbours in a source file are read as one span, each span with one ``pread``
+        (never through the map: a file truncated meanwhile is a named error, not a SIGBUS).
         """
         queued = self._queued
         if not queued:
             return
-        buf = self.bufs.write
+        buf = memoryview(self.bufs.write)
         sources = self.sources
-        mapped: dict[int, int] = {}
         pos = 0
         fi, lo, n = queued[0]
         queued.append((-1, 0, 0))  # flushes the last span
@@ -247,22 +239,10 @@ class _Writer:
             if nfi == fi and nlo == lo + n:
                 n += nn
                 continue
-            if n >= _PREAD_MIN:
-                if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
-                    sources.check(fi)  # names the file when its size changed
-                    raise SourceChangedError(
-                        f"a source file ended early at offset {lo}; it changed while read"
-                    )
-            else:
-                if fi not in mapped:
-                    sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
-                buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
-                mapped[fi] = mapped.get(fi, 0) + n
+            sources.pread(fi, buf[pos : pos + n], lo)
             pos += n
             fi, lo, n = nfi, nlo, nn
-        for fi, n in mapped.items():
-            self.bufs.pages.touch_range(fi, 0, n)
-        self.sink.submit(memoryview(buf)[:pos], self._q_start)
+        self.sink.submit(buf[:pos], self._q_start)
         self.bytes_read += pos
         if self.progress:
             self.progress(pos)
@@ -271,18 +251,13 @@ class _Writer:
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
         """Copy one contiguous run through the write buffer (hashed on the way)."""
-        sfd = self.sources.fd(fi)
         buf = memoryview(self.bufs.write)
         size = len(buf)
         self.bytes_read += n
         while n > 0:
             _check(self.stop)
-            k = os.preadv(sfd, [buf[: min(size, n)]], src_off)
-            if k <= 0:
-                self.sources.check(fi)  # names the file when its size changed
-                raise SourceChangedError(
-                    f"a source file ended early at offset {src_off}; it changed while read"
-                )
+            k = min(size, n)
+            self.sources.pread(fi, buf[:k], src_off)
             self.sink.submit(buf[:k], dst_off)
             if self.progress:
                 self.progress(k)
@@ -299,8 +274,10 @@ class _Writer:
         d_isz = DTYPE_SIZES[t.dtype]
         budget_items = max(1, self.bufs.budget // max(s_isz, d_isz))
         pages, rows = self.bufs.pages, self.bufs.rows
-        plans = [(c.group, Piece.of(self.sources, src, c.piece), list(copy_boxes(c))) for c in copies]
-        npt = plans[0][1].arr.dtype
+        plans = [
+            (c.group, Piece.of(self.sources, src, c.piece, mapped=False), list(copy_boxes(c))) for c in copies
+        ]
+        npt = plans[0][1].dtype
         for slab in slabs(dshape, 1, budget_items):
             _check(self.stop)
             shape = tuple(b - a for a, b in slab)
