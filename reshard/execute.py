@@ -30,7 +30,7 @@ from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, SourceFiles
-from .io.reader import DENSE, Piece, RowCache, read_box
+from .io.reader import DENSE, Piece, RowCache, read_box, slab_items
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 
@@ -278,6 +278,10 @@ class _Writer:
             (c.group, Piece.of(self.sources, src, c.piece, mapped=False), list(copy_boxes(c))) for c in copies
         ]
         npt = plans[0][1].dtype
+        cap = len(rows.buf)  # slabs whose source rows fit the row cache, so siblings share them
+        budget_items = min(
+            [budget_items] + [slab_items(p, s, z, cap) for _, p, bx in plans for s, _, z in bx]
+        )
         for slab in slabs(dshape, 1, budget_items):
             _check(self.stop)
             shape = tuple(b - a for a, b in slab)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 else:
     Items = Any
 
-__all__ = ["DENSE", "Items", "uint_dtype", "Piece", "RowCache", "read_box", "MappedFiles"]
+__all__ = ["DENSE", "Items", "uint_dtype", "Piece", "RowCache", "read_box", "slab_items", "MappedFiles"]
 
 DENSE = 8
 """The row cache holds this many times a writer's buffer: a box of a buffer's bytes whose
@@ -186,6 +186,25 @@ def _cached(sources: SourceFiles, piece: Piece, key: tuple[slice, ...], rows: Ro
         strides=tuple(st * isz for st in piece.strides),
     )
     return view
+
+
+def slab_items(piece: Piece, starts: Sequence[int], sizes: Sequence[int], cap: int) -> int:
+    """How many items of box ``(starts, sizes)`` a slab may take so that the whole source rows
+    around them fit a row cache of ``cap`` bytes (at least 1).
+
+    Slabs that small are read with one ``pread`` each, and the sibling files in lockstep
+    that want other columns of the same rows find them in the cache: cut larger, a sparse
+    box is read in bands that no sibling can reuse.
+    """
+    used = 1
+    for z in sizes:
+        used *= z
+    if used == 0:
+        return cap
+    first, stop = box_span(piece.strides, starts, sizes) if sizes else (0, 1)
+    row = _row_elems(piece.shape, piece.strides, sizes)
+    window = (stop - first + 2 * row) * piece.itemsize  # widened to whole rows at both ends
+    return max(1, cap * used // window)
 
 
 def _bands(piece: Piece, key: tuple[slice, ...], cap: int) -> Iterator[tuple[slice, ...]]:
