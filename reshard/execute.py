@@ -29,7 +29,7 @@ from .budget import DEFAULT_BUFFER, RELEASE_EVERY
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
-from .io.pages import PageWindow, SourceFiles
+from .io.pages import PageWindow, Seen, SourceFiles
 from .io.reader import DENSE, Piece, RowCache, read_box, slab_items
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
@@ -215,6 +215,7 @@ class _Writer:
                     flushed = True
                 if n > cap:
                     self._copy_run(files[k], offsets[k] + s, at, n)
+                    flushed = True  # siblings take their turn: each source file read in order
                     continue
                 self._q_start = at
             self._queued.append((files[k], offsets[k] + s, n))
@@ -486,14 +487,16 @@ def execute_plan(
     progress: ProgressFn | None = None,
     files: Sequence[OutFile] | None = None,
     on_file_done: Callable[[FileResult], None] | None = None,
+    seen: Seen | None = None,
 ) -> list[FileResult]:
     """Write every output file of ``plan`` (or the given subset) into ``dst``.
 
     Files are handed to ``workers`` threads largest first, so the work is
-    balanced by bytes. Results come back in plan order.
+    balanced by bytes. Results come back in plan order. ``seen`` is shown every
+    source span read (source verification hashes them on the way).
     """
     todo = list(plan.files if files is None else files)
-    sources = SourceFiles(plan.source.files, plan.source.file_sizes)
+    sources = SourceFiles(plan.source.files, plan.source.file_sizes, seen)
     lock = threading.Lock()
     stop = threading.Event()  # set on Ctrl-C or a failure: every writer stops at its next slab
 

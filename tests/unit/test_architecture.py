@@ -23,6 +23,7 @@ LAYERS = [
         "io.checksum",
         "io.pages",
         "io.reader",
+        "io.readhash",
         "io.writer",
         "io.lock",
         "io.staging",
