@@ -330,6 +330,38 @@ def test_crc_mismatch_caught_by_check(saved: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name", ["plain", "fsdp_tp"])
+def test_crc_mismatch_caught_by_convert(saved: Path, tmp_path: Path, name: str) -> None:
+    """convert checks every chunk's CRC32 as it copies: a flipped byte exits 2 naming the file and
+    the tensor, nothing written; --no-verify-source converts it as it is."""
+    ck = _copy(saved, name, tmp_path)
+    ckpt = open_checkpoint(ck)
+    fqn = "model.w" if name == "plain" else sorted(n for n in ckpt.tensors if n.startswith("model."))[0]
+    t = ckpt.tensors[fqn]
+    k = len(t.piece_offsets) - 1
+    path = Path(ckpt.files[t.piece_files[k]])
+    with open(path, "r+b") as f:
+        f.seek(t.piece_offsets[k])
+        b = f.read(1)
+        f.seek(t.piece_offsets[k])
+        f.write(bytes([b[0] ^ 0x40]))
+    for target in (["--consolidate"], ["--to", "per-rank", "--target-layout", str(_layout(tmp_path))]):
+        err = _refused(run_cli("convert", ck, tmp_path / "out", *target, "--quiet"))
+        assert str(path) in err and f'tensor "{fqn}"' in err and "CRC32" in err, err
+        assert "--no-verify-source" in err
+        assert not (tmp_path / "out").exists()
+    proc = run_cli("convert", ck, tmp_path / "out", "--consolidate", "--no-verify-source", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "reshard.json").is_file()
+
+
+def _layout(tmp_path: Path) -> Path:
+    p = tmp_path / "tp2.yaml"
+    p.write_text('mesh: {tp: 2}\nplacements:\n  "*": {tp: R}\n')
+    return p
+
+
+@pytest.mark.dist
 def test_unknown_transform_refused(saved: Path, tmp_path: Path) -> None:
     ck = _copy(saved, "zstd", tmp_path)
     md = pickle.loads((ck / ".metadata").read_bytes())
