@@ -23,12 +23,13 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from ..errors import HeaderError, SourceChangedError
 from ..intervals import box_span
 from .safe import open_regular
 
-__all__ = ["SourceFiles", "PageWindow"]
+__all__ = ["SourceFiles", "PageWindow", "Seen", "scratch_dir", "remove_scratch"]
 
 
 Seen = Callable[[int, int, memoryview], None]
@@ -171,3 +172,31 @@ class PageWindow:
             self.sources.release(fi)
         self._touched.clear()
         self._touched_bytes = 0
+
+
+_SCRATCH: list[str] = []
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new private directory under ``$TMPDIR`` for files a reader makes (DCP's spool),
+    removed when the process ends.
+
+    At interpreter exit (``atexit``), and by :func:`remove_scratch`, which the command line
+    calls itself before it leaves with ``os._exit`` under torchrun (that skips ``atexit``).
+    """
+    import atexit
+    import tempfile
+
+    if not _SCRATCH:
+        atexit.register(remove_scratch)
+    d = tempfile.mkdtemp(prefix=prefix)
+    _SCRATCH.append(d)
+    return Path(d)
+
+
+def remove_scratch() -> None:
+    """Remove every directory :func:`scratch_dir` made (open files in them go when closed)."""
+    import shutil
+
+    while _SCRATCH:
+        shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)

@@ -433,3 +433,26 @@ def test_zstd_without_a_zstd_module(saved: Path, tmp_path: Path) -> None:
     err = _refused(proc)
     assert "stream.zstd/1" in err and "pip install zstandard" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["transposed", "zstd"])
+def test_spool_removed_under_torchrun(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """`torchrun ... reshard convert` of a checkpoint the reader spools (permuted or zstd chunks):
+    every rank's spool directory is gone when it exits (the CLI leaves with os._exit there, which
+    skips atexit), and the output equals one process's."""
+    from tests.dist.test_torchrun import assert_same_dirs, reshard_exe, torchrun
+
+    src = _copy(saved, name, tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    proc = run_cli("convert", src, tmp_path / "single", "--consolidate", "--max-shard-size", "2KB", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp.iterdir()) == []  # one process: removed at exit
+    args = ("convert", src, tmp_path / "dist", "--consolidate", "--max-shard-size", "2KB", "--quiet")
+    torchrun(2, *reshard_exe(), *args, teardown_abort_ok=True)
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("reshard-")] == []  # torchelastic's stay
+    assert_same_dirs(tmp_path / "dist", tmp_path / "single")
