@@ -157,10 +157,11 @@ def _refuse_inconsistent(ckpt: Checkpoint) -> None:
 def _source_hashes(ckpt: Checkpoint, budget: Budget) -> ReadHashes | None:
     """The source's recorded hashes to check while copying (None: nothing recorded).
 
-    Spans read ahead of a hash are held within eight write buffers per worker (at
-    least 16 MiB); the rest is read back after the copy.
+    Spans read ahead of a hash are held within each worker's page window: the memory
+    ``--max-memory`` gives to mapped source pages, which ``convert`` no longer maps
+    (:mod:`reshard.budget`); the rest is read back after the copy.
     """
-    hashes = source_hashes(ckpt, max(16 << 20, 8 * budget.buffer * budget.workers))
+    hashes = source_hashes(ckpt, budget.window * budget.workers)
     return hashes if hashes else None
 
 

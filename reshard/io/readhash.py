@@ -216,8 +216,8 @@ class ReadHashes:
                     continue
                 if fd < 0:
                     fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
-                    buf = memoryview(bytearray(min(_READ_BACK, r.stop - r.start)))
-                assert buf is not None
+                if buf is None or len(buf) < min(_READ_BACK, stop - at):
+                    buf = memoryview(bytearray(min(_READ_BACK, max(stop - at, 1 << 16))))
                 n = min(len(buf), stop - at)
                 st.hasher.update(_pread(fd, buf[:n], at, f.path))
                 self.read_back += n
