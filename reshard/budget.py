@@ -6,7 +6,9 @@ The arithmetic (``--max-memory M`` with ``W`` workers; each worker's share ``S =
   are the fastest into the page cache);
 * a row cache of ``8 B`` (strided source spans read whole, see :mod:`reshard.io.reader`);
 * a window of mapped source pages released every ``S - 9 B`` bytes read through the
-  maps, at most 8 MiB.
+  maps, at most 8 MiB (``verify``, ``inspect --check``; ``convert`` maps nothing and
+  holds that many bytes of source spans aside for source verification instead,
+  :mod:`reshard.io.readhash`).
 
 So the buffers and the window together stay within ``M`` once ``M / W >= 36 KiB``
 (below that the 4 KiB floor of ``B`` wins). Not counted in ``M``, and added by

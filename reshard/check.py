@@ -51,13 +51,14 @@ from .intervals import (
 )
 from .io.checksum import CHECKSUM_PREFIX, file_checksum
 from .io.reader import MappedFiles, read_box
+from .io.readhash import ReadHashes, Region, xxh3_regions
 from .plan import natural_key
 
 __all__ = [
     "check_checkpoint",
     "check_metadata",
     "checks_made",
-    "source_checksum_problems",
+    "source_hashes",
     "Problem",
     "MAX_REGIONS",
 ]
@@ -546,24 +547,38 @@ def check_metadata(ckpt: Checkpoint) -> list[Problem]:
     return out
 
 
-def source_checksum_problems(ckpt: Checkpoint) -> list[Problem]:
-    """The files whose bytes no longer hash to the checksum their ``reshard.json`` lists.
+def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:
+    """The hashes ``convert`` checks the source's bytes against as it reads them.
 
-    Reads each listed file once (xxh3, ~10 GB/s from the page cache; the hash runs
-    without the GIL, so beside a conversion it takes a core of its own)."""
+    A file its ``reshard.json`` lists with a checksum is checked whole (its 64 MiB
+    pieces); in other files, each piece with a CRC32 its format recorded (DCP chunks,
+    ``torch.save`` records). ``hold``: bytes of spans read ahead of a hash that may
+    be kept aside (:class:`~reshard.io.readhash.ReadHashes`).
+    """
     man = ckpt.manifest
-    files = man.get("files") if man is not None else None
-    out: list[Problem] = []
-    if not isinstance(files, dict):
-        return out
+    listed = man.get("files") if man is not None else None
     root = _manifest_root(ckpt)
-    where = str(root / "reshard.json")
-    for f in ckpt.files:
+    files: dict[int, tuple[str, Sequence[Region], str | None]] = {}
+    for fi, f in enumerate(ckpt.files):
         p = Path(f)
-        info = files.get(p.name) if p.parent == root else None
-        if isinstance(info, dict) and isinstance(info.get("checksum"), str):
-            _check_listed_file(root, where, p.name, info, 8 << 20, out)
-    return out
+        info = listed.get(p.name) if isinstance(listed, dict) and p.parent == root else None
+        cs = info.get("checksum") if isinstance(info, dict) else None
+        if isinstance(cs, str) and cs.startswith(CHECKSUM_PREFIX):
+            files[fi] = (f, xxh3_regions(os.stat(f).st_size), cs)
+    crcs: dict[int, dict[int, Region]] = {}
+    for t in ckpt.tensors.values():
+        if t.piece_crc32 is None:
+            continue
+        isz = DTYPE_SIZES[t.dtype]
+        for k, want in enumerate(t.piece_crc32):
+            fi, start = t.piece_files[k], t.piece_offsets[k]
+            if want is not None and fi not in files:
+                what = f'tensor "{t.name}" piece {format_box(_hull(t.piece_blocks[k]))}'
+                stop = start + t.piece_numel(k) * isz
+                crcs.setdefault(fi, {})[start] = Region(start, stop, want, what, t.name)
+    for fi, regions in crcs.items():
+        files[fi] = (ckpt.files[fi], [regions[a] for a in sorted(regions)], None)
+    return ReadHashes(files, hold)
 
 
 def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Problem]:

@@ -731,6 +731,9 @@ def main() -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        from .io.pages import remove_scratch
+
+        remove_scratch()  # os._exit skips atexit: the DCP reader's spool would stay in $TMPDIR
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

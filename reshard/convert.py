@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
-from .check import Problem, check_metadata, source_checksum_problems
+from .check import check_metadata, source_hashes
 from .checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
@@ -22,6 +21,7 @@ from .formats import MANIFEST, open_checkpoint, writer, writers
 from .formats.base import Writer
 from .formats.hf_extras import copy_model_files, scan_model_files
 from .io.lock import LOCK, DirLock
+from .io.readhash import ReadHashes
 from .io.staging import Stage, refuse_non_files
 from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
@@ -197,36 +197,34 @@ def _refuse_broken_ties(ckpt: Checkpoint, target: Target) -> None:
         )
 
 
-class _Verifier:
-    """The source's files hashed against its ``reshard.json`` checksums, on a thread beside the
-    copy (xxh3 runs without the GIL); the result is awaited before ``reshard.json`` is written."""
+def _source_hashes(ckpt: Checkpoint, budget: Budget) -> ReadHashes | None:
+    """The source's recorded hashes to check while copying (None: nothing recorded).
 
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self.problems: list[Problem] = []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(ckpt,), daemon=True, name="verify-source")
-        self.thread.start()
+    Spans read ahead of a hash are held within each worker's page window: the memory
+    ``--max-memory`` gives to mapped source pages, which ``convert`` no longer maps
+    (:mod:`reshard.budget`); the rest is read back after the copy.
+    """
+    hashes = source_hashes(ckpt, budget.window * budget.workers)
+    return hashes if hashes else None
 
-    def _run(self, ckpt: Checkpoint) -> None:
-        try:
-            self.problems = source_checksum_problems(ckpt)
-        except (OSError, ReshardError) as e:  # raised on the main thread by result()
-            self.error = e
 
-    def result(self) -> None:
-        """Raises:
-        SourceChangedError: a source file's bytes do not match its checksum."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        if self.problems:
-            first = self.problems[0]
-            raise SourceChangedError(
-                f"{first['message']}; the copy would carry those bytes under fresh checksums, so "
-                "nothing was converted",
-                path=first["path"],
-                hint="restore the file; or pass --no-verify-source to convert it as it is",
-            )
+def _verified(hashes: ReadHashes) -> None:
+    """Raise if a source file's bytes do not have their recorded hash (before anything is committed).
+
+    Raises:
+        SourceChangedError: naming the file (and the tensor, for a piece's CRC32).
+    """
+    problems = hashes.problems()
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SourceChangedError(
+            f"{first.message}{more}; the copy would carry those bytes under fresh checksums, so "
+            "nothing was converted",
+            path=first.path,
+            tensor=first.tensor,
+            hint="restore the file; or pass --no-verify-source to convert it as it is",
+        )
 
 
 def _not_converted(ckpt: Checkpoint) -> None:
@@ -561,7 +559,7 @@ def convert(
         _refuse_inconsistent(ckpt)
         _refuse_broken_ties(ckpt, tgt)
         run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
-        run.verifier = _Verifier(ckpt) if verify_source and coordinator().is_main else None
+        run.hashes = _source_hashes(ckpt, run.budget) if verify_source and coordinator().is_main else None
         run.extras, run.extras_dtype = extras, tgt.dtype
         ordered, kept = run.guarded()
     return {
@@ -604,7 +602,7 @@ class _Run:
         self.coord: Coordinator = coordinator()
         self.stage = Stage(dst, MANIFEST)
         self.staged = False  # this run made (or took over) the staging directory
-        self.verifier: _Verifier | None = None
+        self.hashes: ReadHashes | None = None  # the source's recorded hashes, fed as the copy reads
         self.extras: Sequence[Path] = ()
         self.extras_dtype: str | None = None
 
@@ -655,8 +653,8 @@ class _Run:
         by_name = {r.name: r for r in done + results}
         ordered = [by_name[f.name] for f in plan.files]
         if coord.is_main:
-            if self.verifier is not None:
-                self.verifier.result()  # a source whose bytes changed is never committed
+            if self.hashes is not None:
+                _verified(self.hashes)  # a source whose bytes changed is never committed
             # weights are in place; the model files go before the index and reshard.json,
             # which mark the directory complete
             copy_model_files(list(self.extras), stage.dir, dtype=self.extras_dtype)
@@ -678,6 +676,7 @@ class _Run:
                 window=self.budget.window,
                 progress=self.progress,
                 files=mine,
+                seen=self.hashes.feed if self.hashes is not None else None,
                 on_file_done=lambda r: record_finished(self.stage.dir, r, coord.rank),
             )
         except (ReshardError, OSError) as e:

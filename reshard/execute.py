@@ -19,7 +19,6 @@ workers split a file's entries. Where bytes go is the writer's
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -29,10 +28,9 @@ from typing import Any, TypeVar
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
-from .errors import SourceChangedError
 from .intervals import block_shape, clip_box, row_major_strides, slabs
-from .io.pages import PageWindow, SourceFiles
-from .io.reader import DENSE, RowCache, read_box, uint_dtype
+from .io.pages import PageWindow, Seen, SourceFiles
+from .io.reader import DENSE, RowCache, read_box, slab_items, uint_dtype
 from .io.views import open_piece
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
@@ -41,10 +39,6 @@ from .transform_plan import piece_strides
 __all__ = ["ProgressFn", "execute_plan", "GROUP_FILES"]
 
 ProgressFn = Callable[[int], None]
-
-_PREAD_MIN = 16384
-"""Queued source spans at least this long are read with ``pread``; shorter ones are copied from
-the file's map (no system call per span)."""
 
 T = TypeVar("T")
 
@@ -239,6 +233,7 @@ class _Writer:
                     flushed = True
                 if n > cap:
                     self._copy_run(files[k], offsets[k] + s, at, n)
+                    flushed = True  # siblings take their turn: each source file read in order
                     continue
                 self._q_start = at
             self._queued.append((files[k], offsets[k] + s, n))
@@ -248,16 +243,14 @@ class _Writer:
     def _flush(self) -> None:
         """Gather the queued runs into the write buffer and write them with one ``pwrite``.
 
-        Neighbours in a source file are read as one span: long spans with ``pread``, short
-        ones copied from the file's map (no system call each; the pages are released by the
-        page window like any mapped read).
+        Neighbours in a source file are read as one span, each span with one ``pread``
+        (never through the map: a file truncated meanwhile is a named error, not a SIGBUS).
         """
         queued = self._queued
         if not queued:
             return
-        buf = self.bufs.write
+        buf = memoryview(self.bufs.write)
         sources = self.sources
-        mapped: dict[int, int] = {}
         pos = 0
         fi, lo, n = queued[0]
         queued.append((-1, 0, 0))  # flushes the last span
@@ -265,22 +258,10 @@ class _Writer:
             if nfi == fi and nlo == lo + n:
                 n += nn
                 continue
-            if n >= _PREAD_MIN:
-                if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
-                    sources.check(fi)  # names the file when its size changed
-                    raise SourceChangedError(
-                        f"a source file ended early at offset {lo}; it changed while read"
-                    )
-            else:
-                if fi not in mapped:
-                    sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
-                buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
-                mapped[fi] = mapped.get(fi, 0) + n
+            sources.pread(fi, buf[pos : pos + n], lo)
             pos += n
             fi, lo, n = nfi, nlo, nn
-        for fi, n in mapped.items():
-            self.bufs.pages.touch_range(fi, 0, n)
-        self.sink.submit(memoryview(buf)[:pos], self._q_start)
+        self.sink.submit(buf[:pos], self._q_start)
         self.bytes_read += pos
         if self.progress:
             self.progress(pos)
@@ -289,18 +270,13 @@ class _Writer:
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:
         """Copy one contiguous run through the write buffer (hashed on the way)."""
-        sfd = self.sources.fd(fi)
         buf = memoryview(self.bufs.write)
         size = len(buf)
         self.bytes_read += n
         while n > 0:
             _check(self.stop)
-            k = os.preadv(sfd, [buf[: min(size, n)]], src_off)
-            if k <= 0:
-                self.sources.check(fi)  # names the file when its size changed
-                raise SourceChangedError(
-                    f"a source file ended early at offset {src_off}; it changed while read"
-                )
+            k = min(size, n)
+            self.sources.pread(fi, buf[:k], src_off)
             self.sink.submit(buf[:k], dst_off)
             if self.progress:
                 self.progress(k)
@@ -317,8 +293,13 @@ class _Writer:
         d_isz = DTYPE_SIZES[t.dtype]
         budget_items = max(1, self.bufs.budget // max(s_isz, d_isz))
         pages, rows = self.bufs.pages, self.bufs.rows
-        plans = [(c.group, open_piece(self.sources, src, c.piece), list(copy_boxes(c))) for c in copies]
+        plans = [(c.group, open_piece(self.sources, src, c.piece, mapped=False), c) for c in copies]
+        boxes = {id(c): list(copy_boxes(c)) for c in copies}
         npt = uint_dtype(s_isz)
+        cap = len(rows.buf)  # slabs whose source rows fit the row cache, so siblings share them
+        for _, p, c in plans:
+            if p is not None and p.arr is None:
+                budget_items = min([budget_items] + [slab_items(p, st, z, cap) for st, _, z in boxes[id(c)]])
         for slab in slabs(dshape, 1, budget_items):
             _check(self.stop)
             shape = tuple(b - a for a, b in slab)
@@ -327,14 +308,15 @@ class _Writer:
                 n *= x
             bufs = self.bufs.slab_buffers(t.groups)
             views = [np.frombuffer(b, dtype=npt, count=n).reshape(shape) for b in bufs]
-            for g, piece, boxes in plans:
-                for s_st, d_st, sz in boxes:
+            for g, piece, c in plans:
+                for s_st, d_st, sz in boxes[id(c)]:
                     clipped = clip_box(slab, s_st, d_st, sz)
                     if clipped is not None:
                         if piece is None:  # a transform's zero part (padding)
                             views[g][clipped[1]] = 0
                             continue
-                        part = read_box(pages, piece, clipped[0], rows)
+                        # a transform's view (any strides) is read through the map; the rest by pread
+                        part = read_box(pages, piece, clipped[0], rows if piece.arr is None else None)
                         views[g][clipped[1]] = part
                         self.bytes_read += part.nbytes
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
@@ -526,14 +508,16 @@ def execute_plan(
     progress: ProgressFn | None = None,
     files: Sequence[OutFile] | None = None,
     on_file_done: Callable[[FileResult], None] | None = None,
+    seen: Seen | None = None,
 ) -> list[FileResult]:
     """Write every output file of ``plan`` (or the given subset) into ``dst``.
 
     Files are handed to ``workers`` threads largest first, so the work is
-    balanced by bytes. Results come back in plan order.
+    balanced by bytes. Results come back in plan order. ``seen`` is shown every
+    source span read (source verification hashes them on the way).
     """
     todo = list(plan.files if files is None else files)
-    sources = SourceFiles(plan.source.files, plan.source.file_sizes)
+    sources = SourceFiles(plan.source.files, plan.source.file_sizes, seen)
     lock = threading.Lock()
     stop = threading.Event()  # set on Ctrl-C or a failure: every writer stops at its next slab
 

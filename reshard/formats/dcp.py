@@ -28,7 +28,8 @@ What the format does not say, and how it is handled:
   a permuted dense layout are refused.
 - **zstd** (``_extensions=[ZStandard()]``, descriptor ``stream.zstd/1``): the
   whole chunk archive is compressed. It is decompressed at open time, streaming
-  in bounded memory, into one spool file under ``$TMPDIR`` (removed at exit),
+  in bounded memory, into one spool file under ``$TMPDIR`` (removed at exit,
+  :func:`~reshard.io.pages.scratch_dir`),
   and its pieces point there (the spool is one more file of the checkpoint).
   Needs the ``zstandard`` or ``pyzstd`` module; other descriptors are refused.
 - **SAFETENSORS serialisation** (``FileSystemWriter(serialization_format=SAFETENSORS)``):
@@ -59,6 +60,7 @@ from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, UsageError
 from ..intervals import Block, overlapping_pairs
 from ..io.header import MAX_HEADER_SIZE, Header, decode_header
+from ..io.pages import scratch_dir
 from ..io.torchzip import STORED, TorchZip, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
@@ -205,13 +207,7 @@ class _Files:
     def spool(self) -> int:
         """The spool file (made on first use): decompressed chunks and row-major copies of permuted ones."""
         if self._spool is None:
-            import atexit  # not at module level: every CLI run imports this module
-            import shutil
-            import tempfile
-
-            d = tempfile.mkdtemp(prefix="reshard-dcp-")
-            atexit.register(shutil.rmtree, d, True)
-            p = Path(d) / "spool.bin"
+            p = scratch_dir("reshard-dcp-") / "spool.bin"  # removed at exit, under torchrun too
             self._spool_fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             self.paths.append(p)
             self._sizes.append(0)

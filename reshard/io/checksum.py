@@ -8,8 +8,11 @@ way is read back alone, so hashing never costs a second pass over a file.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 __all__ = [
     "CHECKSUM_PREFIX",
@@ -18,6 +21,7 @@ __all__ = [
     "piece_digest_of",
     "file_checksum",
     "finish_checksum",
+    "crc32",
 ]
 
 CHECKSUM_PREFIX = "xxh3_128-64MiB:"
@@ -66,3 +70,19 @@ def finish_checksum(
     return combine_pieces(
         [digests[i] if i in digests else piece_digest_of(path, i, chunk) for i in range(pieces)]
     )
+
+
+@functools.cache
+def _crc32() -> Callable[[Any, int], int]:
+    """``zlib.crc32``, or ISA-L's when the optional ``isal`` package is installed: the same
+    CRC-32, about 5x faster (zlib 1.2's runs at 0.6-2 GB/s here, slower than the copy)."""
+    try:
+        from isal.isal_zlib import crc32 as isal_crc32  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return zlib.crc32
+    return cast(Callable[[Any, int], int], isal_crc32)
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """The CRC-32 of ``data`` (bytes-like) continuing from ``value`` (zlib's, or ISA-L's if installed)."""
+    return _crc32()(data, value)

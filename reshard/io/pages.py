@@ -6,10 +6,15 @@ Pages read through a memory map count in the process's RSS until released;
 memory stays bounded however large the source files are.
 
 A mapped page past the end of a file that shrank (another job rewriting the
-source) would kill the process with SIGBUS. So a file's size is taken when it is
-opened (or given: the size its header was read at) and checked with ``fstat``
-before every read through its map (:meth:`SourceFiles.check`); a shrunk or grown
-file is a :class:`~reshard.errors.SourceChangedError` (exit 2) naming it.
+source) kills the process with SIGBUS, and no check before the read can close
+the race with a truncation in between. So ``convert`` never reads source bytes
+through a map: every byte comes from :meth:`SourceFiles.pread`, which fails with
+a :class:`~reshard.errors.SourceChangedError` (exit 2) naming the file when it
+ends early. A file's size is taken when it is opened (or given: the size its
+header was read at); :meth:`SourceFiles.check` compares it with ``fstat`` (the
+mapped readers of ``verify`` and ``inspect --check`` call it before each read).
+Every byte :meth:`SourceFiles.pread` reads is shown to the ``seen`` hook, if
+set: source verification hashes the bytes as the copy reads them.
 """
 
 from __future__ import annotations
@@ -17,24 +22,38 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from ..errors import HeaderError, SourceChangedError
 from ..intervals import box_span
 from .safe import open_regular
 
-__all__ = ["SourceFiles", "PageWindow"]
+__all__ = ["SourceFiles", "PageWindow", "Seen", "scratch_dir", "remove_scratch"]
+
+
+Seen = Callable[[int, int, memoryview], None]
+"""A hook shown every span :meth:`SourceFiles.pread` reads: (file, offset, bytes)."""
 
 
 class SourceFiles:
-    """Open source files once: a file descriptor and a read-only map each, shared by threads."""
+    """Open source files once: a file descriptor and a read-only map each, shared by threads.
 
-    def __init__(self, paths: Sequence[str], sizes: Sequence[int] | None = None) -> None:
+    Args:
+        paths: the files.
+        sizes: the size each was read at (default: its size when first opened).
+        seen: called with every span :meth:`pread` reads (from the reading thread).
+    """
+
+    def __init__(
+        self, paths: Sequence[str], sizes: Sequence[int] | None = None, seen: Seen | None = None
+    ) -> None:
         self._paths = list(paths)
         self._sizes: dict[int, int] = dict(enumerate(sizes)) if sizes is not None else {}
         self._fds: dict[int, int] = {}
         self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
+        self.seen = seen
 
     def fd(self, i: int) -> int:
         fd = self._fds.get(i)
@@ -62,6 +81,32 @@ class SourceFiles:
                 "bytes); is another job rewriting it? Convert again once it is finished",
                 path=path,
             )
+
+    def pread(self, i: int, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` with the bytes of file ``i`` at ``offset`` (and show them to ``seen``).
+
+        Raises:
+            SourceChangedError: the file ends before ``offset + len(buf)``: it shrank since
+                it was opened (named, with both sizes), or its header lied (caught earlier).
+        """
+        fd = self.fd(i)
+        want = len(buf)
+        got = os.preadv(fd, [buf], offset)
+        while 0 < got < want:  # a short read that is not the end of the file
+            n = os.preadv(fd, [buf[got:]], offset + got)
+            if n <= 0:
+                break
+            got += n
+        if got != want:
+            self.check(i)  # names the file when its size changed
+            path = self._paths[i]
+            raise SourceChangedError(
+                f"{path}: the source file ended early ({got} of {want} bytes at offset {offset}); "
+                "it changed while being read",
+                path=path,
+            )
+        if self.seen is not None:
+            self.seen(i, offset, buf)
 
     def map(self, i: int) -> mmap.mmap:
         mm = self._maps.get(i)
@@ -127,3 +172,31 @@ class PageWindow:
             self.sources.release(fi)
         self._touched.clear()
         self._touched_bytes = 0
+
+
+_SCRATCH: list[str] = []
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new private directory under ``$TMPDIR`` for files a reader makes (DCP's spool),
+    removed when the process ends.
+
+    At interpreter exit (``atexit``), and by :func:`remove_scratch`, which the command line
+    calls itself before it leaves with ``os._exit`` under torchrun (that skips ``atexit``).
+    """
+    import atexit
+    import tempfile
+
+    if not _SCRATCH:
+        atexit.register(remove_scratch)
+    d = tempfile.mkdtemp(prefix=prefix)
+    _SCRATCH.append(d)
+    return Path(d)
+
+
+def remove_scratch() -> None:
+    """Remove every directory :func:`scratch_dir` made (open files in them go when closed)."""
+    import shutil
+
+    while _SCRATCH:
+        shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)

@@ -5,25 +5,27 @@ A source piece is a row-major local tensor at an absolute byte offset of a file
 one box of it as a numpy array of unsigned integers of the item size (so every
 bit pattern survives, NaN payloads and ``-0.0`` included):
 
-* with a :class:`RowCache`, when the box's span holds at most :data:`DENSE` times
-  the bytes needed, the whole rows around it are read with one ``pread`` into the
-  cache, and a strided view of them is returned (no page faults, no mapped pages;
-  sibling output files asking for other columns of the same rows hit the cache);
-* otherwise a view of the file's read-only memory map, the pages recorded in a
+* with a :class:`RowCache` (``convert``): always by ``pread``
+  (:meth:`~reshard.io.pages.SourceFiles.pread`), never through the map, so a source
+  file truncated mid-run is a named error, never a SIGBUS. The whole rows around
+  the box are read with one ``pread`` into the cache and a strided view of them is
+  returned (sibling output files asking for other columns of the same rows hit the
+  cache); a box whose rows do not fit is read in bands of rows that do, into a
+  fresh array;
+* otherwise (``verify``, ``inspect --check``, ``load_dtensors``) a view of the
+  file's read-only memory map, the pages recorded in a
   :class:`~reshard.io.pages.PageWindow` that releases them as reading goes on.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import TensorSource
 from ..dtypes import DTYPE_SIZES
-from ..errors import SourceChangedError
 from ..intervals import box_span, row_major_strides
 from .pages import PageWindow, SourceFiles
 
@@ -35,12 +37,13 @@ if TYPE_CHECKING:
 else:
     Items = Any
 
-__all__ = ["DENSE", "Items", "uint_dtype", "Piece", "RowCache", "read_box", "MappedFiles"]
+__all__ = ["DENSE", "Items", "uint_dtype", "Piece", "RowCache", "read_box", "slab_items", "MappedFiles"]
 
 DENSE = 8
-"""A strided source span is read whole with one pread when it holds at most this many
-times the bytes needed: cheaper than the page faults of reading it through the map
-(measured: HF -> TP-8, 1/8-width columns, 0.88 s against 1.04 s, and less RSS)."""
+"""The row cache holds this many times a writer's buffer: a box of a buffer's bytes whose
+source span is at most this many times larger is read whole with one pread (measured:
+HF -> TP-8, 1/8-width columns, 0.88 s against 1.04 s through the map, and less RSS);
+sparser boxes are read in bands of rows."""
 
 
 @cache
@@ -53,7 +56,8 @@ def uint_dtype(itemsize: int) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Piece ``k`` of a tensor as read: its file, byte offset, shape, strides and mapped view."""
+    """Piece ``k`` of a tensor as read: its file, byte offset, shape, strides and, when mapped,
+    a view of it in the file's map (``arr``; None for ``convert``, which reads by ``pread``)."""
 
     fi: int
     base: int
@@ -61,15 +65,25 @@ class Piece:
     strides: tuple[int, ...]
     itemsize: int
     count: int
-    arr: Items
+    arr: Items | None
+
+    @property
+    def dtype(self) -> Any:
+        """The numpy unsigned integer type its items are moved as."""
+        return uint_dtype(self.itemsize)
 
     @classmethod
     def of(
-        cls, sources: SourceFiles, src: TensorSource, k: int, shape: tuple[int, ...] | None = None
+        cls,
+        sources: SourceFiles,
+        src: TensorSource,
+        k: int,
+        shape: tuple[int, ...] | None = None,
+        *,
+        mapped: bool = True,
     ) -> Piece:
-        """Map piece ``k`` of ``src`` (``shape``: its local shape, when the caller has it)."""
-        import numpy as np
-
+        """Piece ``k`` of ``src`` (``shape``: its local shape, when the caller has it); ``mapped``:
+        with a view of the file's map (a file that shrank since it was opened is then an error)."""
         if shape is None:
             shape = src.piece_shape(k)
         isz = DTYPE_SIZES[src.dtype]
@@ -78,7 +92,13 @@ class Piece:
         count = 1
         for x in shape:
             count *= x
-        arr = np.frombuffer(sources.map(fi), dtype=uint_dtype(isz), count=count, offset=base).reshape(shape)
+        arr = None
+        if mapped:
+            import numpy as np
+
+            sources.check(fi)
+            arr = np.frombuffer(sources.map(fi), dtype=uint_dtype(isz), count=count, offset=base)
+            arr = arr.reshape(shape)
         return cls(fi, base, shape, row_major_strides(shape), isz, count, arr)
 
 
@@ -93,12 +113,12 @@ class RowCache:
         self.buf = bytearray(size)
         self.window: tuple[int, int, int] | None = None
 
-    def read(self, fd: int, fi: int, lo: int, hi: int, wlo: int, whi: int) -> int | None:
+    def read(self, sources: SourceFiles, fi: int, lo: int, hi: int, wlo: int, whi: int) -> int | None:
         """Make file bytes ``[lo, hi)`` of file ``fi`` available in ``buf``; returns where they start.
 
         A hit costs nothing. A miss reads the window ``[wlo, whi)`` (the whole rows around
         ``[lo, hi)``) when it fits in ``buf``, else just ``[lo, hi)``; None when even that
-        does not fit (the caller reads through the map instead).
+        does not fit (the caller reads it in bands).
         """
         w = self.window
         if w is not None and w[0] == fi and w[1] <= lo and hi <= w[2]:
@@ -108,12 +128,7 @@ class RowCache:
             if hi - lo > len(self.buf):
                 return None
         self.window = None
-        n = whi - wlo
-        got = os.preadv(fd, [memoryview(self.buf)[:n]], wlo)
-        if got != n:
-            raise SourceChangedError(
-                f"a source file ended early: {got} of {n} bytes at offset {wlo}; it changed while being read"
-            )
+        sources.pread(fi, memoryview(self.buf)[: whi - wlo], wlo)
         self.window = (fi, wlo, whi)
         return lo - wlo
 
@@ -121,49 +136,96 @@ class RowCache:
 def read_box(pages: PageWindow, piece: Piece, key: tuple[slice, ...], rows: RowCache | None = None) -> Items:
     """The items of box ``key`` (one slice per dim, local to the piece) of a source piece.
 
-    The result is a view (of ``rows.buf`` or of the map): use it before the next read.
+    The result is a view (of ``rows.buf`` or of the map) or a fresh array: use it before
+    the next read.
     """
-    if rows is not None and key:
-        isz = piece.itemsize
-        starts = [s.start for s in key]
-        sizes = [s.stop - s.start for s in key]
-        used = isz
-        for x in sizes:
-            used *= x
-        first, stop = box_span(piece.strides, starts, sizes)
-        if (stop - first) * isz <= DENSE * used:
-            # dense enough: the span read whole with one pread, widened to whole rows
-            row = _row_elems(piece.shape, piece.strides, sizes)
-            wfirst = first - first % row
-            wstop = min(piece.count, -(-stop // row) * row)
-            base = piece.base
-            try:
-                at = rows.read(
-                    pages.sources.fd(piece.fi),
-                    piece.fi,
-                    base + first * isz,
-                    base + stop * isz,
-                    base + wfirst * isz,
-                    base + wstop * isz,
-                )
-            except SourceChangedError:
-                pages.sources.check(piece.fi)  # names the file when its size changed
-                raise
-            if at is not None:
-                import numpy as np
+    if rows is None:
+        # a mapped read: verify and check, which check the file's size first
+        assert piece.arr is not None, "a mapped read of an unmapped piece"
+        pages.touch_slices(piece.fi, piece.base, piece.strides, piece.itemsize, key)
+        part: Items = piece.arr[key] if key else piece.arr[...]
+        return part
+    import numpy as np
 
-                dense: Items = np.ndarray(
-                    tuple(sizes),
-                    dtype=piece.arr.dtype,
-                    buffer=rows.buf,
-                    offset=at,
-                    strides=tuple(st * isz for st in piece.strides),
-                )
-                return dense
-    # sparse (a narrow column of wide rows): touch only the pages needed
-    pages.touch_slices(piece.fi, piece.base, piece.strides, piece.itemsize, key)
-    part: Items = piece.arr[key] if key else piece.arr[...]
-    return part
+    if any(s.stop <= s.start for s in key):
+        return np.empty([max(0, s.stop - s.start) for s in key], dtype=piece.dtype)
+    got = _cached(pages.sources, piece, key, rows)
+    if got is not None:
+        return got
+
+    out: Items = np.empty([s.stop - s.start for s in key], dtype=piece.dtype)
+    for band in _bands(piece, key, len(rows.buf)):
+        cut = _cached(pages.sources, piece, band, rows)
+        assert cut is not None  # a band's span fits the cache
+        out[tuple(slice(b.start - k.start, b.stop - k.start) for b, k in zip(band, key))] = cut
+    return out
+
+
+def _cached(sources: SourceFiles, piece: Piece, key: tuple[slice, ...], rows: RowCache) -> Items | None:
+    """Box ``key`` as a strided view of its rows read into the cache; None if its span does not fit."""
+    isz = piece.itemsize
+    starts = [s.start for s in key]
+    sizes = [s.stop - s.start for s in key]
+    first, stop = box_span(piece.strides, starts, sizes) if key else (0, 1)
+    row = _row_elems(piece.shape, piece.strides, sizes)
+    wfirst = first - first % row
+    wstop = min(piece.count, -(-stop // row) * row)
+    base = piece.base
+    at = rows.read(
+        sources, piece.fi, base + first * isz, base + stop * isz, base + wfirst * isz, base + wstop * isz
+    )
+    if at is None:
+        return None
+    import numpy as np
+
+    view: Items = np.ndarray(
+        tuple(sizes),
+        dtype=piece.dtype,
+        buffer=rows.buf,
+        offset=at,
+        strides=tuple(st * isz for st in piece.strides),
+    )
+    return view
+
+
+def slab_items(piece: Piece, starts: Sequence[int], sizes: Sequence[int], cap: int) -> int:
+    """How many items of box ``(starts, sizes)`` a slab may take so that the whole source rows
+    around them fit a row cache of ``cap`` bytes (at least 1).
+
+    Slabs that small are read with one ``pread`` each, and the sibling files in lockstep
+    that want other columns of the same rows find them in the cache: cut larger, a sparse
+    box is read in bands that no sibling can reuse.
+    """
+    used = 1
+    for z in sizes:
+        used *= z
+    if used == 0:
+        return cap
+    first, stop = box_span(piece.strides, starts, sizes) if sizes else (0, 1)
+    row = _row_elems(piece.shape, piece.strides, sizes)
+    window = (stop - first + 2 * row) * piece.itemsize  # widened to whole rows at both ends
+    return max(1, cap * used // window)
+
+
+def _bands(piece: Piece, key: tuple[slice, ...], cap: int) -> Iterator[tuple[slice, ...]]:
+    """Sub-boxes of ``key`` cut along its outermost dims, each spanning at most ``cap`` bytes.
+
+    Cut along the first dim longer than 1 into runs of as many indices as fit; where one
+    index of it spans more than ``cap``, each index is cut along the next dim, and so on
+    (a box of one item spans one item, which fits).
+    """
+    isz = piece.itemsize
+    sizes = [s.stop - s.start for s in key]
+    first, stop = box_span(piece.strides, [s.start for s in key], sizes)
+    if (stop - first) * isz <= cap:
+        yield key
+        return
+    d = next(i for i, z in enumerate(sizes) if z > 1)
+    inner = (stop - first - (sizes[d] - 1) * piece.strides[d]) * isz  # the span of one index of dim d
+    step = max(1, 1 + (cap - inner) // (piece.strides[d] * isz)) if inner <= cap else 1
+    for a in range(key[d].start, key[d].stop, step):
+        sub = key[:d] + (slice(a, min(a + step, key[d].stop)),) + key[d + 1 :]
+        yield from _bands(piece, sub, cap)
 
 
 def _row_elems(shape: Sequence[int], strides: Sequence[int], sizes: Sequence[int]) -> int:

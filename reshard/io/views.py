@@ -19,13 +19,18 @@ from .reader import Piece, uint_dtype
 __all__ = ["open_piece"]
 
 
-def open_piece(sources: SourceFiles, src: TensorSource, k: int) -> Piece | None:
-    """Piece ``k`` of ``src`` mapped for reading (a view's own strides), or None for zeros."""
+def open_piece(sources: SourceFiles, src: TensorSource, k: int, *, mapped: bool = True) -> Piece | None:
+    """Piece ``k`` of ``src`` (``mapped``: with a view of the file's map), or None for zeros.
+
+    A transform's view (its own strides, any order) is always mapped: ``read_box`` reads
+    it through the map, after the file's size is checked (not by ``pread`` as plain pieces).
+    """
     if not isinstance(src, TransformedSource):
-        return Piece.of(sources, src, k)
+        return Piece.of(sources, src, k, mapped=mapped)
     fi = src.piece_files[k]
     if fi < 0:
         return None
+    sources.check(fi)
     import numpy as np
 
     shape = src.piece_shape(k)

@@ -330,6 +330,38 @@ def test_crc_mismatch_caught_by_check(saved: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name", ["plain", "fsdp_tp"])
+def test_crc_mismatch_caught_by_convert(saved: Path, tmp_path: Path, name: str) -> None:
+    """convert checks every chunk's CRC32 as it copies: a flipped byte exits 2 naming the file and
+    the tensor, nothing written; --no-verify-source converts it as it is."""
+    ck = _copy(saved, name, tmp_path)
+    ckpt = open_checkpoint(ck)
+    fqn = "model.w" if name == "plain" else sorted(n for n in ckpt.tensors if n.startswith("model."))[0]
+    t = ckpt.tensors[fqn]
+    k = len(t.piece_offsets) - 1
+    path = Path(ckpt.files[t.piece_files[k]])
+    with open(path, "r+b") as f:
+        f.seek(t.piece_offsets[k])
+        b = f.read(1)
+        f.seek(t.piece_offsets[k])
+        f.write(bytes([b[0] ^ 0x40]))
+    for target in (["--consolidate"], ["--to", "per-rank", "--target-layout", str(_layout(tmp_path))]):
+        err = _refused(run_cli("convert", ck, tmp_path / "out", *target, "--quiet"))
+        assert str(path) in err and f'tensor "{fqn}"' in err and "CRC32" in err, err
+        assert "--no-verify-source" in err
+        assert not (tmp_path / "out").exists()
+    proc = run_cli("convert", ck, tmp_path / "out", "--consolidate", "--no-verify-source", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "reshard.json").is_file()
+
+
+def _layout(tmp_path: Path) -> Path:
+    p = tmp_path / "tp2.yaml"
+    p.write_text('mesh: {tp: 2}\nplacements:\n  "*": {tp: R}\n')
+    return p
+
+
+@pytest.mark.dist
 def test_unknown_transform_refused(saved: Path, tmp_path: Path) -> None:
     ck = _copy(saved, "zstd", tmp_path)
     md = pickle.loads((ck / ".metadata").read_bytes())
@@ -401,3 +433,26 @@ def test_zstd_without_a_zstd_module(saved: Path, tmp_path: Path) -> None:
     err = _refused(proc)
     assert "stream.zstd/1" in err and "pip install zstandard" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["transposed", "zstd"])
+def test_spool_removed_under_torchrun(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """`torchrun ... reshard convert` of a checkpoint the reader spools (permuted or zstd chunks):
+    every rank's spool directory is gone when it exits (the CLI leaves with os._exit there, which
+    skips atexit), and the output equals one process's."""
+    from tests.dist.test_torchrun import assert_same_dirs, reshard_exe, torchrun
+
+    src = _copy(saved, name, tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    proc = run_cli("convert", src, tmp_path / "single", "--consolidate", "--max-shard-size", "2KB", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp.iterdir()) == []  # one process: removed at exit
+    args = ("convert", src, tmp_path / "dist", "--consolidate", "--max-shard-size", "2KB", "--quiet")
+    torchrun(2, *reshard_exe(), *args, teardown_abort_ok=True)
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("reshard-")] == []  # torchelastic's stay
+    assert_same_dirs(tmp_path / "dist", tmp_path / "single")

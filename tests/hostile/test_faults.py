@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 RESHARD = str(Path(sys.executable).parent / "reshard")
 ENV = {k: v for k, v in os.environ.items() if k != "RESHARD_DEBUG"}
@@ -175,3 +175,57 @@ def test_a_source_truncated_while_read_is_exit_2_not_sigbus(tmp_path: Path, plac
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert "model.safetensors" in p.stderr and "changed while" in p.stderr, p.stderr
     assert not dst.exists()
+
+
+def _staging_started(dst: Path, proc: subprocess.Popen[str], timeout: float = 60) -> bool:
+    """Wait until the conversion writes its first temporary (it is reading the source then)."""
+    stage = dst / ".reshard-staging"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            if any(p.name.endswith(".tmp") for p in stage.iterdir()):
+                return True
+        except FileNotFoundError:
+            pass
+        time.sleep(0.002)
+    return False
+
+
+def test_a_source_truncated_by_another_process_mid_run_never_sigbus(tmp_path: Path) -> None:
+    """Another process (this test) truncates the source while a CLI conversion reads it
+    (narrow column shards of wide rows: the bands path), at many moments: never SIGBUS
+    (exit 135, or -7 seen from here), always exit 2 naming the file with nothing written,
+    or (truncated after the last read) a whole, correct checkpoint."""
+    g = torch.Generator().manual_seed(1)
+    full = {f"layers.{i}.w": torch.randn(384, 4096, generator=g) for i in range(8)}  # 48 MiB
+    orig = tmp_path / "orig.safetensors"
+    save_file(full, str(orig))
+    layout = tmp_path / "l.yaml"
+    layout.write_text('mesh: {tp: 32}\nplacements:\n  "*": {tp: S(1)}\n')
+    rng = random.Random(15)
+    codes = []
+    for i in range(16):
+        src, dst = tmp_path / f"src{i}", tmp_path / f"dst{i}"
+        src.mkdir()
+        f = src / "model.safetensors"
+        shutil.copyfile(orig, f)
+        cmd = [RESHARD, "convert", str(src), str(dst), "--target-layout", str(layout), "--workers", "2"]
+        proc = subprocess.Popen(
+            [*cmd, "--max-memory", "8MiB", "--quiet"], stderr=subprocess.PIPE, text=True, env=ENV
+        )
+        started = _staging_started(dst, proc)
+        time.sleep(rng.random() * 0.3)
+        os.truncate(f, rng.randrange(4096, f.stat().st_size // 2))
+        _, err = proc.communicate(timeout=120)
+        codes.append(proc.returncode)
+        assert proc.returncode not in (-signal.SIGBUS, 128 + signal.SIGBUS), err
+        if proc.returncode == 0:  # every byte was read before the truncation
+            assert started
+            for r in range(0, 32, 7):
+                got = load_file(str(dst / f"rank-{r:05d}-of-00032.safetensors"))
+                assert all(torch.equal(got[k], v.chunk(32, 1)[r]) for k, v in full.items())
+            continue
+        assert proc.returncode == 2, (proc.returncode, err)
+        assert str(f) in err and "changed while" in err, err
+        assert not dst.exists() or not any(dst.iterdir()), list(dst.iterdir())
+    assert 2 in codes, codes  # some truncations came mid-run

@@ -95,3 +95,50 @@ def test_hf_shards_disagreeing_on_a_tensor(tmp_path: Path, same: bool) -> None:
             and "disagree" in p.stderr
         )
         assert not (tmp_path / "out").exists()
+
+
+def _rchar() -> int:
+    """Bytes this process has read with read/pread system calls (page cache included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+@pytest.mark.parametrize("target", ["tp=4", "hf"])
+def test_source_verification_reads_the_source_once(tmp_path: Path, target: str) -> None:
+    """Verification hashes the bytes the copy reads: a verified conversion reads the source
+    about once (headers and a little out-of-order data again), not twice (main: ~2x)."""
+    from reshard.convert import SourceSpec, TargetSpec, convert
+
+    g = torch.Generator().manual_seed(0)
+    (tmp_path / "hf").mkdir()
+    full = {f"l{i}.w": torch.randn(256, 1024, generator=g) for i in range(12)}  # 12 MiB
+    save_file(full, str(tmp_path / "hf" / "model.safetensors"))
+    layout = tmp_path / "l.yaml"
+    layout.write_text('mesh: {tp: 2}\nplacements:\n  "*.w": {tp: S(0)}\n')
+    src = tmp_path / "tp2"
+    p = run("convert", str(tmp_path / "hf"), str(src), "--target-layout", str(layout))
+    assert p.returncode == 0, p.stderr
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    spec = TargetSpec(consolidate=True) if target == "hf" else TargetSpec(mesh=target)
+    reads = []
+    for i, verify in enumerate([False, True, False, True]):
+        before = _rchar()
+        convert(SourceSpec(str(src)), tmp_path / f"out{i}", spec, workers=2, verify_source=verify)
+        reads.append(_rchar() - before)
+    extra = min(reads[1], reads[3]) - max(reads[0], reads[2])  # what verifying read besides the copy
+    assert extra < 0.2 * size, (reads, size)
+    # and it did verify: a flipped byte in the middle of a file is refused
+    f = src / "rank-00000-of-00002.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 1
+    f.write_bytes(bytes(data))
+    p = run(
+        "convert",
+        str(src),
+        str(tmp_path / "refused"),
+        *(["--consolidate"] if target == "hf" else ["--target-mesh", target]),
+    )
+    assert p.returncode == 2 and "rank-00000-of-00002.safetensors" in p.stderr, p.stderr

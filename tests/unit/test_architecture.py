@@ -25,6 +25,7 @@ LAYERS = [
         "io.pages",
         "io.reader",
         "io.views",
+        "io.readhash",
         "io.writer",
         "io.lock",
         "io.staging",

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import reshard.execute as ex
 from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, resolve_target
+from reshard.io.pages import SourceFiles
 from reshard.io.reader import RowCache
 
 
@@ -30,7 +31,6 @@ def _column_sharded_plan(tmp_path: Path, world: int = 8):
 def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: int) -> int:
     """Bytes read from the source by pread while executing ``plan`` (contiguous runs included)."""
     monkeypatch.setattr(ex, "GROUP_FILES", group)
-    monkeypatch.setattr(ex, "_PREAD_MIN", 0)  # every contiguous run by pread too, so it is counted
     read = [0]
     real = os.preadv
 
@@ -39,10 +39,10 @@ def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: 
         read[0] += n
         return n
 
-    monkeypatch.setattr(ex.os, "preadv", counting)
+    monkeypatch.setattr(os, "preadv", counting)  # every source read is a pread
     out.mkdir()
     ex.execute_plan(plan, out, workers=workers, buffer_size=4096)
-    monkeypatch.setattr(ex.os, "preadv", real)
+    monkeypatch.setattr(os, "preadv", real)
     return read[0]
 
 
@@ -88,17 +88,17 @@ def test_read_window_hits_misses_and_limits(tmp_path: Path) -> None:
     data = bytes(range(256)) * 64  # 16 KiB
     p = tmp_path / "src"
     p.write_bytes(data)
-    fd = os.open(p, os.O_RDONLY)
+    src = SourceFiles([str(p), str(p)])
     try:
         b = RowCache(8 * 64 + 64)  # a writer's row cache for a 64-byte buffer: 576 bytes
-        at = b.read(fd, 0, 130, 140, 128, 256)  # miss: the whole window [128, 256) is read
+        at = b.read(src, 0, 130, 140, 128, 256)  # miss: the whole window [128, 256) is read
         assert b.window == (0, 128, 256) and at == 2
         assert bytes(b.buf[at : at + 10]) == data[130:140]
-        assert b.read(fd, 0, 200, 256, 0, 0) == 72  # hit: inside the window, nothing read
-        assert b.read(fd, 1, 200, 256, 200, 256) == 0 and b.window == (1, 200, 256)  # other file: miss
+        assert b.read(src, 0, 200, 256, 0, 0) == 72  # hit: inside the window, nothing read
+        assert b.read(src, 1, 200, 256, 200, 256) == 0 and b.window == (1, 200, 256)  # other file: miss
         # a window larger than the scratch falls back to the span itself
-        at = b.read(fd, 0, 1000, 1500, 0, 4096)
+        at = b.read(src, 0, 1000, 1500, 0, 4096)
         assert b.window == (0, 1000, 1500) and bytes(b.buf[at : at + 500]) == data[1000:1500]
-        assert b.read(fd, 0, 0, 4096, 0, 4096) is None  # even the span does not fit
+        assert b.read(src, 0, 0, 4096, 0, 4096) is None  # even the span does not fit
     finally:
-        os.close(fd)
+        src.close()

@@ -1,0 +1,305 @@
+"""Source verification as the copy reads: hash the bytes read once, read back only what was not.
+
+A source that records hashes of its bytes is checked against them while it is
+converted, so a damaged source is not laundered into a fresh checkpoint with
+fresh checksums. Two kinds of record, one mechanism:
+
+* ``reshard.json`` lists each file's ``xxh3_128-64MiB`` checksum
+  (:mod:`reshard.io.checksum`): the regions are the file's 64 MiB pieces, whose
+  digests make the file's checksum;
+* DCP ``.distcp`` chunks and ``torch.save`` records carry the CRC32 of each
+  tensor piece (:attr:`~reshard.checkpoint.TensorSource.piece_crc32`): the regions
+  are those pieces.
+
+A region's hash must be fed its bytes in order, but the copy reads in its own
+order, on several threads. :meth:`ReadHashes.feed` (the
+:class:`~reshard.io.pages.SourceFiles` ``seen`` hook) takes every span read:
+the part at a region's cursor is hashed (one thread at a time per region, outside
+any lock, so threads hashing different regions run in parallel: xxh3 and CRC32
+release the GIL); a part ahead of the cursor is copied aside, within a byte
+budget, and hashed when the cursor reaches it; a part behind it was hashed
+already. :meth:`ReadHashes.problems`, after the copy, reads back only what no
+span covered in order (pieces of files a ``--resume`` kept, headers the copy
+never reads, spans past the budget) and compares.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import threading
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import SourceChangedError
+from .checksum import PIECE, combine_pieces, crc32
+
+__all__ = ["Region", "ReadHashes", "Mismatch", "xxh3_regions"]
+
+_READ_BACK = 8 << 20
+_GAP = 2 << 20
+"""A span at most this far ahead of a region's cursor is joined to it by reading the bytes
+between (padding, a tensor read later or never); so is a region's first span. A span
+further ahead is held aside, within the budget, else read back after the copy."""
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A byte range ``[start, stop)`` of a source file with a recorded hash.
+
+    ``crc``: the recorded CRC32 of the range (a tensor piece), None for a 64 MiB
+    piece of a file whose whole ``xxh3_128-64MiB`` checksum is recorded instead.
+    ``what``: how to name the range in an error (the tensor and its box).
+    """
+
+    start: int
+    stop: int
+    crc: int | None = None
+    what: str = ""
+    tensor: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A file (or tensor piece) whose bytes do not have their recorded hash."""
+
+    path: str
+    message: str
+    tensor: str | None = None
+
+
+def xxh3_regions(size: int) -> list[Region]:
+    """The 64 MiB pieces of a file of ``size`` bytes (one, empty, for an empty file)."""
+    return [Region(i * PIECE, min(size, (i + 1) * PIECE)) for i in range(max(1, -(-size // PIECE)))]
+
+
+class _Crc:
+    """A CRC32 that takes ``update`` like a hasher."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = crc32(data, self.value)
+
+
+@dataclass(slots=True)
+class _State:
+    """A region being hashed: its hasher, how far it got, the spans held for later."""
+
+    hasher: Any
+    cursor: int
+    busy: bool = False  # a thread is feeding the hasher (outside the lock)
+    held: list[tuple[int, bytes]] = field(default_factory=list)  # heap of (file offset, bytes)
+
+
+class _File:
+    """One file's regions, their states and results."""
+
+    def __init__(self, path: str, regions: Sequence[Region], checksum: str | None) -> None:
+        self.path = path
+        self.regions = list(regions)
+        self.starts = [r.start for r in self.regions]
+        self.checksum = checksum  # the recorded file checksum (xxh3 pieces) or None (CRC regions)
+        self.states: dict[int, _State] = {}
+        self.results: dict[int, Any] = {}  # region index -> digest bytes or CRC32
+        self.lock = threading.Lock()
+
+    def state(self, i: int) -> _State:
+        st = self.states.get(i)
+        if st is None:
+            r = self.regions[i]
+            hasher: Any = _Crc() if self.checksum is None else _xxh3()
+            st = self.states[i] = _State(hasher, r.start)
+        return st
+
+
+def _xxh3() -> Any:
+    import xxhash
+
+    return xxhash.xxh3_128()
+
+
+class ReadHashes:
+    """The recorded hashes of a source's files, fed the bytes the copy reads.
+
+    Args:
+        files: per file index with a record: its path, its regions, and the recorded
+            ``xxh3_128-64MiB`` checksum (regions: :func:`xxh3_regions`) or None (regions
+            carry CRC32s).
+        hold: bytes of spans read ahead of a region's cursor that may be kept aside.
+    """
+
+    def __init__(self, files: dict[int, tuple[str, Sequence[Region], str | None]], hold: int) -> None:
+        self._files = {fi: _File(p, regs, cs) for fi, (p, regs, cs) in files.items() if regs}
+        self._hold = hold
+        self._held = 0
+        self._lock = threading.Lock()
+        self.read_back = 0  # bytes read again by problems() (what the copy did not hash)
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+    def feed(self, fi: int, offset: int, data: memoryview) -> None:
+        """Take a span the copy read: ``data`` at ``offset`` of file ``fi`` (any thread)."""
+        f = self._files.get(fi)
+        if f is None:
+            return
+        end = offset + len(data)
+        i = max(0, bisect_right(f.starts, offset) - 1)
+        regions = f.regions
+        while i < len(regions) and regions[i].start < end:
+            r = regions[i]
+            if r.stop > offset and i not in f.results:
+                lo, hi = max(offset, r.start), min(end, r.stop)
+                self._feed_region(f, i, lo, data[lo - offset : hi - offset])
+            i += 1
+
+    def _feed_region(self, f: _File, i: int, lo: int, data: memoryview) -> None:
+        hi = lo + len(data)
+        with f.lock:
+            if i in f.results:
+                return
+            st = f.state(i)
+            if hi <= st.cursor:
+                return  # hashed already
+            if st.busy:  # another thread is hashing: hold the new part for it (or drop it)
+                at = max(lo, st.cursor)
+                self._keep(st, at, data[at - lo :])
+                return
+            # a span far ahead of the cursor is held for when the cursor gets there (another
+            # thread's or a sibling's reads fill the bytes between); a span near it, or one the
+            # budget cannot hold, is joined to it by reading the bytes between here
+            if lo - st.cursor > _GAP and self._keep(st, lo, data):
+                return
+            st.busy = True
+        self._own(f, i, st, hi, [(lo, data)])
+
+    def _keep(self, st: _State, at: int, data: memoryview) -> bool:
+        """Hold a span ahead of the cursor if the budget allows (else it is read back later)."""
+        with self._lock:
+            if self._held + len(data) > self._hold:
+                return False
+            self._held += len(data)
+        heapq.heappush(st.held, (at, bytes(data)))
+        return True
+
+    def _own(self, f: _File, i: int, st: _State, want: int, span: list[tuple[int, memoryview]]) -> None:
+        """This thread owns region ``i``'s hasher (``st.busy``): take its cursor to ``want``.
+
+        Hashes ``span`` (none, or the one just read) and the held spans as the cursor
+        reaches them, reading from the file the bytes no span holds; then finishes the
+        region or lets the hasher go.
+        """
+        r = f.regions[i]
+        fd = -1
+        buf: memoryview | None = None
+        try:
+            while True:
+                with f.lock:
+                    take = self._next(st, span)
+                    if take is None:
+                        if st.cursor >= r.stop:
+                            self._finish(f, i, st)
+                            return
+                        if st.cursor >= want:
+                            st.busy = False
+                            return
+                        at = st.cursor
+                        stop = min([want, *(lo for lo, _ in span), *(st.held[0][:1] if st.held else ())])
+                if take is not None:
+                    st.hasher.update(take)
+                    continue
+                if fd < 0:
+                    fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
+                if buf is None or len(buf) < min(_READ_BACK, stop - at):
+                    buf = memoryview(bytearray(min(_READ_BACK, max(stop - at, 1 << 16))))
+                n = min(len(buf), stop - at)
+                st.hasher.update(_pread(fd, buf[:n], at, f.path))
+                self.read_back += n
+                with f.lock:
+                    st.cursor = at + n
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _next(self, st: _State, span: list[tuple[int, memoryview]]) -> memoryview | None:
+        """The next bytes at the cursor, from a held span or ``span`` (emptied once used), and
+        the cursor moved past them; None when neither reaches the cursor (held spans and
+        ``span`` behind it are dropped). Called with the file's lock held."""
+        while st.held and st.held[0][0] <= st.cursor:
+            at, data = heapq.heappop(st.held)
+            self._release(len(data))
+            if at + len(data) > st.cursor:
+                out = memoryview(data)[st.cursor - at :]
+                st.cursor = at + len(data)
+                return out
+        if span and span[0][0] <= st.cursor:
+            lo, mv = span.pop()
+            if lo + len(mv) > st.cursor:
+                out = mv[st.cursor - lo :]
+                st.cursor = lo + len(mv)
+                return out
+        return None
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
+
+    def _finish(self, f: _File, i: int, st: _State) -> None:
+        """Region ``i`` is hashed whole (called with ``f.lock`` held)."""
+        h = st.hasher
+        f.results[i] = h.value if isinstance(h, _Crc) else bytes(h.digest())
+        for _, data in st.held:
+            self._release(len(data))
+        del f.states[i]
+
+    def problems(self) -> list[Mismatch]:
+        """After the copy: read back what was not hashed on the way; the mismatches, in file order.
+
+        Raises:
+            SourceChangedError: a file ended early (it shrank since it was opened).
+        """
+        out: list[Mismatch] = []
+        for f in self._files.values():
+            self._complete(f)
+            if f.checksum is not None:
+                got = combine_pieces([f.results[i] for i in range(len(f.regions))])
+                if got != f.checksum:
+                    msg = (
+                        f"{f.path}: checksum {got} does not match {f.checksum} in reshard.json; "
+                        "the file's bytes changed since it was written"
+                    )
+                    out.append(Mismatch(f.path, msg))
+                continue
+            for i, r in enumerate(f.regions):
+                if f.results[i] != r.crc:
+                    msg = (
+                        f"{f.path}: {r.what}: CRC32 {f.results[i]:08x} does not match the recorded "
+                        f"{r.crc:08x}; the file's bytes changed since it was written"
+                    )
+                    out.append(Mismatch(f.path, msg, r.tensor))
+        return out
+
+    def _complete(self, f: _File) -> None:
+        """Hash every region of ``f`` not finished during the copy, reading back what is missing."""
+        for i in range(len(f.regions)):
+            if i not in f.results:
+                st = f.state(i)
+                st.busy = True
+                self._own(f, i, st, f.regions[i].stop, [])
+
+
+def _pread(fd: int, buf: memoryview, offset: int, path: str) -> memoryview:
+    got = os.preadv(fd, [buf], offset)
+    if got != len(buf):
+        raise SourceChangedError(
+            f"{path}: the source file ended early ({got} of {len(buf)} bytes at offset {offset}); "
+            "it changed while being read",
+            path=path,
+        )
+    return buf

@@ -1,0 +1,110 @@
+"""ReadHashes: the hashes of spans read in any order, on any threads, equal the files' own."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+
+from reshard.errors import SourceChangedError
+from reshard.io import checksum
+from reshard.io.checksum import file_checksum
+from reshard.io.readhash import ReadHashes, Region, xxh3_regions
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
+    """64 KiB checksum pieces, so a test file of a few hundred KiB has several."""
+    monkeypatch.setattr(checksum, "PIECE", 1 << 16)
+    import reshard.io.readhash as rh
+
+    monkeypatch.setattr(rh, "PIECE", 1 << 16)
+    monkeypatch.setattr(rh, "_GAP", 4096)
+    return 1 << 16
+
+
+def _spans(size: int, rng: random.Random, coverage: float) -> list[tuple[int, int]]:
+    """Random spans (some overlapping, some repeated) covering about ``coverage`` of the file."""
+    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(40))})
+    spans = [(a, b) for a, b in zip(cuts, cuts[1:]) if rng.random() < coverage]
+    spans += [(a, min(size, a + rng.randrange(1, 9000))) for a in (rng.randrange(size) for _ in range(5))]
+    rng.shuffle(spans)
+    return spans
+
+
+def _feed(h: ReadHashes, data: bytes, spans: list[tuple[int, int]], threads: int) -> None:
+    def run(part: list[tuple[int, int]]) -> None:
+        for a, b in part:
+            h.feed(0, a, memoryview(data)[a:b])
+
+    ts = [threading.Thread(target=run, args=(spans[k::threads],)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_any_read_order_gives_the_file_checksum(tmp_path: Path, small_pieces: int, seed: int) -> None:
+    rng = random.Random(seed)
+    data = rng.randbytes(rng.randrange(1, 5 * small_pieces))
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    want = file_checksum(p)
+    hold = rng.choice([0, 8192, 1 << 20])  # nothing held, a little, everything
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), want)}, hold)
+    _feed(h, data, _spans(len(data), rng, rng.choice([0.3, 1.0])), rng.choice([1, 3]))
+    assert h.problems() == []
+    assert h._held == 0  # every held span given back
+
+    # one flipped byte: the file is named
+    i = rng.randrange(len(data))
+    p.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :])
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), want)}, hold)
+    _feed(h, p.read_bytes(), _spans(len(data), rng, 1.0), 2)
+    (bad,) = h.problems()
+    assert bad.path == str(p) and "does not match" in bad.message
+
+
+def test_full_coverage_in_order_reads_nothing_back(tmp_path: Path, small_pieces: int) -> None:
+    data = os.urandom(3 * small_pieces + 100)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), file_checksum(p))}, 0)
+    for a in range(0, len(data), 5000):
+        h.feed(0, a, memoryview(data)[a : a + 5000])
+    assert h.problems() == [] and h.read_back == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_piece_crc32s_named_by_tensor(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    data = bytearray(rng.randbytes(200_000))
+    p = tmp_path / "f"
+    cuts = sorted(rng.sample(range(1, len(data)), 9))
+    regions = [
+        Region(a, b, zlib.crc32(data[a:b]), f'tensor "t{k}" piece [0:{b - a}]', f"t{k}")
+        for k, (a, b) in enumerate(zip(cuts[::2], cuts[1::2]))
+    ]
+    bad = regions[rng.randrange(len(regions))]
+    data[rng.randrange(bad.start, bad.stop)] ^= 0x40
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), regions, None)}, rng.choice([0, 1 << 20]))
+    _feed(h, bytes(data), _spans(len(data), rng, 0.7), 2)
+    (got,) = h.problems()
+    assert got.tensor == bad.tensor and bad.what in got.message and "CRC32" in got.message
+
+
+def test_a_file_shorter_than_its_record_is_a_named_error(tmp_path: Path, small_pieces: int) -> None:
+    data = os.urandom(2 * small_pieces)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), file_checksum(p))}, 0)
+    os.truncate(p, small_pieces)
+    with pytest.raises(SourceChangedError, match="ended early") as e:
+        h.problems()
+    assert e.value.path == str(p)
