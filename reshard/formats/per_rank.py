@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -167,6 +167,8 @@ def _check_tensors(tensors: object, where: str) -> None:
     tensors = expect_object(tensors, path=where, field="reshard.tensors", error=HeaderError)
     seen: set[int] = set()
     for name, info in tensors.items():
+        if id(info) in seen:  # a description shared by a geometry (version 2)
+            continue
         field = f"reshard.tensors[{json.dumps(name)}]"
         info = expect_object(info, path=where, field=field, error=HeaderError)
         shape, pls = info.get("shape"), info.get("placements")
@@ -176,6 +178,7 @@ def _check_tensors(tensors: object, where: str) -> None:
         if id(pls) not in seen:
             expect_strings(pls, path=where, field=field + ".placements", error=HeaderError)
             seen.add(id(pls))
+        seen.add(id(info))
 
 
 def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) -> dict[str, TensorDescription]:
@@ -189,17 +192,19 @@ def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) ->
     if not isinstance(codes, str) or len(codes) != len(header.entries) or not isinstance(shapes, dict):
         raise ValueError(f'"layout" must hold one code per tensor ({len(header.entries)})')
     index = {c: i for i, c in enumerate(_CODES[: len(table)])}
-    derived: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    derived: dict[tuple[tuple[int, ...], str], TensorDescription] = {}  # one description per geometry
     out: dict[str, TensorDescription] = {}
     for e, code in zip(header.entries, codes):
-        pls = table[index[code]]
         shape = shapes.get(e.name)
-        if shape is None:
-            key = (e.shape, code)
-            shape = derived.get(key)
-            if shape is None:
-                shape = derived[key] = _even_global(e.shape, mesh, pls)
-        out[e.name] = {"shape": shape, "placements": pls}
+        if shape is not None:
+            out[e.name] = {"shape": shape, "placements": table[index[code]]}
+            continue
+        key = (e.shape, code)
+        desc = derived.get(key)
+        if desc is None:
+            pls = table[index[code]]
+            desc = derived[key] = {"shape": _even_global(e.shape, mesh, pls), "placements": pls}
+        out[e.name] = desc
     return out
 
 
@@ -305,8 +310,7 @@ def open_per_rank(
         describe = layout_describe(placements_for, mesh, paths[0], layout_source)
     else:
         assert desc0 is not None
-        described = desc0
-        describe = lambda name, _shapes: _described(name, described, paths[0])  # noqa: E731
+        describe = _described_by(desc0, paths[0])
     return rank_checkpoint(directory, "per-rank", files, mesh, describe)
 
 
@@ -327,11 +331,9 @@ def rank_checkpoint(
             path=str(directory),
         )
     coords = list(mesh.coordinates())
-    where = files.entries()
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
-    for name in _common_names(files, where):
-        found = _rank_entries(name, files, where)
+    for name, found in _found_entries(files):
         entries = [en for _, en in found]
         local_shapes = tuple(en.shape for en in entries)
         shape, pls = describe(name, local_shapes)
@@ -437,6 +439,24 @@ def _rank_mesh(
     return mesh, desc0
 
 
+def _found_entries(files: RankFiles) -> Iterator[tuple[str, list[tuple[int, TensorEntry]]]]:
+    """Per tensor (rank 0's order), its (file index, header entry) on every rank.
+
+    Rank files whose headers share one entry tuple (identical entry sections: the
+    usual case, see :func:`reshard.io.header.decode_header`) hold the same tensors
+    with the same dtypes and local shapes, so nothing is looked up by name.
+    """
+    heads = files.headers
+    if all(len(r) == 1 for r in files.ranks) and all(h.entries is heads[0].entries for h in heads):
+        order = [r[0] for r in files.ranks]
+        for en in heads[order[0]].entries:
+            yield en.name, [(i, en) for i in order]
+        return
+    where = files.entries()
+    for name in _common_names(files, where):
+        yield name, _rank_entries(name, files, where)
+
+
 def _common_names(files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
     """Rank 0's tensor names (in its files' order); no other rank may hold a tensor rank 0 does not."""
     names = list(where[0])
@@ -505,14 +525,26 @@ def _derived_shape(
     return shape
 
 
-def _described(name: str, desc0: RankMetadata, path: Path) -> tuple[tuple[int, ...], list[str]]:
-    """Global shape and placements from rank 0's reshard metadata."""
-    info = desc0["tensors"].get(name)
-    if info is None:
-        raise HeaderError(
-            f'{path}: tensor "{name}" is not described in the reshard metadata', path=str(path), tensor=name
-        )
-    return tuple(int(x) for x in info["shape"]), list(info["placements"])
+def _described_by(desc0: RankMetadata, path: Path) -> Describe:
+    """Global shape and placements from rank 0's reshard metadata (converted once per description:
+    version 2 shares one per geometry)."""
+    described = desc0["tensors"]
+    values: dict[int, tuple[tuple[int, ...], list[str]]] = {}  # by id: ``described`` holds them
+
+    def describe(name: str, _shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], list[str]]:
+        info = described.get(name)
+        if info is None:
+            raise HeaderError(
+                f'{path}: tensor "{name}" is not described in the reshard metadata',
+                path=str(path),
+                tensor=name,
+            )
+        hit = values.get(id(info))
+        if hit is None:
+            hit = values[id(info)] = (tuple(int(x) for x in info["shape"]), list(info["placements"]))
+        return hit
+
+    return describe
 
 
 def _check_local_shapes(

@@ -124,6 +124,10 @@ class Header:
     _index: dict[str, TensorEntry] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        shared = _SHARED
+        if shared is not None and shared[1] is self.entries:  # a sibling rank's identical entries
+            object.__setattr__(self, "_index", shared[2])
+            return
         index = {e.name: e for e in self.entries}
         if len(index) != len(self.entries):
             seen: set[str] = set()
@@ -416,15 +420,9 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
             path, the tensor when relevant, and what is wrong.
     """
     raw = bytes(raw)
-    obj = _header_object(raw, path)
-    metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
-    entries = _well_formed_entries(obj)
-    if entries is None:  # something is wrong: the per-entry checks say what
-        entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
-    if any(a.start >= b.start for a, b in zip(entries, entries[1:])):
-        entries.sort(key=_layout_key)
-    _check_layout(entries, path)
-    header = Header(tuple(entries), metadata, 8 + len(raw))
+    header = _sibling_header(raw, path)
+    if header is None:
+        header = _decoded_header(raw, path)
     if file_size is not None:
         have = file_size - header.data_start
         if have < header.data_size:
@@ -440,6 +438,71 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
                 path=path,
             )
     return header
+
+
+def _decoded_header(raw: bytes, path: str) -> Header:
+    """Decode and check the whole header (its entries are remembered for :func:`_sibling_header`)."""
+    obj = _header_object(raw, path)
+    metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
+    entries = _well_formed_entries(obj)
+    if entries is None:  # something is wrong: the per-entry checks say what
+        entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
+    if any(a.start >= b.start for a, b in zip(entries, entries[1:])):
+        entries.sort(key=_layout_key)
+    _check_layout(entries, path)
+    ordered = tuple(entries)
+    global _SHARED
+    _SHARED = None  # the index below is this header's own until it is shared
+    header = Header(ordered, metadata, 8 + len(raw))
+    body = _entry_section(raw)
+    _SHARED = None if body is None else (body, ordered, header._index)
+    return header
+
+
+_SHARED: tuple[bytes, tuple[TensorEntry, ...], dict[str, TensorEntry]] | None = None
+"""The entry section (the header's bytes after ``__metadata__``, without the padding) last decoded,
+its entries and index.
+
+The rank files of one checkpoint usually list the same tensors with the same local shapes
+and offsets and differ only in their metadata (rank, coordinate): their entry sections are
+byte-identical, so each sibling file costs a byte comparison and its metadata's decoding
+instead of a 100k-entry JSON parse, and every rank shares one entry per tensor."""
+
+_META_START = b'{"' + _METADATA_KEY.encode() + b'":'
+
+
+def _entry_section(raw: bytes) -> bytes | None:
+    """The header's bytes after a leading ``"__metadata__"`` object (all of them without one);
+    None when the metadata cannot be split off (the full decoding then says what is wrong)."""
+    raw = raw.rstrip(b" ")  # the padding to 8 bytes follows the metadata's length
+    if not raw.startswith(_META_START):
+        return raw
+    try:
+        text = raw.decode("utf-8")
+        _, end = json.JSONDecoder().raw_decode(text, len(_META_START))
+    except (ValueError, RecursionError):
+        return None
+    return text[end:].encode("utf-8")
+
+
+def _sibling_header(raw: bytes, path: str) -> Header | None:
+    """The header from the last decoded entry section when this one is byte-identical, else None.
+
+    The entries were checked when first decoded; what differs (``__metadata__``, and so the
+    data start) is decoded and checked here. A header that is not well formed is never a hit:
+    its section differs, or its metadata fails to split off and the full decoding reports it.
+    """
+    shared = _SHARED
+    if shared is None or not raw.rstrip(b" ").endswith(shared[0]):
+        return None
+    section = _entry_section(raw)
+    if section != shared[0] or not raw.startswith(b"{" if section.startswith(b"{") else _META_START):
+        return None
+    metadata = None
+    if not section.startswith(b"{"):  # only the metadata object is decoded: small
+        obj = _header_object(raw[: len(raw.rstrip(b" ")) - len(section)] + b"}", path)
+        metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
+    return Header(shared[1], metadata, 8 + len(raw))
 
 
 def _header_object(raw: bytes, path: str) -> dict[str, object]:
