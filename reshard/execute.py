@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
@@ -158,10 +158,13 @@ class _Writer:
         self._q_end = -1  # one past the last
 
     def file_steps(
-        self, f: OutFile, items: Sequence[tuple[int, bytes] | tuple[int, OutEntry]]
+        self, f: OutFile, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]
     ) -> Iterator[None]:
         """Write ``items`` (fixed bytes and entries, in file order), yielding after each slab."""
         crc = f.needs_crc32
+        if not crc:
+            yield from self._plain_steps(items)
+            return
         for i, item in items:
             _check(self.stop)
             if isinstance(item, bytes):
@@ -184,6 +187,44 @@ class _Writer:
                 tail = f.trailer(i, self.crc32s[i], head)
                 if tail:
                     self.sink.submit(tail, item.start + item.nbytes)
+        self._flush()
+
+    def _plain_steps(self, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]) -> Iterator[None]:
+        """:meth:`file_steps` without CRC32s: the loop of 100k-tensor files, so tensors of one
+        geometry (same copies, piece blocks and dtypes) share one lookup of their runs and a
+        run that extends the queue costs an append."""
+        stop = self.stop
+        queued = self._queued
+        cap = self.bufs.budget
+        memo: dict[tuple[object, ...], tuple[Run, ...] | None] = {}  # the plan holds the keyed objects
+        for _, item in items:
+            if stop.is_set():
+                raise _Stopped
+            if type(item) is bytes:
+                self._flush()
+                self.sink.submit(item, _)
+                continue
+            t = item.tensor  # type: ignore[union-attr]
+            src = t.src
+            key = (id(t.copies), item.rank, id(src.piece_blocks), t.dtype, src.dtype)  # type: ignore[union-attr]
+            runs = memo.get(key, _NO_RUNS)
+            if runs is _NO_RUNS:
+                runs = memo[key] = self._runs(item)  # type: ignore[arg-type]
+            if runs is None:
+                yield from self.entry_steps(item)  # type: ignore[arg-type]
+                continue
+            start = item.start  # type: ignore[union-attr]
+            files, offsets = src.piece_files, src.piece_offsets
+            flushed = False
+            for d, k, s, n in runs:
+                at = start + d
+                if at == self._q_end and at + n - self._q_start <= cap:
+                    queued.append((files[k], offsets[k] + s, n))
+                    self._q_end = at + n
+                elif self._queue(start, src, ((d, k, s, n),)):
+                    flushed = True
+            if flushed:
+                yield
         self._flush()
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
@@ -333,19 +374,23 @@ class _Writer:
         return cast_reduce(views, t.src.dtype, t.dtype, t.reduce_op, n)
 
 
-def _in_file_order(f: OutFile) -> list[tuple[int, bytes] | tuple[int, OutEntry]]:
-    """The file's fixed byte runs ``(offset, bytes)`` and entries ``(index, entry)``, in file order."""
+def _in_file_order(f: OutFile) -> Iterator[tuple[int, bytes] | tuple[int, OutEntry]]:
+    """The file's fixed byte runs ``(offset, bytes)`` and entries ``(index, entry)``, in file order
+    (made as they are consumed: a 100k-tensor file's list of items is not held)."""
     lay = f.layout
-    out: list[tuple[int, bytes] | tuple[int, OutEntry]] = []
-    fixed = list(lay.fixed)
+    fixed = lay.fixed
+    entries = lay.entries
     j = 0
-    for i, e in enumerate(lay.entries):
+    if entries and all(off + len(b) <= entries[0].start for off, b in fixed):  # headers only
+        yield from fixed
+        yield from enumerate(entries)
+        return
+    for i, e in enumerate(entries):
         while j < len(fixed) and fixed[j][0] <= e.start:
-            out.append(fixed[j])
+            yield fixed[j]
             j += 1
-        out.append((i, e))
-    out.extend(fixed[j:])
-    return out
+        yield i, e
+    yield from fixed[j:]
 
 
 def _split_items(
@@ -418,6 +463,7 @@ def _write_group(
 
 
 _END = object()
+_NO_RUNS: tuple[Run, ...] = ((-1, -1, -1, -1),)  # not looked up yet (None: the entry is gathered)
 
 
 class _Stopped(Exception):
@@ -469,7 +515,7 @@ def _write_split(
         return w.sink.close(f.size), w.crc32s, w.bytes_read
 
     try:
-        runs = _split_items(_in_file_order(f), parts)
+        runs = _split_items(list(_in_file_order(f)), parts)
         parts_done = _run_all([functools.partial(run, lo, items) for lo, items in runs], stop)
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}

@@ -249,7 +249,7 @@ class FileLayout:
     """
 
     fixed: tuple[tuple[int, bytes], ...]
-    entries: tuple[OutEntry, ...]
+    entries: Sequence[OutEntry]  # a tuple, or a writer's lazy sequence (100k-tensor files)
     size: int
 
 
@@ -312,7 +312,7 @@ class OutFile:
         return fixed[0][1] if fixed and fixed[0][0] == 0 else b""
 
     @property
-    def entries(self) -> tuple[OutEntry, ...]:
+    def entries(self) -> Sequence[OutEntry]:
         return self.layout.entries
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -333,28 +333,35 @@ def rank_checkpoint(
     coords = list(mesh.coordinates())
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
-    for name, found in _found_entries(files):
-        entries = [en for _, en in found]
-        local_shapes = tuple(en.shape for en in entries)
-        shape, pls = describe(name, local_shapes)
-        piece_files = tuple(i for i, _ in found)
-        key = (local_shapes, shape, tuple(pls), piece_files)
-        geo = geometries.get(key)
-        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
-            paths = [files.paths[i] for i in piece_files]
-            geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, piece_files, paths, entries)
-        tensors[name] = TensorSource(
-            name=name,
-            dtype=entries[0].dtype,
-            shape=geo.layout.shape,
-            piece_files=geo.files,
-            piece_offsets=tuple(files.headers[i].data_start + en.start for i, en in found),
-            piece_blocks=geo.blocks,
-            signature=geo.signature,
-            piece_partials=geo.partials,
-            reduce_op=geo.layout.partial_op,
-            placements=geo.layout.placements,
-        )
+    uniform = _uniform_order(files)
+    if uniform is not None:  # every rank lists the same entries: paired without name lookups
+        starts = [files.headers[i].data_start for i in uniform]
+        paths = [files.paths[i] for i in uniform]
+        for en in files.headers[uniform[0]].entries:
+            local_shapes = (en.shape,) * len(uniform)
+            shape, pls = describe(en.name, local_shapes)
+            key = (en.shape, shape, tuple(pls))
+            geo = geometries.get(key)
+            if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+                entries = [en] * len(uniform)
+                geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, uniform, paths, entries)
+            offsets = tuple([s + en.start for s in starts])
+            tensors[en.name] = _tensor_source(en.name, en.dtype, geo, offsets)
+    else:
+        where = files.entries()
+        for name in _common_names(files, where):
+            found = _rank_entries(name, files, where)
+            entries = [en for _, en in found]
+            local_shapes = tuple(en.shape for en in entries)
+            shape, pls = describe(name, local_shapes)
+            piece_files = tuple(i for i, _ in found)
+            key = (local_shapes, shape, tuple(pls), piece_files)
+            geo = geometries.get(key)
+            if geo is None:
+                paths = [files.paths[i] for i in piece_files]
+                geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, piece_files, paths, entries)
+            offsets = tuple(files.headers[i].data_start + en.start for i, en in found)
+            tensors[name] = _tensor_source(name, entries[0].dtype, geo, offsets)
     return Checkpoint(
         path=str(directory),
         format=fmt,
@@ -362,6 +369,21 @@ def rank_checkpoint(
         file_sizes=tuple(p.stat().st_size for p in files.paths),
         tensors=tensors,
         mesh=mesh,
+    )
+
+
+def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
+    return TensorSource(
+        name=name,
+        dtype=dtype,
+        shape=geo.layout.shape,
+        piece_files=geo.files,
+        piece_offsets=offsets,
+        piece_blocks=geo.blocks,
+        signature=geo.signature,
+        piece_partials=geo.partials,
+        reduce_op=geo.layout.partial_op,
+        placements=geo.layout.placements,
     )
 
 
@@ -439,22 +461,16 @@ def _rank_mesh(
     return mesh, desc0
 
 
-def _found_entries(files: RankFiles) -> Iterator[tuple[str, list[tuple[int, TensorEntry]]]]:
-    """Per tensor (rank 0's order), its (file index, header entry) on every rank.
+def _uniform_order(files: RankFiles) -> tuple[int, ...] | None:
+    """Each rank's file index when every rank has one file and all share one entry tuple.
 
-    Rank files whose headers share one entry tuple (identical entry sections: the
-    usual case, see :func:`reshard.io.header.decode_header`) hold the same tensors
-    with the same dtypes and local shapes, so nothing is looked up by name.
+    Identical entry sections (the usual case, see :func:`reshard.io.header.decode_header`)
+    hold the same tensors with the same dtypes, local shapes and offsets.
     """
     heads = files.headers
     if all(len(r) == 1 for r in files.ranks) and all(h.entries is heads[0].entries for h in heads):
-        order = [r[0] for r in files.ranks]
-        for en in heads[order[0]].entries:
-            yield en.name, [(i, en) for i in order]
-        return
-    where = files.entries()
-    for name in _common_names(files, where):
-        yield name, _rank_entries(name, files, where)
+        return tuple(r[0] for r in files.ranks)
+    return None
 
 
 def _common_names(files: RankFiles, where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import operator
 import os
@@ -51,6 +52,8 @@ __all__ = [
     "read_header",
     "encode_header",
     "header_prefix",
+    "entries_text",
+    "prefix_with",
 ]
 
 #: Largest header the reference implementation accepts, in bytes.
@@ -701,16 +704,28 @@ def header_prefix(
     Raises:
         UnicodeEncodeError: a name or metadata text holds an unpaired surrogate.
     """
-    parts = [] if metadata is None else [f'"{_METADATA_KEY}":' + metadata]
-    starts = []
-    offset = 0
-    for quoted, dtype, shape_text, nbytes in tensors:
-        stop = offset + nbytes
-        parts.append(
-            f'{quoted}:{{"dtype":"{dtype}","shape":[{shape_text}],"data_offsets":[{offset},{stop}]}}'
-        )
-        starts.append(offset)
-        offset = stop
-    body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    text, starts = entries_text(tensors)
+    return prefix_with(text, metadata), starts
+
+
+def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[str, list[int]]:
+    """The tensor entries of a header (``tensors`` as :func:`header_prefix` takes them), comma-joined,
+    and each tensor's data offset: what sibling rank files with equal local shapes share."""
+    stops = list(itertools.accumulate(t[3] for t in tensors))
+    starts = [0, *stops[:-1]] if stops else []
+    text = ",".join(
+        [
+            f'{quoted}:{{"dtype":"{dtype}","shape":[{shape_text}],"data_offsets":[{a},{b}]}}'
+            for (quoted, dtype, shape_text, _), a, b in zip(tensors, starts, stops)
+        ]
+    )
+    return text, starts
+
+
+def prefix_with(entries: str, metadata: str | None) -> bytes:
+    """The header prefix of :func:`entries_text`'s ``entries`` and ``metadata`` (as :func:`header_prefix`)."""
+    if metadata is not None:
+        entries = f'"{_METADATA_KEY}":{metadata},{entries}' if entries else f'"{_METADATA_KEY}":{metadata}'
+    body = ("{" + entries + "}").encode("utf-8")
     body += b" " * (-len(body) % 8)
-    return struct.pack("<Q", len(body)) + body, starts
+    return struct.pack("<Q", len(body)) + body
