@@ -330,38 +330,11 @@ def rank_checkpoint(
             "fix --source-mesh or the layout's mesh",
             path=str(directory),
         )
-    coords = list(mesh.coordinates())
-    tensors: dict[str, TensorSource] = {}
-    geometries: dict[tuple[object, ...], _Geometry] = {}
     uniform = _uniform_order(files)
     if uniform is not None:  # every rank lists the same entries: paired without name lookups
-        starts = [files.headers[i].data_start for i in uniform]
-        paths = [files.paths[i] for i in uniform]
-        for en in files.headers[uniform[0]].entries:
-            local_shapes = (en.shape,) * len(uniform)
-            shape, pls = describe(en.name, local_shapes)
-            key = (en.shape, shape, tuple(pls))
-            geo = geometries.get(key)
-            if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
-                entries = [en] * len(uniform)
-                geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, uniform, paths, entries)
-            offsets = tuple([s + en.start for s in starts])
-            tensors[en.name] = _tensor_source(en.name, en.dtype, geo, offsets)
+        tensors = _uniform_sources(files, uniform, mesh, describe)
     else:
-        where = files.entries()
-        for name in _common_names(files, where):
-            found = _rank_entries(name, files, where)
-            entries = [en for _, en in found]
-            local_shapes = tuple(en.shape for en in entries)
-            shape, pls = describe(name, local_shapes)
-            piece_files = tuple(i for i, _ in found)
-            key = (local_shapes, shape, tuple(pls), piece_files)
-            geo = geometries.get(key)
-            if geo is None:
-                paths = [files.paths[i] for i in piece_files]
-                geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, piece_files, paths, entries)
-            offsets = tuple(files.headers[i].data_start + en.start for i, en in found)
-            tensors[name] = _tensor_source(name, entries[0].dtype, geo, offsets)
+        tensors = _named_sources(files, mesh, describe)
     return Checkpoint(
         path=str(directory),
         format=fmt,
@@ -370,6 +343,48 @@ def rank_checkpoint(
         tensors=tensors,
         mesh=mesh,
     )
+
+
+def _uniform_sources(
+    files: RankFiles, order: tuple[int, ...], mesh: Mesh, describe: Describe
+) -> dict[str, TensorSource]:
+    """:func:`rank_checkpoint`'s tensors when every rank's file lists the same entries (``order``)."""
+    coords = list(mesh.coordinates())
+    tensors: dict[str, TensorSource] = {}
+    geometries: dict[tuple[object, ...], _Geometry] = {}
+    starts = [files.headers[i].data_start for i in order]
+    paths = [files.paths[i] for i in order]
+    for en in files.headers[order[0]].entries:
+        shape, pls = describe(en.name, (en.shape,) * len(order))
+        key = (en.shape, shape, tuple(pls))
+        geo = geometries.get(key)
+        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+            entries = [en] * len(order)
+            geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
+        tensors[en.name] = _tensor_source(en.name, en.dtype, geo, tuple([s + en.start for s in starts]))
+    return tensors
+
+
+def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str, TensorSource]:
+    """:func:`rank_checkpoint`'s tensors, each found by name in every rank's files."""
+    coords = list(mesh.coordinates())
+    tensors: dict[str, TensorSource] = {}
+    geometries: dict[tuple[object, ...], _Geometry] = {}
+    where = files.entries()
+    for name in _common_names(files, where):
+        found = _rank_entries(name, files, where)
+        entries = [en for _, en in found]
+        local_shapes = tuple(en.shape for en in entries)
+        shape, pls = describe(name, local_shapes)
+        piece_files = tuple(i for i, _ in found)
+        key = (local_shapes, shape, tuple(pls), piece_files)
+        geo = geometries.get(key)
+        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+            paths = [files.paths[i] for i in piece_files]
+            geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, piece_files, paths, entries)
+        offsets = tuple(files.headers[i].data_start + en.start for i, en in found)
+        tensors[name] = _tensor_source(name, entries[0].dtype, geo, offsets)
+    return tensors
 
 
 def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
