@@ -19,6 +19,7 @@ workers split a file's entries. Where bytes go is the writer's
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,7 +37,7 @@ from .io.reader import DENSE, Piece, RowCache, read_box
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 
-__all__ = ["ProgressFn", "execute_plan", "GROUP_FILES"]
+__all__ = ["ProgressFn", "execute_plan", "GROUP_FILES", "entry_runs", "gather_spans"]
 
 ProgressFn = Callable[[int], None]
 
@@ -128,6 +129,45 @@ def _runs(src: TensorSource, copies: Sequence[Copy], isz: int) -> tuple[Run, ...
                 continue
         merged.append(r)
     return tuple(merged)
+
+
+def gather_spans(pages: PageWindow, spans: list[tuple[int, int, int]], buf: bytearray) -> int:
+    """Copy source spans ``(file, offset, bytes)`` back to back into ``buf``; returns the bytes.
+
+    Neighbours in a source file are read as one span: long spans with ``pread``, short
+    ones copied from the file's map (no system call each; the pages are released by the
+    page window like any mapped read). ``spans`` gets a sentinel appended and removed.
+    """
+    if not spans:
+        return 0
+    sources = pages.sources
+    mapped: dict[int, int] = {}
+    pos = 0
+    fi, lo, n = spans[0]
+    spans.append((-1, 0, 0))  # flushes the last span
+    try:
+        for nfi, nlo, nn in itertools.islice(spans, 1, None):
+            if nfi == fi and nlo == lo + n:
+                n += nn
+                continue
+            if n >= _PREAD_MIN:
+                if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
+                    sources.check(fi)  # names the file when its size changed
+                    raise SourceChangedError(
+                        f"a source file ended early at offset {lo}; it changed while read"
+                    )
+            else:
+                if fi not in mapped:
+                    sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
+                buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
+                mapped[fi] = mapped.get(fi, 0) + n
+            pos += n
+            fi, lo, n = nfi, nlo, nn
+    finally:
+        spans.pop()
+    for fi, n in mapped.items():
+        pages.touch_range(fi, 0, n)
+    return pos
 
 
 class _Writer:
@@ -269,40 +309,12 @@ class _Writer:
         return flushed
 
     def _flush(self) -> None:
-        """Gather the queued runs into the write buffer and write them with one ``pwrite``.
-
-        Neighbours in a source file are read as one span: long spans with ``pread``, short
-        ones copied from the file's map (no system call each; the pages are released by the
-        page window like any mapped read).
-        """
+        """Gather the queued runs into the write buffer and write them with one ``pwrite``."""
         queued = self._queued
         if not queued:
             return
         buf = self.bufs.write
-        sources = self.sources
-        mapped: dict[int, int] = {}
-        pos = 0
-        fi, lo, n = queued[0]
-        queued.append((-1, 0, 0))  # flushes the last span
-        for nfi, nlo, nn in queued[1:]:
-            if nfi == fi and nlo == lo + n:
-                n += nn
-                continue
-            if n >= _PREAD_MIN:
-                if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
-                    sources.check(fi)  # names the file when its size changed
-                    raise SourceChangedError(
-                        f"a source file ended early at offset {lo}; it changed while read"
-                    )
-            else:
-                if fi not in mapped:
-                    sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
-                buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
-                mapped[fi] = mapped.get(fi, 0) + n
-            pos += n
-            fi, lo, n = nfi, nlo, nn
-        for fi, n in mapped.items():
-            self.bufs.pages.touch_range(fi, 0, n)
+        pos = gather_spans(self.bufs.pages, queued, buf)
         self.sink.submit(memoryview(buf)[:pos], self._q_start)
         self.bytes_read += pos
         if self.progress:

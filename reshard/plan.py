@@ -307,9 +307,15 @@ class OutFile:
 
     @property
     def prefix(self) -> bytes:
-        """The fixed bytes at offset 0 (the header), or empty."""
-        fixed = self.layout.fixed
-        return fixed[0][1] if fixed and fixed[0][0] == 0 else b""
+        """The fixed bytes from offset 0 (the header, which may be given in consecutive runs), or empty."""
+        parts = []
+        at = 0
+        for off, data in self.layout.fixed:
+            if off != at:
+                break
+            parts.append(data)
+            at += len(data)
+        return b"".join(parts)
 
     @property
     def entries(self) -> Sequence[OutEntry]:

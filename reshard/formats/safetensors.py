@@ -2,7 +2,7 @@
 
 A :class:`SafetensorsFile` holds one target rank's blocks (or the whole tensors of a
 consolidated file) in the reference writer's order, its header built by
-:func:`reshard.io.header.prefix_with`, so files are byte-identical to
+:func:`reshard.io.header.prefix_parts`, so files are byte-identical to
 ``safetensors.torch.save_file`` of the same tensors and metadata.
 """
 
@@ -19,7 +19,7 @@ from typing import overload
 
 from ..dtypes import DTYPE_RANK, DTYPE_SIZES
 from ..intervals import block_shape
-from ..io.header import entries_text, prefix_with
+from ..io.header import entries_text, prefix_parts
 from ..layout import TensorLayout
 from ..plan import FileLayout, OutEntry, OutFile, TargetTensor, local_nbytes
 
@@ -50,9 +50,11 @@ class SafetensorsFile(OutFile):
             text, offsets = entries_text(items)
             last = sec.last = (texts, text, array("q", offsets), array("q", [it[3] for it in items]))
         _, text, starts, sizes = last
-        prefix = prefix_with(text, self._meta)
-        size = len(prefix) + (starts[-1] + sizes[-1] if sizes else 0)
-        return FileLayout(((0, prefix),), _Entries(self.tensors, r, len(prefix), starts, sizes), size)
+        head, body, tail = prefix_parts(text, self._meta)
+        base = len(head) + len(body) + len(tail)
+        fixed = ((0, head), (len(head), body), (len(head) + len(body), tail)) if body else ((0, head + tail),)
+        size = base + (starts[-1] + sizes[-1] if sizes else 0)
+        return FileLayout(fixed, _Entries(self.tensors, r, base, starts, sizes), size)
 
 
 class _Section:
@@ -73,7 +75,7 @@ class _Section:
                 g = index[(id(t.layout), t.dtype)] = len(self.geometries)
                 self.geometries.append((t.layout, t.dtype))
             self.geometry.append(g)
-        self.last: tuple[tuple[tuple[str, int], ...], str, array[int], array[int]] | None = None
+        self.last: tuple[tuple[tuple[str, int], ...], bytes, array[int], array[int]] | None = None
 
 
 _SECTIONS: weakref.WeakValueDictionary[int, _Section] = weakref.WeakValueDictionary()

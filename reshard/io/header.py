@@ -53,7 +53,7 @@ __all__ = [
     "encode_header",
     "header_prefix",
     "entries_text",
-    "prefix_with",
+    "prefix_parts",
 ]
 
 #: Largest header the reference implementation accepts, in bytes.
@@ -705,12 +705,12 @@ def header_prefix(
         UnicodeEncodeError: a name or metadata text holds an unpaired surrogate.
     """
     text, starts = entries_text(tensors)
-    return prefix_with(text, metadata), starts
+    return b"".join(prefix_parts(text, metadata)), starts
 
 
-def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[str, list[int]]:
-    """The tensor entries of a header (``tensors`` as :func:`header_prefix` takes them), comma-joined,
-    and each tensor's data offset: what sibling rank files with equal local shapes share."""
+def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[bytes, list[int]]:
+    """The tensor entries of a header (``tensors`` as :func:`header_prefix` takes them), comma-joined
+    UTF-8, and each tensor's data offset: what sibling rank files with equal local shapes share."""
     stops = list(itertools.accumulate(t[3] for t in tensors))
     starts = [0, *stops[:-1]] if stops else []
     text = ",".join(
@@ -719,13 +719,18 @@ def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[str, lis
             for (quoted, dtype, shape_text, _), a, b in zip(tensors, starts, stops)
         ]
     )
-    return text, starts
+    return text.encode("utf-8"), starts
 
 
-def prefix_with(entries: str, metadata: str | None) -> bytes:
-    """The header prefix of :func:`entries_text`'s ``entries`` and ``metadata`` (as :func:`header_prefix`)."""
+def prefix_parts(entries: bytes, metadata: str | None) -> tuple[bytes, bytes, bytes]:
+    """The header prefix of :func:`entries_text`'s ``entries`` and ``metadata`` (as :func:`header_prefix`),
+    in three parts whose concatenation it is: what precedes the entries, the entries, what follows.
+
+    Sibling files then share the entries' bytes (a 100k-tensor header is 10 MB) instead of
+    each holding a prefix of its own.
+    """
+    head = b"{"
     if metadata is not None:
-        entries = f'"{_METADATA_KEY}":{metadata},{entries}' if entries else f'"{_METADATA_KEY}":{metadata}'
-    body = ("{" + entries + "}").encode("utf-8")
-    body += b" " * (-len(body) % 8)
-    return struct.pack("<Q", len(body)) + body
+        head += f'"{_METADATA_KEY}":{metadata}'.encode() + (b"," if entries else b"")
+    size = len(head) + len(entries) + 1
+    return struct.pack("<Q", size + (-size % 8)) + head, entries, b"}" + b" " * (-size % 8)

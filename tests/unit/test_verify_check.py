@@ -567,3 +567,36 @@ def test_coverage_holes() -> None:
     assert coverage_holes((4,), strided) == [(I(3, 4),)]
     # overlapping blocks still cover
     assert coverage_holes((5,), [((I(0, 3),),), ((I(2, 5),),)]) == []
+
+
+def test_verify_batches_many_tensors_and_keeps_name_order(tmp_path: Path) -> None:
+    """Hundreds of small tensors compared in batches (row shards, whole tensors): every
+    difference is found with its first index, and differences come in name order, whatever
+    order the files hold the tensors in."""
+    g = torch.Generator().manual_seed(1)
+    full = {f"m.{i}.w": torch.randint(-99, 99, (8, 4), generator=g, dtype=torch.int16) for i in range(300)}
+    save_file(full, str(tmp_path / "a.safetensors"))
+    (tmp_path / "hf").mkdir()
+    shutil.copy(tmp_path / "a.safetensors", tmp_path / "hf" / "model.safetensors")
+    lay = tmp_path / "tp.yaml"
+    lay.write_text('mesh: {tp: 4}\nplacements:\n  "*": {tp: S(0)}\n')
+    convert(SourceSpec(str(tmp_path / "hf")), tmp_path / "tp4", TargetSpec(layout=str(lay)))
+    bad = dict(full)
+    bad["m.200.w"] = bad["m.200.w"].clone()
+    bad["m.200.w"][5, 2] += 1  # rank 2's rows
+    bad["m.7.w"] = bad["m.7.w"].clone()
+    bad["m.7.w"][0, 1] += 1
+    bad["m.30.w"] = bad["m.30.w"].to(torch.int32)
+    (tmp_path / "bad").mkdir()
+    save_file(bad, str(tmp_path / "bad" / "model.safetensors"))
+    for max_bytes in (1 << 20, 4096, 64):
+        doc = verify_checkpoints(_open(tmp_path / "tp4"), _open(tmp_path / "bad"), max_bytes=max_bytes)
+        assert [(d["tensor"], d["kind"], d.get("index")) for d in doc["differences"]] == [
+            ("m.7.w", "values", [0, 1]),
+            ("m.30.w", "dtype", None),
+            ("m.200.w", "values", [5, 2]),
+        ]
+        assert doc["tensors"] == 300
+        assert 297 * 64 < doc["bytes_compared"] <= 299 * 64  # a differing tensor: up to its difference
+        ok = verify_checkpoints(_open(tmp_path / "tp4"), _open(tmp_path / "hf"), max_bytes=max_bytes)
+        assert ok["equal"] and ok["bytes_compared"] == 300 * 64
