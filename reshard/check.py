@@ -328,8 +328,12 @@ def _check_manifest(ckpt: Checkpoint, out: list[Problem], max_bytes: int, *, has
                 msg = f"{p}: part of the checkpoint but not listed in reshard.json"
                 out.append(_problem("unlisted-file", msg, path=str(p)))
     tensors = man.get("tensors")
-    if isinstance(tensors, dict):
+    if isinstance(tensors, dict):  # format version 1 lists them
         _check_listed_tensors(ckpt, where, tensors, out)
+    count = man.get("tensor_count")  # version 2 counts them (the files describe them)
+    if count is not None and count != len(ckpt.tensors):
+        msg = f"{where}: says the checkpoint holds {count!r} tensors, but the files hold {len(ckpt.tensors)}"
+        out.append(_problem("manifest", msg, path=where))
 
 
 def _check_listed_file(

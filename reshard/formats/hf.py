@@ -15,7 +15,7 @@ from ..mesh import Mesh
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
 from .base import MAYBE, NO, YES, Probe, Reader, Writer
 from .hf_extras import INDEX, SINGLE, hf_weight_files
-from .manifest import complete_with_manifest
+from .manifest import complete_self_described
 from .safetensors import SafetensorsFile, header_order, split_parts
 
 __all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
@@ -159,7 +159,7 @@ def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
         total = sum(local_nbytes(t, 0) for t in plan.tensors)
         weight_map = {t.name: where[t.name] for t in plan.tensors}
         write_json(dst / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    complete_with_manifest(dst, plan, results)
+    complete_self_described(dst, plan, results)
 
 
 WRITER = Writer(

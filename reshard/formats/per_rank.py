@@ -21,7 +21,7 @@ from ..mesh import Mesh, check_world_size
 from ..placements import Placement, Shard, StridedShard, parse_placement
 from ..plan import OutFile, TargetTensor, WriteOptions
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
-from .manifest import MANIFEST, complete_with_manifest, read_manifest
+from .manifest import MANIFEST, complete_self_described, read_manifest
 from .safetensors import SafetensorsFile, header_order, metadata_text
 
 if TYPE_CHECKING:
@@ -792,7 +792,7 @@ WRITER = Writer(
     name="per-rank",
     help="one self-described safetensors file per target rank",
     files=_files,
-    complete=complete_with_manifest,
+    complete=complete_self_described,
     lockstep=True,
     owns=(".safetensors",),
 )

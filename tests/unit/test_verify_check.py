@@ -375,6 +375,11 @@ def test_check_manifest_files(ckpts: dict[str, Path], tmp_path: Path) -> None:
     man["files"]["rank-00009-of-00003.safetensors"] = {"size": 1, "checksum": "xxh3_128-64MiB:00"}
     man["files"]["rank-00001-of-00003.safetensors"]["size"] += 1
     del man["files"]["rank-00002-of-00003.safetensors"]
+    assert man["reshard"]["format_version"] == 2 and man["tensor_count"] == len(_tensors())
+    # format version 1 (earlier reshard) listed every tensor: still checked against the files
+    del man["tensor_count"]
+    man["reshard"]["format_version"] = 1
+    man["tensors"] = {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in _open(bad).tensors.items()}
     man["tensors"]["norm"]["dtype"] = "BF16"
     man["tensors"]["ghost"] = {"dtype": "F32", "shape": [1]}
     (bad / "reshard.json").write_text(json.dumps(man))
@@ -600,3 +605,15 @@ def test_verify_batches_many_tensors_and_keeps_name_order(tmp_path: Path) -> Non
         assert 297 * 64 < doc["bytes_compared"] <= 299 * 64  # a differing tensor: up to its difference
         ok = verify_checkpoints(_open(tmp_path / "tp4"), _open(tmp_path / "hf"), max_bytes=max_bytes)
         assert ok["equal"] and ok["bytes_compared"] == 300 * 64
+
+
+def test_check_manifest_tensor_count(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """Format version 2 counts the tensors the files describe: a count the files contradict is reported."""
+    bad = _copy(ckpts["tp3"], tmp_path)
+    assert check_checkpoint(_open(bad)) == []
+    man = json.loads((bad / "reshard.json").read_text())
+    assert "tensors" not in man
+    man["tensor_count"] += 1
+    (bad / "reshard.json").write_text(json.dumps(man))
+    (p,) = check_checkpoint(_open(bad))
+    assert p["kind"] == "manifest" and f"holds {len(_tensors()) + 1} tensors" in p["message"]
