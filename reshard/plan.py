@@ -216,7 +216,10 @@ def natural_key(name: str) -> tuple[object, ...]:
     >>> sorted(["l.10.w", "l.2.w", "a"], key=natural_key)
     ['a', 'l.2.w', 'l.10.w']
     """
-    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
+    parts = _DIGITS.split(name)  # the digit runs are at the odd positions
+    key: list[object] = list(parts)
+    key[1::2] = [int(p) for p in parts[1::2]]
+    return tuple(key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,12 +125,15 @@ class Header:
     metadata: dict[str, str] | None = field(hash=False)
     data_start: int
     _index: dict[str, TensorEntry] = field(init=False, repr=False, compare=False, hash=False)
+    _data_size: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         shared = _SHARED
         if shared is not None and shared[1] is self.entries:  # a sibling rank's identical entries
             object.__setattr__(self, "_index", shared[2])
+            object.__setattr__(self, "_data_size", shared[3])
             return
+        object.__setattr__(self, "_data_size", max((e.stop for e in self.entries), default=0))
         index = {e.name: e for e in self.entries}
         if len(index) != len(self.entries):
             seen: set[str] = set()
@@ -143,7 +146,7 @@ class Header:
     @property
     def data_size(self) -> int:
         """Size of the data section in bytes: the largest ``stop`` (0 if no tensors)."""
-        return max((e.stop for e in self.entries), default=0)
+        return self._data_size
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -458,13 +461,13 @@ def _decoded_header(raw: bytes, path: str) -> Header:
     _SHARED = None  # the index below is this header's own until it is shared
     header = Header(ordered, metadata, 8 + len(raw))
     body = _entry_section(raw)
-    _SHARED = None if body is None else (body, ordered, header._index)
+    _SHARED = None if body is None else (body, ordered, header._index, header._data_size)
     return header
 
 
-_SHARED: tuple[bytes, tuple[TensorEntry, ...], dict[str, TensorEntry]] | None = None
+_SHARED: tuple[bytes, tuple[TensorEntry, ...], dict[str, TensorEntry], int] | None = None
 """The entry section (the header's bytes after ``__metadata__``, without the padding) last decoded,
-its entries and index.
+its entries, index and data size.
 
 The rank files of one checkpoint usually list the same tensors with the same local shapes
 and offsets and differ only in their metadata (rank, coordinate): their entry sections are
