@@ -37,7 +37,7 @@ from .io.reader import DENSE, Piece, RowCache, read_box
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 
-__all__ = ["ProgressFn", "execute_plan", "GROUP_FILES", "entry_runs", "gather_spans"]
+__all__ = ["ProgressFn", "execute_plan", "GROUP_FILES", "Run", "Span", "entry_runs", "gather_spans"]
 
 ProgressFn = Callable[[int], None]
 
@@ -82,14 +82,24 @@ def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
 
-Run = tuple[int, int, int, int]
-"""A contiguous copy: (byte offset in the target entry, source piece, byte offset in the piece, bytes)."""
+Run = tuple[int, int, int, int, int, int]
+"""A copy of ``rows`` rows of ``n`` bytes, back to back in the target, ``stride`` bytes apart in
+the source: (byte offset in the target entry, source piece, byte offset in the piece, n, rows,
+stride). One row (stride 0) is a contiguous run."""
+
+Span = tuple[int, int, int, int, int]
+"""A queued source read: (file, offset, bytes per row, rows, stride)."""
+
+_STRIDED_MAX = 65536
+"""Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
+with the queue; larger ones are gathered slab by slab (whole rows read once, shared by the
+sibling files written in lockstep)."""
 
 _RUNS: dict[tuple[int, int, int], tuple[object, object, tuple[Run, ...] | None]] = {}
 
 
 def entry_runs(src: TensorSource, copies: tuple[Copy, ...], isz: int) -> tuple[Run, ...] | None:
-    """An entry's copies as contiguous byte runs in target order, or None if a box is strided.
+    """An entry's copies as runs of rows in target order, or None if a box needs gathering.
 
     Shared by every tensor of one geometry: the planner hands them the same ``copies``
     tuple and the readers the same ``piece_blocks`` tuple, so the cache is keyed by their
@@ -113,61 +123,108 @@ def _runs(src: TensorSource, copies: Sequence[Copy], isz: int) -> tuple[Run, ...
     for c in copies:
         sshape = src.piece_shape(c.piece)
         for s_st, d_st, sz in copy_boxes(c):
-            if not (_contiguous(sshape, s_st, sz) and _contiguous(dshape, d_st, sz)):
+            run = _box_run(sshape, dshape, s_st, d_st, sz, isz)
+            if run is None:
                 return None
-            n = isz
-            for x in sz:
-                n *= x
-            runs.append((_box_offset(dshape, d_st) * isz, c.piece, _box_offset(sshape, s_st) * isz, n))
+            runs.append((run[0], c.piece, *run[1:]))
     runs.sort()
     merged: list[Run] = []
     for r in runs:
         if merged:
-            d, k, s, n = merged[-1]
-            if k == r[1] and d + n == r[0] and s + n == r[2]:
-                merged[-1] = (d, k, s, n + r[3])
+            d, k, s, n, rows, _ = merged[-1]
+            if rows == 1 and r[4] == 1 and k == r[1] and d + n == r[0] and s + n == r[2]:
+                merged[-1] = (d, k, s, n + r[3], 1, 0)
                 continue
         merged.append(r)
     return tuple(merged)
 
 
-def gather_spans(pages: PageWindow, spans: list[tuple[int, int, int]], buf: bytearray) -> int:
-    """Copy source spans ``(file, offset, bytes)`` back to back into ``buf``; returns the bytes.
+def _box_run(
+    sshape: tuple[int, ...],
+    dshape: tuple[int, ...],
+    s_st: tuple[int, ...],
+    d_st: tuple[int, ...],
+    sz: tuple[int, ...],
+    isz: int,
+) -> tuple[int, int, int, int, int] | None:
+    """A box as (target offset, source offset, bytes per row, rows, source stride), or None.
 
-    Neighbours in a source file are read as one span: long spans with ``pread``, short
+    Contiguous on both sides: one row. Contiguous in the target and, in the source, rows
+    of a contiguous run along one outer dim (a column slice of a small matrix): strided
+    rows, up to :data:`_STRIDED_MAX` bytes. Anything else is gathered.
+    """
+    n = isz
+    for x in sz:
+        n *= x
+    if not _contiguous(dshape, d_st, sz):
+        return None
+    d_off, s_off = _box_offset(dshape, d_st) * isz, _box_offset(sshape, s_st) * isz
+    if _contiguous(sshape, s_st, sz):
+        return d_off, s_off, n, 1, 0
+    k = len(sz) - 1
+    while k > 0 and s_st[k] == 0 and sz[k] == sshape[k]:
+        k -= 1  # dims k+1.. are whole in the source: a row runs over them and part of dim k
+    outer = [j for j in range(k) if sz[j] != 1]
+    if len(outer) != 1 or n > _STRIDED_MAX:
+        return None
+    rows = sz[outer[0]]
+    return d_off, s_off, n // rows, rows, row_major_strides(sshape)[outer[0]] * isz
+
+
+def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
+    """Copy source spans (:data:`Span`) back to back into ``buf``; returns the bytes.
+
+    Neighbouring one-row spans of a file are read as one: long spans with ``pread``, short
     ones copied from the file's map (no system call each; the pages are released by the
-    page window like any mapped read). ``spans`` gets a sentinel appended and removed.
+    page window like any mapped read); strided rows with one numpy copy from the map.
+    ``spans`` gets a sentinel appended and removed.
     """
     if not spans:
         return 0
     sources = pages.sources
     mapped: dict[int, int] = {}
     pos = 0
-    fi, lo, n = spans[0]
-    spans.append((-1, 0, 0))  # flushes the last span
+    fi, lo, n, rows, stride = spans[0]
+    spans.append((-1, 0, 0, 1, 0))  # flushes the last span
     try:
-        for nfi, nlo, nn in itertools.islice(spans, 1, None):
-            if nfi == fi and nlo == lo + n:
+        for nfi, nlo, nn, nrows, nstride in itertools.islice(spans, 1, None):
+            if nfi == fi and nlo == lo + n and rows == 1 and nrows == 1:
                 n += nn
                 continue
-            if n >= _PREAD_MIN:
+            if fi not in mapped and (rows > 1 or n < _PREAD_MIN):
+                sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
+                mapped[fi] = 0
+            if rows > 1:
+                _copy_rows(sources.map(fi), lo, n, rows, stride, buf, pos)
+                mapped[fi] += (rows - 1) * stride + n
+                pos += n * rows
+            elif n >= _PREAD_MIN:
                 if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
                     sources.check(fi)  # names the file when its size changed
                     raise SourceChangedError(
                         f"a source file ended early at offset {lo}; it changed while read"
                     )
+                pos += n
             else:
-                if fi not in mapped:
-                    sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
                 buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
-                mapped[fi] = mapped.get(fi, 0) + n
-            pos += n
-            fi, lo, n = nfi, nlo, nn
+                mapped[fi] += n
+                pos += n
+            fi, lo, n, rows, stride = nfi, nlo, nn, nrows, nstride
     finally:
         spans.pop()
     for fi, n in mapped.items():
         pages.touch_range(fi, 0, n)
     return pos
+
+
+def _copy_rows(mm: Any, lo: int, n: int, rows: int, stride: int, buf: bytearray, pos: int) -> None:
+    """``rows`` rows of ``n`` bytes, ``stride`` apart from ``lo`` in a map, to ``buf[pos:]`` back to back."""
+    import numpy as np
+
+    src = np.frombuffer(mm, np.uint8, (rows - 1) * stride + n, lo)
+    rows_view = np.lib.stride_tricks.as_strided(src, (rows, n), (stride, 1), writeable=False)
+    np.frombuffer(buf, np.uint8, rows * n, pos).reshape(rows, n)[...] = rows_view
+    del src, rows_view
 
 
 class _Writer:
@@ -193,7 +250,7 @@ class _Writer:
         self.bytes_read = 0
         self.sink = Sink(fd, lo)
         self.crc32s: dict[int, int] = {}
-        self._queued: list[tuple[int, int, int]] = []  # (source file, offset, bytes), back to back
+        self._queued: list[Span] = []  # source reads whose bytes go back to back
         self._q_start = 0  # file offset of the first queued byte
         self._q_end = -1  # one past the last
 
@@ -256,12 +313,13 @@ class _Writer:
             start = item.start  # type: ignore[union-attr]
             files, offsets = src.piece_files, src.piece_offsets
             flushed = False
-            for d, k, s, n in runs:
+            for run in runs:
+                d, k, s, n, rows, stride = run
                 at = start + d
-                if at == self._q_end and at + n - self._q_start <= cap:
-                    queued.append((files[k], offsets[k] + s, n))
-                    self._q_end = at + n
-                elif self._queue(start, src, ((d, k, s, n),)):
+                if at == self._q_end and at + n * rows - self._q_start <= cap:
+                    queued.append((files[k], offsets[k] + s, n, rows, stride))
+                    self._q_end = at + n * rows
+                elif self._queue(start, src, (run,)):
                     flushed = True
             if flushed:
                 yield
@@ -294,18 +352,27 @@ class _Writer:
         flushed = False
         cap = self.bufs.budget
         files, offsets = src.piece_files, src.piece_offsets
-        for d, k, s, n in runs:
+        for d, k, s, n, rows, stride in runs:
             at = start + d
-            if at != self._q_end or at + n - self._q_start > cap:
+            size = n * rows
+            if at != self._q_end or at + size - self._q_start > cap:
                 if self._queued:
                     self._flush()
                     flushed = True
-                if n > cap:
-                    self._copy_run(files[k], offsets[k] + s, at, n)
+                if size > cap and rows > 1:  # strided, larger than the buffer: in groups of rows
+                    per = max(1, cap // n)
+                    parts = [
+                        (d + j * n, k, s + j * stride, n, min(per, rows - j), stride)
+                        for j in range(0, rows, per)
+                    ]
+                    flushed = self._queue(start, src, parts) or flushed
+                    continue
+                if size > cap:
+                    self._copy_run(files[k], offsets[k] + s, at, size)
                     continue
                 self._q_start = at
-            self._queued.append((files[k], offsets[k] + s, n))
-            self._q_end = at + n
+            self._queued.append((files[k], offsets[k] + s, n, rows, stride))
+            self._q_end = at + size
         return flushed
 
     def _flush(self) -> None:
@@ -475,7 +542,7 @@ def _write_group(
 
 
 _END = object()
-_NO_RUNS: tuple[Run, ...] = ((-1, -1, -1, -1),)  # not looked up yet (None: the entry is gathered)
+_NO_RUNS: tuple[Run, ...] = ((-1, -1, -1, -1, -1, -1),)  # not looked up yet (None: the entry is gathered)
 
 
 class _Stopped(Exception):

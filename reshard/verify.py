@@ -24,7 +24,7 @@ from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
 from .dtypes import DTYPE_SIZES
 from .errors import PlanError
-from .execute import entry_runs, gather_spans
+from .execute import Span, entry_runs, gather_spans
 from .intervals import (
     Block,
     block_shape,
@@ -297,9 +297,7 @@ def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
     return [n for _, _, n in located] + [n for n in a.tensors if n not in b.tensors]
 
 
-def _spans(
-    src: TensorSource, copies: tuple[tuple[Copy, ...], ...], groups: int, out: list[tuple[int, int, int]]
-) -> bool:
+def _spans(src: TensorSource, copies: tuple[tuple[Copy, ...], ...], groups: int, out: list[Span]) -> bool:
     """Append the source spans of ``src``'s regions in row-major order; False when a region is
     not made of contiguous runs (strided pieces, Partial groups)."""
     if groups != 1:
@@ -310,7 +308,7 @@ def _spans(
         runs = entry_runs(src, region, isz)
         if runs is None:
             return False
-        out.extend([(files[k], offsets[k] + s, n) for _, k, s, n in runs])
+        out.extend([(files[k], offsets[k] + s, n, rows, stride) for _, k, s, n, rows, stride in runs])
     return True
 
 
@@ -335,7 +333,7 @@ class _Batch:
         self.compared = 0
         self.size = 0
         self.items: list[tuple[str, TensorSource, TensorSource, _Match, int]] = []
-        self.spans: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])
+        self.spans: tuple[list[Span], list[Span]] = ([], [])
         self.buffers: tuple[bytearray, bytearray] | None = None
 
     def has_room(self, a: TensorSource) -> bool:

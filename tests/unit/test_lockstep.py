@@ -49,6 +49,8 @@ def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: 
 def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(ex, "_STRIDED_MAX", 0)  # "o" gathered as a large column shard would be
+    monkeypatch.setattr(ex, "_RUNS", {})
     full, plan = _column_sharded_plan(tmp_path)
     o_bytes = full["o"].numel() * 2
     q_bytes = full["q"].numel() * 4
@@ -68,6 +70,39 @@ def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
         got = load_file(str(tmp_path / "lockstep" / name))
         assert torch.equal(got["o"], full["o"].chunk(8, 1)[r])
         assert torch.equal(got["q"], full["q"].chunk(8, 0)[r])
+
+
+@pytest.mark.parametrize("buffer_size", [1 << 20, 4096, 100, 16])
+def test_small_column_shards_are_copied_as_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer_size: int
+) -> None:
+    """Column shards of small tensors (at most _STRIDED_MAX bytes a rank) are queued as strided
+    rows, read from the map: the same bytes as gathering them, whatever the buffer size (a
+    buffer smaller than a shard, or than one row, splits it)."""
+    full, plan = _column_sharded_plan(tmp_path)
+    monkeypatch.setattr(ex, "_RUNS", {})
+    (tmp_path / "rows").mkdir()
+    ex.execute_plan(plan, tmp_path / "rows", workers=1, buffer_size=buffer_size)
+    monkeypatch.setattr(ex, "_STRIDED_MAX", 0)
+    monkeypatch.setattr(ex, "_RUNS", {})
+    (tmp_path / "gathered").mkdir()
+    ex.execute_plan(plan, tmp_path / "gathered", workers=1, buffer_size=buffer_size)
+    for r in range(8):
+        name = f"rank-{r:05d}-of-00008.safetensors"
+        assert (tmp_path / "rows" / name).read_bytes() == (tmp_path / "gathered" / name).read_bytes()
+        got = load_file(str(tmp_path / "rows" / name))
+        assert torch.equal(got["o"], full["o"].chunk(8, 1)[r])
+
+
+def test_strided_box_runs() -> None:
+    """Which boxes become runs of rows: contiguous in the target, rows along one outer dim."""
+    # a column slice of a (6, 8) piece into a (6, 2) block: 6 rows of 2 items, 8 apart
+    assert ex._box_run((6, 8), (6, 2), (0, 4), (0, 0), (6, 2), 2) == (0, 8, 4, 6, 16)
+    assert ex._box_run((6, 8), (6, 8), (2, 0), (2, 0), (3, 8), 2) == (32, 32, 48, 1, 0)  # contiguous
+    assert ex._box_run((4, 6, 8), (4, 6, 2), (0, 0, 4), (0, 0, 0), (4, 6, 2), 2) is None  # two outer dims
+    assert ex._box_run((2, 6, 8), (1, 6, 2), (1, 0, 4), (0, 0, 0), (1, 6, 2), 4) == (0, 48 * 4 + 16, 8, 6, 32)
+    assert ex._box_run((6, 8), (6, 4), (0, 4), (0, 0), (6, 2), 2) is None  # strided in the target too
+    assert ex._box_run((100, 1000), (100, 500), (0, 0), (0, 0), (100, 500), 2) is None  # over _STRIDED_MAX
 
 
 def test_groups_are_consecutive_balanced_and_bounded() -> None:
