@@ -37,7 +37,16 @@ from .io.reader import DENSE, Piece, RowCache, read_box
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 
-__all__ = ["ProgressFn", "execute_plan", "GROUP_FILES", "Run", "Span", "entry_runs", "gather_spans"]
+__all__ = [
+    "ProgressFn",
+    "execute_plan",
+    "GROUP_FILES",
+    "Run",
+    "Span",
+    "entry_runs",
+    "gather_spans",
+    "interleaved",
+]
 
 ProgressFn = Callable[[int], None]
 
@@ -82,13 +91,14 @@ def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
 
-Run = tuple[int, int, int, int, int, int]
-"""A copy of ``rows`` rows of ``n`` bytes, back to back in the target, ``stride`` bytes apart in
-the source: (byte offset in the target entry, source piece, byte offset in the piece, n, rows,
-stride). One row (stride 0) is a contiguous run."""
+Run = tuple[int, int, int, int, int, int, int]
+"""A copy of ``rows`` rows of ``n`` bytes: (byte offset in the target entry, source piece, byte
+offset in the piece, n, rows, source stride, target stride). One row (strides 0) is a contiguous
+run; rows whose target stride is ``n`` are back to back in the target; other runs interleave
+with the entry's other runs (a column shard of a small tensor written whole)."""
 
-Span = tuple[int, int, int, int, int]
-"""A queued source read: (file, offset, bytes per row, rows, stride)."""
+Span = tuple[int, int, int, int, int, int, int]
+"""A queued source read: (file, offset, n, rows, source stride, position in the buffer, buffer stride)."""
 
 _STRIDED_MAX = 65536
 """Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
@@ -128,15 +138,46 @@ def _runs(src: TensorSource, copies: Sequence[Copy], isz: int) -> tuple[Run, ...
                 return None
             runs.append((run[0], c.piece, *run[1:]))
     runs.sort()
+    if interleaved(runs) and isz * _prod(dshape) > _STRIDED_MAX:
+        return None
     merged: list[Run] = []
     for r in runs:
         if merged:
-            d, k, s, n, rows, _ = merged[-1]
+            d, k, s, n, rows, _, _ = merged[-1]
             if rows == 1 and r[4] == 1 and k == r[1] and d + n == r[0] and s + n == r[2]:
-                merged[-1] = (d, k, s, n + r[3], 1, 0)
+                merged[-1] = (d, k, s, n + r[3], 1, 0, 0)
                 continue
         merged.append(r)
     return tuple(merged)
+
+
+def interleaved(runs: Sequence[Run]) -> bool:
+    """Whether some run's rows are not back to back in the target (the runs then interleave)."""
+    return any(r[4] > 1 and r[6] != r[3] for r in runs)
+
+
+def _prod(xs: Sequence[int]) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _rows(
+    shape: Sequence[int], st: Sequence[int], sz: Sequence[int], isz: int
+) -> tuple[int, int, int] | None:
+    """A box of a row-major array as (bytes per row, rows, stride): runs of whole inner dims and
+    part of one more, along at most one outer dim; None when it takes two outer dims."""
+    k = len(sz) - 1
+    while k > 0 and st[k] == 0 and sz[k] == shape[k]:
+        k -= 1  # dims k+1.. are whole: a row runs over them and part of dim k
+    outer = [j for j in range(k) if sz[j] != 1]
+    n = isz * _prod(sz[k:])
+    if not outer:
+        return n, 1, 0
+    if len(outer) > 1:
+        return None
+    return n, sz[outer[0]], row_major_strides(shape)[outer[0]] * isz
 
 
 def _box_run(
@@ -146,85 +187,87 @@ def _box_run(
     d_st: tuple[int, ...],
     sz: tuple[int, ...],
     isz: int,
-) -> tuple[int, int, int, int, int] | None:
-    """A box as (target offset, source offset, bytes per row, rows, source stride), or None.
+) -> tuple[int, int, int, int, int, int] | None:
+    """A box as (target offset, source offset, bytes per row, rows, source stride, target stride).
 
-    Contiguous on both sides: one row. Contiguous in the target and, in the source, rows
-    of a contiguous run along one outer dim (a column slice of a small matrix): strided
-    rows, up to :data:`_STRIDED_MAX` bytes. Anything else is gathered.
+    Contiguous on both sides: one row. Rows along one outer dim on either side (a column
+    slice of a small matrix read, or written): strided rows, up to :data:`_STRIDED_MAX`
+    bytes. Anything else is gathered.
     """
-    n = isz
-    for x in sz:
-        n *= x
-    if not _contiguous(dshape, d_st, sz):
+    src, dst = _rows(sshape, s_st, sz, isz), _rows(dshape, d_st, sz, isz)
+    if src is None or dst is None:
         return None
     d_off, s_off = _box_offset(dshape, d_st) * isz, _box_offset(sshape, s_st) * isz
-    if _contiguous(sshape, s_st, sz):
-        return d_off, s_off, n, 1, 0
-    k = len(sz) - 1
-    while k > 0 and s_st[k] == 0 and sz[k] == sshape[k]:
-        k -= 1  # dims k+1.. are whole in the source: a row runs over them and part of dim k
-    outer = [j for j in range(k) if sz[j] != 1]
-    if len(outer) != 1 or n > _STRIDED_MAX:
+    if src[1] == 1 and dst[1] == 1:
+        return d_off, s_off, src[0], 1, 0, 0
+    if isz * _prod(sz) > _STRIDED_MAX:
         return None
-    rows = sz[outer[0]]
-    return d_off, s_off, n // rows, rows, row_major_strides(sshape)[outer[0]] * isz
+    if src[1] == 1:  # contiguous in the source: rows of the target's width
+        src = (dst[0], dst[1], dst[0])
+    elif dst[1] == 1:
+        dst = (src[0], src[1], src[0])
+    if src[:2] != dst[:2]:
+        return None
+    return d_off, s_off, src[0], src[1], src[2], dst[2]
 
 
 def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
-    """Copy source spans (:data:`Span`) back to back into ``buf``; returns the bytes.
+    """Copy source reads (:data:`Span`) into ``buf`` at their positions; returns the end of the
+    last one.
 
-    Neighbouring one-row spans of a file are read as one: long spans with ``pread``, short
-    ones copied from the file's map (no system call each; the pages are released by the
-    page window like any mapped read); strided rows with one numpy copy from the map.
-    ``spans`` gets a sentinel appended and removed.
+    Neighbouring one-row reads of a file that land next to each other are read as one:
+    long ones with ``pread``, short ones copied from the file's map (no system call each;
+    the pages are released by the page window like any mapped read); strided rows with
+    one numpy copy from the map. ``spans`` gets a sentinel appended and removed.
     """
     if not spans:
         return 0
     sources = pages.sources
     mapped: dict[int, int] = {}
-    pos = 0
-    fi, lo, n, rows, stride = spans[0]
-    spans.append((-1, 0, 0, 1, 0))  # flushes the last span
+    end = 0
+    fi, lo, n, rows, ss, pos, ds = spans[0]
+    spans.append((-1, 0, 0, 1, 0, -1, 0))  # flushes the last span
     try:
-        for nfi, nlo, nn, nrows, nstride in itertools.islice(spans, 1, None):
-            if nfi == fi and nlo == lo + n and rows == 1 and nrows == 1:
-                n += nn
+        for nxt in itertools.islice(spans, 1, None):
+            if nxt[0] == fi and nxt[1] == lo + n and nxt[5] == pos + n and rows == 1 and nxt[3] == 1:
+                n += nxt[2]
                 continue
             if fi not in mapped and (rows > 1 or n < _PREAD_MIN):
                 sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
                 mapped[fi] = 0
             if rows > 1:
-                _copy_rows(sources.map(fi), lo, n, rows, stride, buf, pos)
-                mapped[fi] += (rows - 1) * stride + n
-                pos += n * rows
+                _copy_rows(sources.map(fi), lo, n, rows, ss, buf, pos, ds)
+                mapped[fi] += (rows - 1) * ss + n
+                end = max(end, pos + (rows - 1) * ds + n)
             elif n >= _PREAD_MIN:
                 if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
                     sources.check(fi)  # names the file when its size changed
                     raise SourceChangedError(
                         f"a source file ended early at offset {lo}; it changed while read"
                     )
-                pos += n
+                end = max(end, pos + n)
             else:
                 buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
                 mapped[fi] += n
-                pos += n
-            fi, lo, n, rows, stride = nfi, nlo, nn, nrows, nstride
+                end = max(end, pos + n)
+            fi, lo, n, rows, ss, pos, ds = nxt
     finally:
         spans.pop()
     for fi, n in mapped.items():
         pages.touch_range(fi, 0, n)
-    return pos
+    return end
 
 
-def _copy_rows(mm: Any, lo: int, n: int, rows: int, stride: int, buf: bytearray, pos: int) -> None:
-    """``rows`` rows of ``n`` bytes, ``stride`` apart from ``lo`` in a map, to ``buf[pos:]`` back to back."""
+def _copy_rows(mm: Any, lo: int, n: int, rows: int, ss: int, buf: bytearray, pos: int, ds: int) -> None:
+    """``rows`` rows of ``n`` bytes, ``ss`` apart from ``lo`` in a map, into ``buf`` from ``pos``,
+    ``ds`` apart."""
     import numpy as np
 
-    src = np.frombuffer(mm, np.uint8, (rows - 1) * stride + n, lo)
-    rows_view = np.lib.stride_tricks.as_strided(src, (rows, n), (stride, 1), writeable=False)
-    np.frombuffer(buf, np.uint8, rows * n, pos).reshape(rows, n)[...] = rows_view
-    del src, rows_view
+    as_strided = np.lib.stride_tricks.as_strided
+    src = np.frombuffer(mm, np.uint8, (rows - 1) * ss + n, lo)
+    dst = np.frombuffer(buf, np.uint8, (rows - 1) * ds + n, pos)
+    as_strided(dst, (rows, n), (ds, 1))[...] = as_strided(src, (rows, n), (ss, 1), writeable=False)
+    del src, dst
 
 
 class _Writer:
@@ -293,7 +336,7 @@ class _Writer:
         stop = self.stop
         queued = self._queued
         cap = self.bufs.budget
-        memo: dict[tuple[object, ...], tuple[Run, ...] | None] = {}  # the plan holds the keyed objects
+        memo: dict[tuple[object, ...], tuple[tuple[Run, ...], bool] | None] = {}  # the plan holds the keys
         for _, item in items:
             if stop.is_set():
                 raise _Stopped
@@ -304,24 +347,21 @@ class _Writer:
             t = item.tensor  # type: ignore[union-attr]
             src = t.src
             key = (id(t.copies), item.rank, id(src.piece_blocks), t.dtype, src.dtype)  # type: ignore[union-attr]
-            runs = memo.get(key, _NO_RUNS)
-            if runs is _NO_RUNS:
-                runs = memo[key] = self._runs(item)  # type: ignore[arg-type]
-            if runs is None:
+            hit = memo.get(key, _NOT_YET)
+            if hit is _NOT_YET:
+                runs = self._runs(item)  # type: ignore[arg-type]
+                hit = memo[key] = None if runs is None else (runs, interleaved(runs))
+            start, nbytes = item.start, item.nbytes  # type: ignore[union-attr]
+            if hit is None or (hit[1] and nbytes > cap):
                 yield from self.entry_steps(item)  # type: ignore[arg-type]
                 continue
-            start = item.start  # type: ignore[union-attr]
-            files, offsets = src.piece_files, src.piece_offsets
-            flushed = False
-            for run in runs:
-                d, k, s, n, rows, stride = run
-                at = start + d
-                if at == self._q_end and at + n * rows - self._q_start <= cap:
-                    queued.append((files[k], offsets[k] + s, n, rows, stride))
-                    self._q_end = at + n * rows
-                elif self._queue(start, src, (run,)):
-                    flushed = True
-            if flushed:
+            if start == self._q_end and start + nbytes - self._q_start <= cap:  # extends the queue
+                files, offsets = src.piece_files, src.piece_offsets
+                base = start - self._q_start
+                for d, k, s, n, rows, ss, ds in hit[0]:
+                    queued.append((files[k], offsets[k] + s, n, rows, ss, base + d, ds))
+                self._q_end = start + nbytes
+            elif self._queue(start, src, hit[0], nbytes):
                 yield
         self._flush()
 
@@ -330,8 +370,8 @@ class _Writer:
         if e.nbytes == 0:
             return
         runs = self._runs(e)
-        if runs is not None:
-            if self._queue(e.start, e.tensor.src, runs):
+        if runs is not None and (e.nbytes <= self.bufs.budget or not interleaved(runs)):
+            if self._queue(e.start, e.tensor.src, runs, e.nbytes):
                 yield
             return
         self._flush()
@@ -340,39 +380,58 @@ class _Writer:
 
     @staticmethod
     def _runs(e: OutEntry) -> tuple[Run, ...] | None:
-        """The entry's contiguous runs, or None when it needs gathering (strided, cast, reduced)."""
+        """The entry's runs, or None when it needs gathering (strided, cast, reduced)."""
         t = e.tensor
         src = t.src
         if t.groups != 1 or t.dtype != src.dtype:
             return None
         return entry_runs(src, t.copies[e.rank], DTYPE_SIZES[src.dtype])
 
-    def _queue(self, start: int, src: TensorSource, runs: Sequence[Run]) -> bool:
-        """Queue an entry's runs; True if the queue was written on the way."""
-        flushed = False
+    def _queue(self, start: int, src: TensorSource, runs: Sequence[Run], nbytes: int) -> bool:
+        """Queue an entry's runs (interleaved ones only when the entry fits in the buffer);
+        True if the queue was written on the way."""
         cap = self.bufs.budget
         files, offsets = src.piece_files, src.piece_offsets
-        for d, k, s, n, rows, stride in runs:
-            at = start + d
-            size = n * rows
-            if at != self._q_end or at + size - self._q_start > cap:
-                if self._queued:
-                    self._flush()
-                    flushed = True
-                if size > cap and rows > 1:  # strided, larger than the buffer: in groups of rows
-                    per = max(1, cap // n)
-                    parts = [
-                        (d + j * n, k, s + j * stride, n, min(per, rows - j), stride)
-                        for j in range(0, rows, per)
-                    ]
-                    flushed = self._queue(start, src, parts) or flushed
-                    continue
-                if size > cap:
-                    self._copy_run(files[k], offsets[k] + s, at, size)
-                    continue
-                self._q_start = at
-            self._queued.append((files[k], offsets[k] + s, n, rows, stride))
-            self._q_end = at + size
+        flushed = False
+        if start != self._q_end or start + nbytes - self._q_start > cap:
+            if self._queued:
+                self._flush()
+                flushed = True
+            if nbytes > cap:  # run by run (back to back in the target: not interleaved)
+                for d, k, s, n, rows, ss, _ in runs:
+                    flushed = self._queue_run(start + d, files[k], offsets[k] + s, n, rows, ss) or flushed
+                return flushed
+            self._q_start = start
+        base = start - self._q_start
+        self._queued += [
+            (files[k], offsets[k] + s, n, rows, ss, base + d, ds) for d, k, s, n, rows, ss, ds in runs
+        ]
+        self._q_end = start + nbytes
+        return flushed
+
+    def _queue_run(self, at: int, fi: int, lo: int, n: int, rows: int, ss: int) -> bool:
+        """Queue ``rows`` rows of ``n`` bytes for target offset ``at`` (split when larger than the
+        buffer; one contiguous run larger than it is copied through it); True if written on the way."""
+        cap = self.bufs.budget
+        size = n * rows
+        flushed = False
+        if at != self._q_end or at + size - self._q_start > cap:
+            if self._queued:
+                self._flush()
+                flushed = True
+            if size > cap and rows == 1:
+                self._copy_run(fi, lo, at, size)
+                return flushed
+            if size > cap:  # strided, larger than the buffer: in groups of rows
+                per = max(1, cap // n)
+                for j in range(0, rows, per):
+                    flushed = (
+                        self._queue_run(at + j * n, fi, lo + j * ss, n, min(per, rows - j), ss) or flushed
+                    )
+                return flushed
+            self._q_start = at
+        self._queued.append((fi, lo, n, rows, ss, at - self._q_start, n))
+        self._q_end = at + size
         return flushed
 
     def _flush(self) -> None:
@@ -381,11 +440,12 @@ class _Writer:
         if not queued:
             return
         buf = self.bufs.write
-        pos = gather_spans(self.bufs.pages, queued, buf)
-        self.sink.submit(memoryview(buf)[:pos], self._q_start)
-        self.bytes_read += pos
+        size = self._q_end - self._q_start
+        gather_spans(self.bufs.pages, queued, buf)
+        self.sink.submit(memoryview(buf)[:size], self._q_start)
+        self.bytes_read += size
         if self.progress:
-            self.progress(pos)
+            self.progress(size)
         queued.clear()
         self._q_end = -1
 
@@ -542,7 +602,7 @@ def _write_group(
 
 
 _END = object()
-_NO_RUNS: tuple[Run, ...] = ((-1, -1, -1, -1, -1, -1),)  # not looked up yet (None: the entry is gathered)
+_NOT_YET: Any = object()  # a geometry's runs not looked up yet (None: its entries are gathered)
 
 
 class _Stopped(Exception):
