@@ -225,6 +225,7 @@ def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
     sources = pages.sources
     mapped: dict[int, int] = {}
     end = 0
+    views: _Views | None = None
     fi, lo, n, rows, ss, pos, ds = spans[0]
     spans.append((-1, 0, 0, 1, 0, -1, 0))  # flushes the last span
     try:
@@ -236,7 +237,9 @@ def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
                 sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
                 mapped[fi] = 0
             if rows > 1:
-                _copy_rows(sources.map(fi), lo, n, rows, ss, buf, pos, ds)
+                if views is None:
+                    views = _Views(buf)
+                views.copy_rows(sources.map(fi), fi, lo, n, rows, ss, pos, ds)
                 mapped[fi] += (rows - 1) * ss + n
                 end = max(end, pos + (rows - 1) * ds + n)
             elif n >= _PREAD_MIN:
@@ -253,21 +256,37 @@ def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
             fi, lo, n, rows, ss, pos, ds = nxt
     finally:
         spans.pop()
+        del views  # the maps' views: a map with one alive cannot be closed
     for fi, n in mapped.items():
         pages.touch_range(fi, 0, n)
     return end
 
 
-def _copy_rows(mm: Any, lo: int, n: int, rows: int, ss: int, buf: bytearray, pos: int, ds: int) -> None:
-    """``rows`` rows of ``n`` bytes, ``ss`` apart from ``lo`` in a map, into ``buf`` from ``pos``,
-    ``ds`` apart."""
-    import numpy as np
+class _Views:
+    """numpy views of the write buffer and of the maps read, made once per buffer of reads."""
 
-    as_strided = np.lib.stride_tricks.as_strided
-    src = np.frombuffer(mm, np.uint8, (rows - 1) * ss + n, lo)
-    dst = np.frombuffer(buf, np.uint8, (rows - 1) * ds + n, pos)
-    as_strided(dst, (rows, n), (ds, 1))[...] = as_strided(src, (rows, n), (ss, 1), writeable=False)
-    del src, dst
+    def __init__(self, buf: bytearray) -> None:
+        import numpy as np
+
+        self.np = np
+        self.buf = np.frombuffer(buf, np.uint8)
+        self.maps: dict[int, Any] = {}
+
+    def copy_rows(self, mm: Any, fi: int, lo: int, n: int, rows: int, ss: int, pos: int, ds: int) -> None:
+        """``rows`` rows of ``n`` bytes, ``ss`` apart from ``lo`` in file ``fi``'s map ``mm``, into
+        the buffer from ``pos``, ``ds`` apart."""
+        src = self.maps.get(fi)
+        if src is None:
+            src = self.maps[fi] = self.np.frombuffer(mm, self.np.uint8)
+        dst = self.buf
+        if lo + rows * ss <= len(src) and pos + rows * ds <= len(dst):  # rows as a reshape: fast
+            dst[pos : pos + rows * ds].reshape(rows, ds)[:, :n] = src[lo : lo + rows * ss].reshape(rows, ss)[
+                :, :n
+            ]
+            return
+        as_strided = self.np.lib.stride_tricks.as_strided
+        d = as_strided(dst[pos:], (rows, n), (ds, 1))
+        d[...] = as_strided(src[lo:], (rows, n), (ss, 1), writeable=False)
 
 
 class _Writer:
