@@ -211,9 +211,8 @@ def _box_run(
     return d_off, s_off, src[0], src[1], src[2], dst[2]
 
 
-def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
-    """Copy source reads (:data:`Span`) into ``buf`` at their positions; returns the end of the
-    last one.
+def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> None:
+    """Copy source reads (:data:`Span`) into ``buf`` at their positions.
 
     Neighbouring one-row reads of a file that land next to each other are read as one:
     long ones with ``pread``, short ones copied from the file's map (no system call each;
@@ -221,10 +220,10 @@ def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
     one numpy copy from the map. ``spans`` gets a sentinel appended and removed.
     """
     if not spans:
-        return 0
+        return
     sources = pages.sources
+    maps: dict[int, Any] = {}  # the maps read, each checked first (a shrunk file would fault: SIGBUS)
     mapped: dict[int, int] = {}
-    end = 0
     views: _Views | None = None
     fi, lo, n, rows, ss, pos, ds = spans[0]
     spans.append((-1, 0, 0, 1, 0, -1, 0))  # flushes the last span
@@ -233,33 +232,32 @@ def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> int:
             if nxt[0] == fi and nxt[1] == lo + n and nxt[5] == pos + n and rows == 1 and nxt[3] == 1:
                 n += nxt[2]
                 continue
-            if fi not in mapped and (rows > 1 or n < _PREAD_MIN):
-                sources.check(fi)  # a shrunk file would fault its map (SIGBUS)
-                mapped[fi] = 0
-            if rows > 1:
-                if views is None:
-                    views = _Views(buf)
-                views.copy_rows(sources.map(fi), fi, lo, n, rows, ss, pos, ds)
-                mapped[fi] += (rows - 1) * ss + n
-                end = max(end, pos + (rows - 1) * ds + n)
-            elif n >= _PREAD_MIN:
+            if rows == 1 and n >= _PREAD_MIN:
                 if os.preadv(sources.fd(fi), [memoryview(buf)[pos : pos + n]], lo) != n:
                     sources.check(fi)  # names the file when its size changed
                     raise SourceChangedError(
                         f"a source file ended early at offset {lo}; it changed while read"
                     )
-                end = max(end, pos + n)
             else:
-                buf[pos : pos + n] = sources.map(fi)[lo : lo + n]
-                mapped[fi] += n
-                end = max(end, pos + n)
+                mm = maps.get(fi)
+                if mm is None:
+                    sources.check(fi)
+                    mm = maps[fi] = sources.map(fi)
+                    mapped[fi] = 0
+                if rows == 1:
+                    buf[pos : pos + n] = mm[lo : lo + n]
+                    mapped[fi] += n
+                else:
+                    if views is None:
+                        views = _Views(buf)
+                    views.copy_rows(mm, fi, lo, n, rows, ss, pos, ds)
+                    mapped[fi] += (rows - 1) * ss + n
             fi, lo, n, rows, ss, pos, ds = nxt
     finally:
         spans.pop()
-        del views  # the maps' views: a map with one alive cannot be closed
+        del views, maps  # the maps' numpy views: a map with one alive cannot be closed
     for fi, n in mapped.items():
         pages.touch_range(fi, 0, n)
-    return end
 
 
 class _Views:
