@@ -19,8 +19,9 @@ workers split a file's entries. Where bytes go is the writer's
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,7 +37,16 @@ from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
 from .transform_plan import piece_strides
 
-__all__ = ["ProgressFn", "execute_plan", "GROUP_FILES"]
+__all__ = [
+    "ProgressFn",
+    "execute_plan",
+    "GROUP_FILES",
+    "Run",
+    "Span",
+    "entry_runs",
+    "gather_spans",
+    "interleaved",
+]
 
 ProgressFn = Callable[[int], None]
 
@@ -77,14 +87,25 @@ def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
 
-Run = tuple[int, int, int, int]
-"""A contiguous copy: (byte offset in the target entry, source piece, byte offset in the piece, bytes)."""
+Run = tuple[int, int, int, int, int, int, int]
+"""A copy of ``rows`` rows of ``n`` bytes: (byte offset in the target entry, source piece, byte
+offset in the piece, n, rows, source stride, target stride). One row (strides 0) is a contiguous
+run; rows whose target stride is ``n`` are back to back in the target; other runs interleave
+with the entry's other runs (a column shard of a small tensor written whole)."""
+
+Span = tuple[int, int, int, int, int, int, int]
+"""A queued source read: (file, offset, n, rows, source stride, position in the buffer, buffer stride)."""
+
+_STRIDED_MAX = 65536
+"""Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
+with the queue; larger ones are gathered slab by slab (whole rows read once, shared by the
+sibling files written in lockstep)."""
 
 _RUNS: dict[tuple[int, int, int], tuple[object, object, tuple[Run, ...] | None]] = {}
 
 
 def entry_runs(src: TensorSource, copies: tuple[Copy, ...], isz: int) -> tuple[Run, ...] | None:
-    """An entry's copies as contiguous byte runs in target order, or None if a box is strided.
+    """An entry's copies as runs of rows in target order, or None if a box needs gathering.
 
     Shared by every tensor of one geometry: the planner hands them the same ``copies``
     tuple and the readers the same ``piece_blocks`` tuple, so the cache is keyed by their
@@ -122,24 +143,167 @@ def _runs(src: TensorSource, copies: Sequence[Copy], isz: int) -> tuple[Run, ...
         sstrides = piece_strides(src, c.piece)  # a transform's view may be strided
         if sstrides is None:
             return None  # zeros: gathered
+        sshape = src.piece_shape(c.piece)
         for s_st, d_st, sz in copy_boxes(c):
-            if not (_dense(sstrides, sz) and _contiguous(dshape, d_st, sz)):
+            if sstrides != row_major_strides(sshape):  # a transform's view: contiguous runs only
+                if not (_dense(sstrides, sz) and _contiguous(dshape, d_st, sz)):
+                    return None
+                s_off = sum(a * st for a, st in zip(s_st, sstrides)) * isz
+                runs.append((_box_offset(dshape, d_st) * isz, c.piece, s_off, isz * _prod(sz), 1, 0, 0))
+                continue
+            run = _box_run(sshape, dshape, s_st, d_st, sz, isz)
+            if run is None:
                 return None
-            n = isz
-            for x in sz:
-                n *= x
-            s_off = sum(a * st for a, st in zip(s_st, sstrides))
-            runs.append((_box_offset(dshape, d_st) * isz, c.piece, s_off * isz, n))
+            runs.append((run[0], c.piece, *run[1:]))
     runs.sort()
+    if interleaved(runs) and isz * _prod(dshape) > _STRIDED_MAX:
+        return None
     merged: list[Run] = []
     for r in runs:
         if merged:
-            d, k, s, n = merged[-1]
-            if k == r[1] and d + n == r[0] and s + n == r[2]:
-                merged[-1] = (d, k, s, n + r[3])
+            d, k, s, n, rows, _, _ = merged[-1]
+            if rows == 1 and r[4] == 1 and k == r[1] and d + n == r[0] and s + n == r[2]:
+                merged[-1] = (d, k, s, n + r[3], 1, 0, 0)
                 continue
         merged.append(r)
     return tuple(merged)
+
+
+def interleaved(runs: Sequence[Run]) -> bool:
+    """Whether some run's rows are not back to back in the target (the runs then interleave)."""
+    return any(r[4] > 1 and r[6] != r[3] for r in runs)
+
+
+def _prod(xs: Sequence[int]) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _rows(
+    shape: Sequence[int], st: Sequence[int], sz: Sequence[int], isz: int
+) -> tuple[int, int, int] | None:
+    """A box of a row-major array as (bytes per row, rows, stride): runs of whole inner dims and
+    part of one more, along at most one outer dim; None when it takes two outer dims."""
+    k = len(sz) - 1
+    while k > 0 and st[k] == 0 and sz[k] == shape[k]:
+        k -= 1  # dims k+1.. are whole: a row runs over them and part of dim k
+    outer = [j for j in range(k) if sz[j] != 1]
+    n = isz * _prod(sz[k:])
+    if not outer:
+        return n, 1, 0
+    if len(outer) > 1:
+        return None
+    return n, sz[outer[0]], row_major_strides(shape)[outer[0]] * isz
+
+
+def _box_run(
+    sshape: tuple[int, ...],
+    dshape: tuple[int, ...],
+    s_st: tuple[int, ...],
+    d_st: tuple[int, ...],
+    sz: tuple[int, ...],
+    isz: int,
+) -> tuple[int, int, int, int, int, int] | None:
+    """A box as (target offset, source offset, bytes per row, rows, source stride, target stride).
+
+    Contiguous on both sides: one row. Rows along one outer dim on either side (a column
+    slice of a small matrix read, or written): strided rows, up to :data:`_STRIDED_MAX`
+    bytes. Anything else is gathered.
+    """
+    src, dst = _rows(sshape, s_st, sz, isz), _rows(dshape, d_st, sz, isz)
+    if src is None or dst is None:
+        return None
+    d_off, s_off = _box_offset(dshape, d_st) * isz, _box_offset(sshape, s_st) * isz
+    if src[1] == 1 and dst[1] == 1:
+        return d_off, s_off, src[0], 1, 0, 0
+    if isz * _prod(sz) > _STRIDED_MAX:
+        return None
+    if src[1] == 1:  # contiguous in the source: rows of the target's width
+        src = (dst[0], dst[1], dst[0])
+    elif dst[1] == 1:
+        dst = (src[0], src[1], src[0])
+    if src[:2] != dst[:2]:
+        return None
+    return d_off, s_off, src[0], src[1], src[2], dst[2]
+
+
+_BAND = 4 << 20
+"""Strided rows are read with one ``pread`` of the source span that holds them, in bands of
+rows spanning at most this many bytes (a narrow column of wide rows is read band by band)."""
+
+_SCRATCH = threading.local()
+
+
+def _scratch(size: int) -> bytearray:
+    """This thread's scratch buffer for strided reads, of at least ``size`` bytes (kept: memory
+    touched for the first time is slow here, see MACHINE-NOTES)."""
+    buf: bytearray | None = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _SCRATCH.buf = bytearray(max(size, 1 << 20))
+    return buf
+
+
+def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> None:
+    """Copy source reads (:data:`Span`) into ``buf`` at their positions, by ``pread`` only.
+
+    Neighbouring one-row reads of a file that land next to each other in ``buf`` are read
+    as one span. Strided rows are read with one ``pread`` of the span holding them (in
+    bands of :data:`_BAND`) into a scratch buffer, then copied with one numpy copy. Never
+    through a map: a file truncated meanwhile is a named error
+    (:class:`~reshard.errors.SourceChangedError`), not a SIGBUS. ``spans`` gets a sentinel
+    appended and removed.
+    """
+    if not spans:
+        return
+    sources = pages.sources
+    out = memoryview(buf)
+    views: _Views | None = None
+    fi, lo, n, rows, ss, pos, ds = spans[0]
+    spans.append((-1, 0, 0, 1, 0, -1, 0))  # flushes the last span
+    try:
+        for nxt in itertools.islice(spans, 1, None):
+            if nxt[0] == fi and nxt[1] == lo + n and nxt[5] == pos + n and rows == 1 and nxt[3] == 1:
+                n += nxt[2]
+                continue
+            if rows == 1:
+                sources.pread(fi, out[pos : pos + n], lo)
+            else:
+                if views is None:
+                    views = _Views(buf)
+                views.copy_rows(sources, fi, lo, n, rows, ss, pos, ds)
+            fi, lo, n, rows, ss, pos, ds = nxt
+    finally:
+        spans.pop()
+        del views, out
+
+
+class _Views:
+    """numpy views of the write buffer and of the scratch buffer, made once per buffer of reads."""
+
+    def __init__(self, buf: bytearray) -> None:
+        import numpy as np
+
+        self.np = np
+        self.buf = np.frombuffer(buf, np.uint8)
+
+    def copy_rows(
+        self, sources: SourceFiles, fi: int, lo: int, n: int, rows: int, ss: int, pos: int, ds: int
+    ) -> None:
+        """``rows`` rows of ``n`` bytes, ``ss`` apart from ``lo`` in file ``fi``, into the buffer
+        from ``pos``, ``ds`` apart: each band of rows read with one ``pread``."""
+        per = max(1, min(rows, _BAND // max(ss, 1)))
+        scratch = _scratch((per - 1) * ss + n)
+        src = self.np.frombuffer(scratch, self.np.uint8)
+        as_strided = self.np.lib.stride_tricks.as_strided
+        for j in range(0, rows, per):
+            k = min(per, rows - j)
+            span = (k - 1) * ss + n
+            sources.pread(fi, memoryview(scratch)[:span], lo + j * ss)
+            at = pos + j * ds
+            d = as_strided(self.buf[at:], (k, n), (ds, 1))
+            d[...] = as_strided(src, (k, n), (ss, 1), writeable=False)
 
 
 class _Writer:
@@ -165,15 +329,18 @@ class _Writer:
         self.bytes_read = 0
         self.sink = Sink(fd, lo)
         self.crc32s: dict[int, int] = {}
-        self._queued: list[tuple[int, int, int]] = []  # (source file, offset, bytes), back to back
+        self._queued: list[Span] = []  # source reads whose bytes go back to back
         self._q_start = 0  # file offset of the first queued byte
         self._q_end = -1  # one past the last
 
     def file_steps(
-        self, f: OutFile, items: Sequence[tuple[int, bytes] | tuple[int, OutEntry]]
+        self, f: OutFile, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]
     ) -> Iterator[None]:
         """Write ``items`` (fixed bytes and entries, in file order), yielding after each slab."""
         crc = f.needs_crc32
+        if not crc:
+            yield from self._plain_steps(items)
+            return
         for i, item in items:
             _check(self.stop)
             if isinstance(item, bytes):
@@ -198,13 +365,49 @@ class _Writer:
                     self.sink.submit(tail, item.start + item.nbytes)
         self._flush()
 
+    def _plain_steps(self, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]) -> Iterator[None]:
+        """:meth:`file_steps` without CRC32s: the loop of 100k-tensor files, so tensors of one
+        geometry (same copies, piece blocks and dtypes) share one lookup of their runs and a
+        run that extends the queue costs an append."""
+        stop = self.stop
+        queued = self._queued
+        cap = self.bufs.budget
+        memo: dict[tuple[object, ...], tuple[tuple[Run, ...], bool] | None] = {}  # the plan holds the keys
+        for _, item in items:
+            if stop.is_set():
+                raise _Stopped
+            if type(item) is bytes:
+                self._flush()
+                self.sink.submit(item, _)
+                continue
+            t = item.tensor  # type: ignore[union-attr]
+            src = t.src
+            key = (id(t.copies), item.rank, id(src.piece_blocks), t.dtype, src.dtype)  # type: ignore[union-attr]
+            hit = memo.get(key, _NOT_YET)
+            if hit is _NOT_YET:
+                runs = self._runs(item)  # type: ignore[arg-type]
+                hit = memo[key] = None if runs is None else (runs, interleaved(runs))
+            start, nbytes = item.start, item.nbytes  # type: ignore[union-attr]
+            if hit is None or (hit[1] and nbytes > cap):
+                yield from self.entry_steps(item)  # type: ignore[arg-type]
+                continue
+            if start == self._q_end and start + nbytes - self._q_start <= cap:  # extends the queue
+                files, offsets = src.piece_files, src.piece_offsets
+                base = start - self._q_start
+                for d, k, s, n, rows, ss, ds in hit[0]:
+                    queued.append((files[k], offsets[k] + s, n, rows, ss, base + d, ds))
+                self._q_end = start + nbytes
+            elif self._queue(start, src, hit[0], nbytes):
+                yield
+        self._flush()
+
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
         """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""
         if e.nbytes == 0:
             return
         runs = self._runs(e)
-        if runs is not None:
-            if self._queue(e.start, e.tensor.src, runs):
+        if runs is not None and (e.nbytes <= self.bufs.budget or not interleaved(runs)):
+            if self._queue(e.start, e.tensor.src, runs, e.nbytes):
                 yield
             return
         self._flush()
@@ -213,58 +416,72 @@ class _Writer:
 
     @staticmethod
     def _runs(e: OutEntry) -> tuple[Run, ...] | None:
-        """The entry's contiguous runs, or None when it needs gathering (strided, cast, reduced)."""
+        """The entry's runs, or None when it needs gathering (strided, cast, reduced)."""
         t = e.tensor
         src = t.src
         if t.groups != 1 or t.dtype != src.dtype:
             return None
         return entry_runs(src, t.copies[e.rank], DTYPE_SIZES[src.dtype])
 
-    def _queue(self, start: int, src: TensorSource, runs: Sequence[Run]) -> bool:
-        """Queue an entry's runs; True if the queue was written on the way."""
-        flushed = False
+    def _queue(self, start: int, src: TensorSource, runs: Sequence[Run], nbytes: int) -> bool:
+        """Queue an entry's runs (interleaved ones only when the entry fits in the buffer);
+        True if the queue was written on the way."""
         cap = self.bufs.budget
         files, offsets = src.piece_files, src.piece_offsets
-        for d, k, s, n in runs:
-            at = start + d
-            if at != self._q_end or at + n - self._q_start > cap:
-                if self._queued:
-                    self._flush()
-                    flushed = True
-                if n > cap:
-                    self._copy_run(files[k], offsets[k] + s, at, n)
-                    flushed = True  # siblings take their turn: each source file read in order
-                    continue
-                self._q_start = at
-            self._queued.append((files[k], offsets[k] + s, n))
-            self._q_end = at + n
+        flushed = False
+        if start != self._q_end or start + nbytes - self._q_start > cap:
+            if self._queued:
+                self._flush()
+                flushed = True
+            if nbytes > cap:  # run by run (back to back in the target: not interleaved)
+                for d, k, s, n, rows, ss, _ in runs:
+                    flushed = self._queue_run(start + d, files[k], offsets[k] + s, n, rows, ss) or flushed
+                return flushed
+            self._q_start = start
+        base = start - self._q_start
+        self._queued += [
+            (files[k], offsets[k] + s, n, rows, ss, base + d, ds) for d, k, s, n, rows, ss, ds in runs
+        ]
+        self._q_end = start + nbytes
+        return flushed
+
+    def _queue_run(self, at: int, fi: int, lo: int, n: int, rows: int, ss: int) -> bool:
+        """Queue ``rows`` rows of ``n`` bytes for target offset ``at`` (split when larger than the
+        buffer; one contiguous run larger than it is copied through it); True if written on the way."""
+        cap = self.bufs.budget
+        size = n * rows
+        flushed = False
+        if at != self._q_end or at + size - self._q_start > cap:
+            if self._queued:
+                self._flush()
+                flushed = True
+            if size > cap and rows == 1:
+                self._copy_run(fi, lo, at, size)
+                return True  # siblings take their turn: each source file read in order
+            if size > cap:  # strided, larger than the buffer: in groups of rows
+                per = max(1, cap // n)
+                for j in range(0, rows, per):
+                    flushed = (
+                        self._queue_run(at + j * n, fi, lo + j * ss, n, min(per, rows - j), ss) or flushed
+                    )
+                return flushed
+            self._q_start = at
+        self._queued.append((fi, lo, n, rows, ss, at - self._q_start, n))
+        self._q_end = at + size
         return flushed
 
     def _flush(self) -> None:
-        """Gather the queued runs into the write buffer and write them with one ``pwrite``.
-
-        Neighbours in a source file are read as one span, each span with one ``pread``
-        (never through the map: a file truncated meanwhile is a named error, not a SIGBUS).
-        """
+        """Gather the queued runs into the write buffer and write them with one ``pwrite``."""
         queued = self._queued
         if not queued:
             return
-        buf = memoryview(self.bufs.write)
-        sources = self.sources
-        pos = 0
-        fi, lo, n = queued[0]
-        queued.append((-1, 0, 0))  # flushes the last span
-        for nfi, nlo, nn in queued[1:]:
-            if nfi == fi and nlo == lo + n:
-                n += nn
-                continue
-            sources.pread(fi, buf[pos : pos + n], lo)
-            pos += n
-            fi, lo, n = nfi, nlo, nn
-        self.sink.submit(buf[:pos], self._q_start)
-        self.bytes_read += pos
+        buf = self.bufs.write
+        size = self._q_end - self._q_start
+        gather_spans(self.bufs.pages, queued, buf)
+        self.sink.submit(memoryview(buf)[:size], self._q_start)
+        self.bytes_read += size
         if self.progress:
-            self.progress(pos)
+            self.progress(size)
         queued.clear()
         self._q_end = -1
 
@@ -336,19 +553,23 @@ class _Writer:
         return cast_reduce(views, t.src.dtype, t.dtype, t.reduce_op, n)
 
 
-def _in_file_order(f: OutFile) -> list[tuple[int, bytes] | tuple[int, OutEntry]]:
-    """The file's fixed byte runs ``(offset, bytes)`` and entries ``(index, entry)``, in file order."""
+def _in_file_order(f: OutFile) -> Iterator[tuple[int, bytes] | tuple[int, OutEntry]]:
+    """The file's fixed byte runs ``(offset, bytes)`` and entries ``(index, entry)``, in file order
+    (made as they are consumed: a 100k-tensor file's list of items is not held)."""
     lay = f.layout
-    out: list[tuple[int, bytes] | tuple[int, OutEntry]] = []
-    fixed = list(lay.fixed)
+    fixed = lay.fixed
+    entries = lay.entries
     j = 0
-    for i, e in enumerate(lay.entries):
+    if entries and all(off + len(b) <= entries[0].start for off, b in fixed):  # headers only
+        yield from fixed
+        yield from enumerate(entries)
+        return
+    for i, e in enumerate(entries):
         while j < len(fixed) and fixed[j][0] <= e.start:
-            out.append(fixed[j])
+            yield fixed[j]
             j += 1
-        out.append((i, e))
-    out.extend(fixed[j:])
-    return out
+        yield i, e
+    yield from fixed[j:]
 
 
 def _split_items(
@@ -421,6 +642,7 @@ def _write_group(
 
 
 _END = object()
+_NOT_YET: Any = object()  # a geometry's runs not looked up yet (None: its entries are gathered)
 
 
 class _Stopped(Exception):
@@ -472,7 +694,7 @@ def _write_split(
         return w.sink.close(f.size), w.crc32s, w.bytes_read
 
     try:
-        runs = _split_items(_in_file_order(f), parts)
+        runs = _split_items(list(_in_file_order(f)), parts)
         parts_done = _run_all([functools.partial(run, lo, items) for lo, items in runs], stop)
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}

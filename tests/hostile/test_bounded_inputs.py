@@ -443,3 +443,17 @@ def test_regex_rules_pickle_and_match_like_python_re() -> None:
     for pattern, name, expect in cases:
         rule = pickle.loads(pickle.dumps(Rule.from_json(pattern, "R")))
         assert rule.matches(name) is expect is (re.fullmatch(pattern[3:], name) is not None)
+
+
+def test_text_depth_agrees_with_value_depth() -> None:
+    """The C-speed depth check of JSON text gives the value walk's answer, brackets in strings too."""
+    import json as _json
+
+    from reshard.io.safe import _depth, _text_depth
+
+    docs = [1, [], {}, [[]], {"a": [1, {"b": []}]}, ["]]]", {"[[": "{{"}]]
+    docs += [[[[[[["x"]]]]]], {"k": {"k": {"k": {}}}}]
+    for doc in docs:
+        text = _json.dumps(doc)
+        for limit in range(8):
+            assert _text_depth(text, limit) == _depth(doc, limit), (text, limit)

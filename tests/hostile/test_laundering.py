@@ -60,6 +60,10 @@ def test_a_flipped_source_byte_is_caught_before_commit(written: Path, tmp_path: 
 
 def test_a_manifest_contradicting_its_files_is_refused(written: Path, tmp_path: Path) -> None:
     man = json.loads((written / "reshard.json").read_text())
+    # a format version 1 manifest (earlier reshard listed every tensor) saying another shape
+    del man["tensor_count"]
+    man["reshard"]["format_version"] = 1
+    man["tensors"] = {f"l{i}.w": {"dtype": "F32", "shape": [32, 16], "placements": ["R"]} for i in range(3)}
     man["tensors"]["l0.w"]["shape"] = [16, 32]
     (written / "reshard.json").write_text(json.dumps(man))
     dst = tmp_path / "out"
@@ -67,6 +71,17 @@ def test_a_manifest_contradicting_its_files_is_refused(written: Path, tmp_path: 
     assert p.returncode == 2, p.stderr
     assert "l0.w" in p.stderr and "inspect --check" in p.stderr and "Traceback" not in p.stderr
     assert not dst.exists()
+
+
+def test_a_manifest_miscounting_its_tensors_is_refused(written: Path, tmp_path: Path) -> None:
+    man = json.loads((written / "reshard.json").read_text())
+    assert man["reshard"]["format_version"] == 2 and man["tensor_count"] == 3 and "tensors" not in man
+    man["tensor_count"] = 2
+    (written / "reshard.json").write_text(json.dumps(man))
+    p = run("convert", str(written), str(tmp_path / "out"), "--consolidate")
+    assert p.returncode == 2, p.stderr
+    assert "holds 2 tensors" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("same", [True, False])

@@ -592,3 +592,60 @@ def test_import_does_not_pull_in_torch_or_numpy() -> None:
         "assert 'numpy' not in sys.modules, 'numpy imported'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=_ROOT, env=env, check=True)
+
+
+# --------------------------------------------------------------------------- sibling rank files
+
+
+def _rank_file(path: Path, rank: int, tensors: dict[str, torch.Tensor], meta: bool = True) -> Path:
+    save_file(tensors, str(path), metadata={"rank": str(rank), "x": "y" * rank} if meta else None)
+    return path
+
+
+def test_sibling_files_share_entries_and_keep_their_metadata(tmp_path: Path) -> None:
+    """Rank files whose entry sections are byte-identical share one decoding; each keeps its
+    own metadata and data start (safetensors' own reader agrees on every tensor)."""
+    from safetensors import safe_open
+
+    tensors = {f"w{i}": torch.arange(6, dtype=torch.int16).reshape(2, 3) + i for i in range(5)}
+    paths = [_rank_file(tmp_path / f"r{r}.safetensors", r, tensors) for r in range(3)]
+    headers = [read_header(p) for p in paths]
+    assert all(h.entries is headers[0].entries for h in headers)
+    for r, (p, h) in enumerate(zip(paths, headers)):
+        assert h.metadata == {"rank": str(r), "x": "y" * r}
+        assert h.data_start == 8 + struct.unpack("<Q", p.read_bytes()[:8])[0]
+        with safe_open(str(p), "pt") as f:
+            for e in h.entries:
+                raw = p.read_bytes()[h.data_start + e.start : h.data_start + e.stop]
+                assert raw == f.get_tensor(e.name).numpy().tobytes()
+        assert h.entry("w3").shape == (2, 3)
+
+
+def test_sibling_with_bad_metadata_or_no_opening_brace_is_refused(tmp_path: Path) -> None:
+    """A header whose entries match the last decoded ones is still refused when what differs is bad."""
+    tensors = {"a": torch.zeros(2, dtype=torch.float32)}
+    good = _rank_file(tmp_path / "good.safetensors", 0, tensors)
+    read_header(good)
+    raw = good.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = raw[8 : 8 + n]
+    section = head[head.index(b',"a"') :]
+    for bad_head in (b'{"__metadata__":{"rank":1}', b'{"__metadata__":[1]', b""):
+        body = bad_head + section
+        if not bad_head:
+            body = section  # starts with ','
+        body += b" " * (-len(body) % 8)
+        p = tmp_path / "bad.safetensors"
+        p.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+        with pytest.raises(HeaderError):
+            read_header(p)
+        read_header(good)  # the shared section again
+
+
+def test_sibling_without_metadata_after_one_with_it(tmp_path: Path) -> None:
+    """Sections of files with and without metadata never match each other: both decode right."""
+    tensors = {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.zeros(1, 2)}
+    with_meta = read_header(_rank_file(tmp_path / "m.safetensors", 1, tensors))
+    without = read_header(_rank_file(tmp_path / "n.safetensors", 0, tensors, meta=False))
+    assert without.metadata is None and with_meta.metadata == {"rank": "1", "x": "y"}
+    assert [(e.name, e.start) for e in without.entries] == [(e.name, e.start) for e in with_meta.entries]

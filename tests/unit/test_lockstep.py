@@ -28,6 +28,15 @@ def _column_sharded_plan(tmp_path: Path, world: int = 8):
     return full, build_plan(ck, resolve_target(ck, TargetSpec(layout=str(tmp_path / "l.yaml"))))
 
 
+def _write_tp8(plan, out: Path) -> Path:
+    out.mkdir()
+    ex.execute_plan(plan, out, workers=1)
+    from reshard.formats.manifest import manifest_for, write_manifest
+
+    write_manifest(out, manifest_for(plan, [], listed=False))  # self-described: the files say it all
+    return out
+
+
 def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: int) -> int:
     """Bytes read from the source by pread while executing ``plan`` (contiguous runs included)."""
     monkeypatch.setattr(ex, "GROUP_FILES", group)
@@ -49,6 +58,8 @@ def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: 
 def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(ex, "_STRIDED_MAX", 0)  # "o" gathered as a large column shard would be
+    monkeypatch.setattr(ex, "_RUNS", {})
     full, plan = _column_sharded_plan(tmp_path)
     o_bytes = full["o"].numel() * 2
     q_bytes = full["q"].numel() * 4
@@ -68,6 +79,58 @@ def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
         got = load_file(str(tmp_path / "lockstep" / name))
         assert torch.equal(got["o"], full["o"].chunk(8, 1)[r])
         assert torch.equal(got["q"], full["q"].chunk(8, 0)[r])
+
+
+@pytest.mark.parametrize("buffer_size", [1 << 20, 4096, 100, 16])
+def test_small_column_shards_are_copied_as_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer_size: int
+) -> None:
+    """Column shards of small tensors (at most _STRIDED_MAX bytes a rank) are queued as strided
+    rows, read from the map, and column shards written whole as interleaved rows: the same
+    bytes as gathering them, whatever the buffer size (a buffer smaller than a shard, or than
+    one row, splits it or falls back to gathering)."""
+    full, plan = _column_sharded_plan(tmp_path)
+    (tmp_path / "hf").mkdir()
+    tp8 = open_source(SourceSpec(str(_write_tp8(plan, tmp_path / "tp8"))))
+    whole = build_plan(tp8, resolve_target(tp8, TargetSpec(consolidate=True)))
+    for name, p in (("hf-rows", whole), ("hf-gathered", whole)):
+        if name == "hf-gathered":
+            monkeypatch.setattr(ex, "_STRIDED_MAX", 0)
+        monkeypatch.setattr(ex, "_RUNS", {})
+        (tmp_path / name).mkdir()
+        ex.execute_plan(p, tmp_path / name, workers=1, buffer_size=buffer_size)
+    rows_hf = (tmp_path / "hf-rows" / "model.safetensors").read_bytes()
+    assert rows_hf == (tmp_path / "hf-gathered" / "model.safetensors").read_bytes()
+    got = load_file(str(tmp_path / "hf-rows" / "model.safetensors"))
+    assert all(torch.equal(got[k], full[k]) for k in full)
+    monkeypatch.setattr(ex, "_STRIDED_MAX", 65536)
+    monkeypatch.setattr(ex, "_RUNS", {})
+    (tmp_path / "rows").mkdir()
+    ex.execute_plan(plan, tmp_path / "rows", workers=1, buffer_size=buffer_size)
+    monkeypatch.setattr(ex, "_STRIDED_MAX", 0)
+    monkeypatch.setattr(ex, "_RUNS", {})
+    (tmp_path / "gathered").mkdir()
+    ex.execute_plan(plan, tmp_path / "gathered", workers=1, buffer_size=buffer_size)
+    for r in range(8):
+        name = f"rank-{r:05d}-of-00008.safetensors"
+        assert (tmp_path / "rows" / name).read_bytes() == (tmp_path / "gathered" / name).read_bytes()
+        got = load_file(str(tmp_path / "rows" / name))
+        assert torch.equal(got["o"], full["o"].chunk(8, 1)[r])
+
+
+def test_strided_box_runs() -> None:
+    """Which boxes become runs of rows: contiguous in the target, rows along one outer dim."""
+    # a column slice of a (6, 8) piece into a (6, 2) block: 6 rows of 2 items, 8 apart
+    assert ex._box_run((6, 8), (6, 2), (0, 4), (0, 0), (6, 2), 2) == (0, 8, 4, 6, 16, 4)
+    assert ex._box_run((6, 8), (6, 8), (2, 0), (2, 0), (3, 8), 2) == (32, 32, 48, 1, 0, 0)  # contiguous
+    assert ex._box_run((4, 6, 8), (4, 6, 2), (0, 0, 4), (0, 0, 0), (4, 6, 2), 2) is None  # two outer dims
+    got = ex._box_run((2, 6, 8), (1, 6, 2), (1, 0, 4), (0, 0, 0), (1, 6, 2), 4)
+    assert got == (0, 48 * 4 + 16, 8, 6, 32, 8)
+    # a (6, 2) piece into columns 2:4 of a (6, 4) block: rows written 8 bytes apart
+    assert ex._box_run((6, 2), (6, 4), (0, 0), (0, 2), (6, 2), 2) == (4, 0, 4, 6, 4, 8)
+    # both strided: columns 4:6 of (6, 8) into columns 2:4 of (6, 4)
+    assert ex._box_run((6, 8), (6, 4), (0, 4), (0, 2), (6, 2), 2) == (4, 8, 4, 6, 16, 8)
+    assert ex._box_run((100, 1000), (100, 500), (0, 0), (0, 0), (100, 500), 2) is None  # over _STRIDED_MAX
 
 
 def test_groups_are_consecutive_balanced_and_bounded() -> None:

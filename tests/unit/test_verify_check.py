@@ -375,6 +375,11 @@ def test_check_manifest_files(ckpts: dict[str, Path], tmp_path: Path) -> None:
     man["files"]["rank-00009-of-00003.safetensors"] = {"size": 1, "checksum": "xxh3_128-64MiB:00"}
     man["files"]["rank-00001-of-00003.safetensors"]["size"] += 1
     del man["files"]["rank-00002-of-00003.safetensors"]
+    assert man["reshard"]["format_version"] == 2 and man["tensor_count"] == len(_tensors())
+    # format version 1 (earlier reshard) listed every tensor: still checked against the files
+    del man["tensor_count"]
+    man["reshard"]["format_version"] = 1
+    man["tensors"] = {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in _open(bad).tensors.items()}
     man["tensors"]["norm"]["dtype"] = "BF16"
     man["tensors"]["ghost"] = {"dtype": "F32", "shape": [1]}
     (bad / "reshard.json").write_text(json.dumps(man))
@@ -567,3 +572,48 @@ def test_coverage_holes() -> None:
     assert coverage_holes((4,), strided) == [(I(3, 4),)]
     # overlapping blocks still cover
     assert coverage_holes((5,), [((I(0, 3),),), ((I(2, 5),),)]) == []
+
+
+def test_verify_batches_many_tensors_and_keeps_name_order(tmp_path: Path) -> None:
+    """Hundreds of small tensors compared in batches (row shards, whole tensors): every
+    difference is found with its first index, and differences come in name order, whatever
+    order the files hold the tensors in."""
+    g = torch.Generator().manual_seed(1)
+    full = {f"m.{i}.w": torch.randint(-99, 99, (8, 4), generator=g, dtype=torch.int16) for i in range(300)}
+    save_file(full, str(tmp_path / "a.safetensors"))
+    (tmp_path / "hf").mkdir()
+    shutil.copy(tmp_path / "a.safetensors", tmp_path / "hf" / "model.safetensors")
+    lay = tmp_path / "tp.yaml"
+    lay.write_text('mesh: {tp: 4}\nplacements:\n  "*": {tp: S(0)}\n')
+    convert(SourceSpec(str(tmp_path / "hf")), tmp_path / "tp4", TargetSpec(layout=str(lay)))
+    bad = dict(full)
+    bad["m.200.w"] = bad["m.200.w"].clone()
+    bad["m.200.w"][5, 2] += 1  # rank 2's rows
+    bad["m.7.w"] = bad["m.7.w"].clone()
+    bad["m.7.w"][0, 1] += 1
+    bad["m.30.w"] = bad["m.30.w"].to(torch.int32)
+    (tmp_path / "bad").mkdir()
+    save_file(bad, str(tmp_path / "bad" / "model.safetensors"))
+    for max_bytes in (1 << 20, 4096, 64):
+        doc = verify_checkpoints(_open(tmp_path / "tp4"), _open(tmp_path / "bad"), max_bytes=max_bytes)
+        assert [(d["tensor"], d["kind"], d.get("index")) for d in doc["differences"]] == [
+            ("m.7.w", "values", [0, 1]),
+            ("m.30.w", "dtype", None),
+            ("m.200.w", "values", [5, 2]),
+        ]
+        assert doc["tensors"] == 300
+        assert 297 * 64 < doc["bytes_compared"] <= 299 * 64  # a differing tensor: up to its difference
+        ok = verify_checkpoints(_open(tmp_path / "tp4"), _open(tmp_path / "hf"), max_bytes=max_bytes)
+        assert ok["equal"] and ok["bytes_compared"] == 300 * 64
+
+
+def test_check_manifest_tensor_count(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """Format version 2 counts the tensors the files describe: a count the files contradict is reported."""
+    bad = _copy(ckpts["tp3"], tmp_path)
+    assert check_checkpoint(_open(bad)) == []
+    man = json.loads((bad / "reshard.json").read_text())
+    assert "tensors" not in man
+    man["tensor_count"] += 1
+    (bad / "reshard.json").write_text(json.dumps(man))
+    (p,) = check_checkpoint(_open(bad))
+    assert p["kind"] == "manifest" and f"holds {len(_tensors()) + 1} tensors" in p["message"]
