@@ -233,15 +233,23 @@ _BAND = 4 << 20
 """Strided rows are read with one ``pread`` of the source span that holds them, in bands of
 rows spanning at most this many bytes (a narrow column of wide rows is read band by band)."""
 
+_WINDOW = 256 << 10
+"""Short reads (a small tensor's bytes, a few strided rows) are served from a window of this
+many bytes of their file, read with one ``pread``: the neighbouring tensors a rank file takes
+next are usually in it, so 100k small tensors cost a few thousand system calls, not 100k."""
+
+_SLOTS = 16
+"""Windows held at once (one per source file, the oldest file's reused)."""
+
 _SCRATCH = threading.local()
 
 
-def _scratch(size: int) -> bytearray:
-    """This thread's scratch buffer for strided reads, of at least ``size`` bytes (kept: memory
-    touched for the first time is slow here, see MACHINE-NOTES)."""
+def _scratch() -> bytearray:
+    """This thread's scratch buffer: :data:`_SLOTS` windows, then a band of strided rows (kept:
+    memory touched for the first time is slow here, see MACHINE-NOTES)."""
     buf: bytearray | None = getattr(_SCRATCH, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _SCRATCH.buf = bytearray(max(size, 1 << 20))
+    if buf is None:
+        buf = _SCRATCH.buf = bytearray(_SLOTS * _WINDOW + _BAND + _WINDOW)
     return buf
 
 
@@ -249,17 +257,15 @@ def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> None:
     """Copy source reads (:data:`Span`) into ``buf`` at their positions, by ``pread`` only.
 
     Neighbouring one-row reads of a file that land next to each other in ``buf`` are read
-    as one span. Strided rows are read with one ``pread`` of the span holding them (in
-    bands of :data:`_BAND`) into a scratch buffer, then copied with one numpy copy. Never
-    through a map: a file truncated meanwhile is a named error
+    as one span; long spans are read straight into ``buf``, short ones and strided rows
+    through a window of their file (:class:`_Reads`), strided rows moved with one numpy
+    copy. Never through a map: a file truncated meanwhile is a named error
     (:class:`~reshard.errors.SourceChangedError`), not a SIGBUS. ``spans`` gets a sentinel
     appended and removed.
     """
     if not spans:
         return
-    sources = pages.sources
-    out = memoryview(buf)
-    views: _Views | None = None
+    reads = _Reads(pages.sources, buf)
     fi, lo, n, rows, ss, pos, ds = spans[0]
     spans.append((-1, 0, 0, 1, 0, -1, 0))  # flushes the last span
     try:
@@ -268,42 +274,80 @@ def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> None:
                 n += nxt[2]
                 continue
             if rows == 1:
-                sources.pread(fi, out[pos : pos + n], lo)
+                reads.copy(fi, lo, n, pos)
             else:
-                if views is None:
-                    views = _Views(buf)
-                views.copy_rows(sources, fi, lo, n, rows, ss, pos, ds)
+                reads.copy_rows(fi, lo, n, rows, ss, pos, ds)
             fi, lo, n, rows, ss, pos, ds = nxt
     finally:
         spans.pop()
-        del views, out
+        del reads
 
 
-class _Views:
-    """numpy views of the write buffer and of the scratch buffer, made once per buffer of reads."""
+class _Reads:
+    """One buffer of queued reads: numpy views of it and of this thread's scratch windows."""
 
-    def __init__(self, buf: bytearray) -> None:
+    def __init__(self, sources: SourceFiles, buf: bytearray) -> None:
         import numpy as np
 
-        self.np = np
+        self.sources = sources
+        self.out = memoryview(buf)
         self.buf = np.frombuffer(buf, np.uint8)
+        self.scratch = _scratch()
+        self.src = np.frombuffer(self.scratch, np.uint8)
+        self.as_strided = np.lib.stride_tricks.as_strided
+        self.windows: dict[int, tuple[int, int, int]] = {}  # file -> (lo, hi, scratch offset)
+        self.owner: list[int] = [-1] * _SLOTS
+        self.next = 0
 
-    def copy_rows(
-        self, sources: SourceFiles, fi: int, lo: int, n: int, rows: int, ss: int, pos: int, ds: int
-    ) -> None:
+    def _window(self, fi: int, lo: int, n: int) -> int:
+        """Scratch offset of file ``fi``'s bytes at ``lo`` (``n <= _WINDOW``), read if not held."""
+        w = self.windows.get(fi)
+        if w is not None and w[0] <= lo and lo + n <= w[1]:
+            return w[2] + lo - w[0]
+        if w is None:  # a slot of its own, the oldest file's
+            slot = self.next
+            self.next = (slot + 1) % _SLOTS
+            self.windows.pop(self.owner[slot], None)
+            self.owner[slot] = fi
+            at = slot * _WINDOW
+        else:
+            at = w[2]
+        hi = max(lo + n, min(lo + _WINDOW, self.sources.size(fi)))
+        self.sources.pread(fi, memoryview(self.scratch)[at : at + hi - lo], lo)
+        self.windows[fi] = (lo, hi, at)
+        return at
+
+    def copy(self, fi: int, lo: int, n: int, pos: int) -> None:
+        """``n`` bytes of file ``fi`` at ``lo`` into the buffer at ``pos``."""
+        if n > _WINDOW // 2:
+            self.sources.pread(fi, self.out[pos : pos + n], lo)
+            return
+        at = self._window(fi, lo, n)
+        self.out[pos : pos + n] = self.scratch[at : at + n]
+
+    def copy_rows(self, fi: int, lo: int, n: int, rows: int, ss: int, pos: int, ds: int) -> None:
         """``rows`` rows of ``n`` bytes, ``ss`` apart from ``lo`` in file ``fi``, into the buffer
-        from ``pos``, ``ds`` apart: each band of rows read with one ``pread``."""
+        from ``pos``, ``ds`` apart."""
+        span = (rows - 1) * ss + n
+        if span <= _WINDOW // 2:
+            self._rows(self._window(fi, lo, span), n, rows, ss, pos, ds)
+            return
         per = max(1, min(rows, _BAND // max(ss, 1)))
-        scratch = _scratch((per - 1) * ss + n)
-        src = self.np.frombuffer(scratch, self.np.uint8)
-        as_strided = self.np.lib.stride_tricks.as_strided
+        at = _SLOTS * _WINDOW
         for j in range(0, rows, per):
             k = min(per, rows - j)
-            span = (k - 1) * ss + n
-            sources.pread(fi, memoryview(scratch)[:span], lo + j * ss)
-            at = pos + j * ds
-            d = as_strided(self.buf[at:], (k, n), (ds, 1))
-            d[...] = as_strided(src, (k, n), (ss, 1), writeable=False)
+            self.sources.pread(fi, memoryview(self.scratch)[at : at + (k - 1) * ss + n], lo + j * ss)
+            self._rows(at, n, k, ss, pos + j * ds, ds)
+
+    def _rows(self, at: int, n: int, rows: int, ss: int, pos: int, ds: int) -> None:
+        """Rows from the scratch at ``at`` (``ss`` apart) to the buffer at ``pos`` (``ds`` apart)."""
+        src, dst = self.src, self.buf
+        if at + rows * ss <= len(src) and pos + rows * ds <= len(dst):  # rows as a reshape: fast
+            into = dst[pos : pos + rows * ds].reshape(rows, ds)
+            into[:, :n] = src[at : at + rows * ss].reshape(rows, ss)[:, :n]
+            return
+        d = self.as_strided(dst[pos:], (rows, n), (ds, 1))
+        d[...] = self.as_strided(src[at:], (rows, n), (ss, 1), writeable=False)
 
 
 class _Writer:

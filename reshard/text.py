@@ -65,14 +65,15 @@ def markup_safe(text: str) -> str:
     For a whole value, ``rich.text.Text(shown(text))`` does the same without markup.
     Emoji codes (``:smile:``) are not markup: print with ``Console(emoji=False)``.
     """
-    from rich.markup import escape  # only when printing: `convert --quiet` never loads rich
+    # every "[" is written escaped ("\\["), so no text can open a tag; rich halves backslashes
+    # only right before a "[" (a tag, or an escaped one), so a run of them ending a part would
+    # show doubled, or eat the escape: it goes before a no-op tag of its own, doubled, and
+    # shows as written whatever follows. No rich import: `convert --quiet` never loads it.
+    return "\\[".join(map(_tail_safe, shown(text).split("[")))
 
-    body = shown(text)
-    stripped = body.rstrip("\\")
-    tail = len(body) - len(stripped)
-    if not tail:
-        return escape(body)
-    # rich halves backslashes only right before a tag, so a trailing run would show
-    # doubled before plain text, or escape the caller's next tag: put it before a
-    # no-op tag of its own, doubled, and it shows as written whatever follows.
-    return escape(stripped) + "[none]" + "\\" * (2 * tail) + "[/none]"
+
+def _tail_safe(part: str) -> str:
+    """A part of a text without "[": its trailing backslashes made to show as written."""
+    stripped = part.rstrip("\\")
+    tail = len(part) - len(stripped)
+    return stripped + "[none]" + "\\" * (2 * tail) + "[/none]" if tail else part

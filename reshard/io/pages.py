@@ -67,6 +67,11 @@ class SourceFiles:
                     self.check(i)
         return fd
 
+    def size(self, i: int) -> int:
+        """The size file ``i`` was read at (its size when opened, unless given)."""
+        self.fd(i)
+        return self._sizes[i]
+
     def check(self, i: int) -> None:
         """Raise if file ``i`` no longer has the size it was read at (before a mapped read).
 

@@ -22,23 +22,28 @@ __all__ = ["open_piece"]
 def open_piece(sources: SourceFiles, src: TensorSource, k: int, *, mapped: bool = True) -> Piece | None:
     """Piece ``k`` of ``src`` (``mapped``: with a view of the file's map), or None for zeros.
 
-    A transform's view (its own strides, any order) is always mapped: ``read_box`` reads
-    it through the map, after the file's size is checked (not by ``pread`` as plain pieces).
+    A transform's view whose strides do not decrease (a ``transpose``) is always mapped:
+    read by ``pread``, its boxes would take one system call per few items, so ``read_box``
+    reads it through the map, after the file's size is checked. Any other view is read
+    like a plain piece (``pread`` of the span its box covers, when not ``mapped``).
     """
     if not isinstance(src, TransformedSource):
         return Piece.of(sources, src, k, mapped=mapped)
     fi = src.piece_files[k]
     if fi < 0:
         return None
-    sources.check(fi)
-    import numpy as np
-
     shape = src.piece_shape(k)
     strides = src.piece_strides[k]
     isz = DTYPE_SIZES[src.dtype]
     base = src.piece_offsets[k]
     # elements from the view's first to past its last (every dim non-empty: the planner's pieces)
     count = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
+    walked = [st for n, st in zip(shape, strides) if n > 1]
+    if not mapped and all(a >= b for a, b in zip(walked, walked[1:])):
+        return Piece(fi, base, shape, strides, isz, count, None)
+    sources.check(fi)
+    import numpy as np
+
     flat = np.frombuffer(sources.map(fi), dtype=uint_dtype(isz), count=count, offset=base)
     arr = np.lib.stride_tricks.as_strided(
         flat, shape=shape, strides=tuple(st * isz for st in strides), writeable=False

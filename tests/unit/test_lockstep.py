@@ -59,6 +59,7 @@ def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(ex, "_STRIDED_MAX", 0)  # "o" gathered as a large column shard would be
+    monkeypatch.setattr(ex, "_WINDOW", 0)  # "q" read exactly (short reads are windowed otherwise)
     monkeypatch.setattr(ex, "_RUNS", {})
     full, plan = _column_sharded_plan(tmp_path)
     o_bytes = full["o"].numel() * 2
@@ -86,7 +87,7 @@ def test_small_column_shards_are_copied_as_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer_size: int
 ) -> None:
     """Column shards of small tensors (at most _STRIDED_MAX bytes a rank) are queued as strided
-    rows, read from the map, and column shards written whole as interleaved rows: the same
+    rows, read by pread of their span, and column shards written whole as interleaved rows: the same
     bytes as gathering them, whatever the buffer size (a buffer smaller than a shard, or than
     one row, splits it or falls back to gathering)."""
     full, plan = _column_sharded_plan(tmp_path)
@@ -116,6 +117,48 @@ def test_small_column_shards_are_copied_as_rows(
         assert (tmp_path / "rows" / name).read_bytes() == (tmp_path / "gathered" / name).read_bytes()
         got = load_file(str(tmp_path / "rows" / name))
         assert torch.equal(got["o"], full["o"].chunk(8, 1)[r])
+
+
+@pytest.mark.parametrize("window", [0, 96, 1 << 18])
+def test_short_reads_go_through_file_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """Many small tensors: their bytes come from a few windows of each source file (one pread
+    each) instead of one pread per tensor, and the output is the same whatever the window size
+    (0: every read exact; 96 bytes: windows smaller than most reads, refilled all the time)."""
+    gen = torch.Generator().manual_seed(3)
+    shards = [
+        {f"e{i}": torch.randn(4, 6, generator=gen) for i in range(300)}
+        | {f"d{i}": torch.randn(6, 4, generator=gen) for i in range(300)}
+        for _ in range(2)
+    ]
+    src = tmp_path / "tp2"
+    src.mkdir()
+    for r, sd in enumerate(shards):
+        save_file(sd, str(src / f"rank-{r:05d}-of-00002.safetensors"))
+    (tmp_path / "l.yaml").write_text('mesh: {tp: 2}\nplacements:\n  "d*": {tp: S(1)}\n  "*": {tp: S(0)}\n')
+    ck = open_source(SourceSpec(str(src), layout=str(tmp_path / "l.yaml")))
+    plan = build_plan(ck, resolve_target(ck, TargetSpec(mesh="tp=4")))
+    monkeypatch.setattr(ex, "_WINDOW", window)
+    calls = [0]
+    real = os.preadv
+
+    def counting(fd: int, buffers: list, offset: int) -> int:
+        calls[0] += 1
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    (tmp_path / "out").mkdir()
+    ex.execute_plan(plan, tmp_path / "out", workers=1)
+    monkeypatch.setattr(os, "preadv", real)
+    if window == 1 << 18:  # 1200 source tensors (600 strided) into 4 files: a handful of windows each
+        assert calls[0] < 60, calls[0]
+    for r in range(4):
+        got = load_file(str(tmp_path / "out" / f"rank-{r:05d}-of-00004.safetensors"))
+        for i in range(300):
+            e = torch.cat([shards[0][f"e{i}"], shards[1][f"e{i}"]], 0).chunk(4, 0)[r]
+            d = torch.cat([shards[0][f"d{i}"], shards[1][f"d{i}"]], 1).chunk(4, 1)[r]
+            assert torch.equal(got[f"e{i}"], e) and torch.equal(got[f"d{i}"], d), i
 
 
 def test_strided_box_runs() -> None:
