@@ -14,9 +14,10 @@ So the buffers and the window together stay within ``M`` once ``M / W >= 36 KiB`
 (below that the 4 KiB floor of ``B`` wins). Not counted in ``M``, and added by
 :func:`memory_estimate`: the interpreter (~36 MiB), torch when casting or reducing
 (~224 MiB), one more buffer ``B`` per extra Partial group and for a cast's output,
-the largest output header per worker, and the pages of one strided box read through
-a map before its window is released (at most one slab: ``B`` bytes of items, but whole
-pages of each source row).
+the largest output header per worker, a 3.25 MiB scratch per worker for short reads
+(windows of the source files, :data:`reshard.io.reader.SCRATCH`), and the pages of
+one strided box read through a map before its window is released (at most one slab:
+``B`` bytes of items, but whole pages of each source row).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .io.reader import DENSE
+from .io.reader import DENSE, SCRATCH
 from .plan import Plan
 
 __all__ = [
@@ -88,12 +89,12 @@ def memory_estimate(plan: Plan, budget: Budget) -> int:
     """Peak resident memory a conversion of ``plan`` will use, in bytes.
 
     Interpreter baseline, plus per worker: one slab buffer per Partial group (plus a
-    cast output), the row cache, mapped source pages up to the release window, and
-    the largest output header.
+    cast output), the row cache, mapped source pages up to the release window, the
+    scratch of short reads (``io.reader.SCRATCH``, 3.25 MiB) and the largest output header.
     """
     groups = max((t.groups for t in plan.tensors), default=1)
     casts = any(t.dtype != t.src.dtype for t in plan.tensors) or groups > 1
-    per_worker = budget.buffer * (groups + (1 if casts else 0) + DENSE) + budget.window
+    per_worker = budget.buffer * (groups + (1 if casts else 0) + DENSE) + budget.window + SCRATCH
     header = max((sum(len(b) for _, b in f.layout.fixed) for f in plan.files), default=0)
     n = max(1, budget.workers)  # spare workers split a file's entries, so all of them run
     return BASELINE_RSS + (TORCH_RSS if casts else 0) + n * (per_worker + header)

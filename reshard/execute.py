@@ -31,7 +31,7 @@ from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, Seen, SourceFiles
-from .io.reader import DENSE, RowCache, read_box, slab_items, uint_dtype
+from .io.reader import BAND, DENSE, SCRATCH, WINDOW, WINDOW_SLOTS, RowCache, read_box, slab_items, uint_dtype
 from .io.views import open_piece
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
@@ -229,18 +229,7 @@ def _box_run(
     return d_off, s_off, src[0], src[1], src[2], dst[2]
 
 
-_BAND = 4 << 20
-"""Strided rows are read with one ``pread`` of the source span that holds them, in bands of
-rows spanning at most this many bytes (a narrow column of wide rows is read band by band)."""
-
-_WINDOW = 256 << 10
-"""Short reads (a small tensor's bytes, a few strided rows) are served from a window of this
-many bytes of their file, read with one ``pread``: the neighbouring tensors a rank file takes
-next are usually in it, so 100k small tensors cost a few thousand system calls, not 100k."""
-
-_SLOTS = 16
-"""Windows held at once (one per source file, the oldest file's reused)."""
-
+_WINDOW, _SLOTS, _BAND = WINDOW, WINDOW_SLOTS, BAND  # module names, so tests can change them
 _SCRATCH = threading.local()
 
 
@@ -249,7 +238,7 @@ def _scratch() -> bytearray:
     memory touched for the first time is slow here, see MACHINE-NOTES)."""
     buf: bytearray | None = getattr(_SCRATCH, "buf", None)
     if buf is None:
-        buf = _SCRATCH.buf = bytearray(_SLOTS * _WINDOW + _BAND + _WINDOW)
+        buf = _SCRATCH.buf = bytearray(SCRATCH)
     return buf
 
 

@@ -37,13 +37,41 @@ if TYPE_CHECKING:
 else:
     Items = Any
 
-__all__ = ["DENSE", "Items", "uint_dtype", "Piece", "RowCache", "read_box", "slab_items", "MappedFiles"]
+__all__ = [
+    "DENSE",
+    "SCRATCH",
+    "WINDOW",
+    "WINDOW_SLOTS",
+    "BAND",
+    "Items",
+    "uint_dtype",
+    "Piece",
+    "RowCache",
+    "read_box",
+    "slab_items",
+    "MappedFiles",
+]
 
 DENSE = 8
 """The row cache holds this many times a writer's buffer: a box of a buffer's bytes whose
 source span is at most this many times larger is read whole with one pread (measured:
 HF -> TP-8, 1/8-width columns, 0.88 s against 1.04 s through the map, and less RSS);
 sparser boxes are read in bands of rows."""
+
+WINDOW = 256 << 10
+"""Short reads (a small tensor's bytes, a few strided rows) are served from a window of this
+many bytes of their file, read with one ``pread``: the neighbouring tensors a rank file takes
+next are usually in it, so 100k small tensors cost a few thousand system calls, not 100k."""
+
+WINDOW_SLOTS = 8
+"""Windows a writer holds at once (one per source file, the oldest file's reused)."""
+
+BAND = 1 << 20
+"""Strided rows too far apart for a window are read with one ``pread`` of the span holding
+them, in bands of rows spanning at most this many bytes."""
+
+SCRATCH = WINDOW_SLOTS * WINDOW + BAND + WINDOW
+"""Bytes of a writer thread's scratch buffer: its windows and a band (see ``memory_estimate``)."""
 
 
 @cache
