@@ -69,6 +69,25 @@ def mixtral_hf() -> dict[str, torch.Tensor]:
     return sd
 
 
+QWEN3_MOE = {**LLAMA, "num_experts": 3, "moe_intermediate_size": 12}
+
+
+def qwen3_moe_hf() -> dict[str, torch.Tensor]:
+    """Qwen3-MoE's saved names: one gate/up/down tensor per expert under ``mlp.experts.N``."""
+    sd = llama_hf(QWEN3_MOE)
+    g = torch.Generator().manual_seed(2)
+    for i in range(QWEN3_MOE["num_hidden_layers"]):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del sd[f"model.layers.{i}.mlp.{name}.weight"]
+        sd[f"model.layers.{i}.mlp.gate.weight"] = torch.randn(3, 32, generator=g)
+        for e in range(QWEN3_MOE["num_experts"]):
+            p = f"model.layers.{i}.mlp.experts.{e}."
+            sd[p + "gate_proj.weight"] = torch.randn(12, 32, generator=g)
+            sd[p + "up_proj.weight"] = torch.randn(12, 32, generator=g)
+            sd[p + "down_proj.weight"] = torch.randn(32, 12, generator=g)
+    return sd
+
+
 def numpy_of(sd: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {n: t.numpy() for n, t in sd.items()}
 
@@ -85,6 +104,9 @@ PROFILES = {
     "hf-to-megatron-gpt": (llama_hf, LLAMA),
     "hf-to-vllm": (llama_hf, LLAMA),
     "mixtral-experts-stack": (mixtral_hf, MIXTRAL),
+    # transformers' own loading is their oracle: tests/cli/test_transformers_experts.py
+    "mixtral-to-transformers-experts": (mixtral_hf, MIXTRAL),
+    "qwen3-moe-to-transformers-experts": (qwen3_moe_hf, QWEN3_MOE),
 }
 
 
