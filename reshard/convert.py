@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -397,6 +398,12 @@ def _checked_rules(
     return rules
 
 
+def _with_file_names(target: Target, rules: LayoutConfig | None) -> WriteOptions:
+    """The target's options, with the rank-local names ``Own(NAME, local)`` rules give tensors."""
+    renamed = rules.file_names(target.mesh) if rules is not None and target.fmt == SHARDED else None
+    return dataclasses.replace(target.options, file_names=renamed) if renamed else target.options
+
+
 def build_plan(source: Checkpoint, target: Target) -> Plan:
     rules = target.rules
     tf = target.transforms
@@ -415,7 +422,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         placements_for,
         writer=target.writer,
         dtype=target.dtype,
-        options=target.options,
+        options=_with_file_names(target, rules),
         rules=rules,
         sources=tensors,
         match=match_blocks if tf is None else match_any,
