@@ -604,8 +604,15 @@ def plan(
             (transforms, inverse, model_config, allow_unused),
         )
         p = build_plan(ck, resolve_target(ck, tspec))
-        if show is not None and p.transforms is not None:
-            raise UsageError("--show draws one tensor's layouts by name; it does not follow transforms yet")
+        if show is not None and p.transformed is not None:
+            from .show import tensor_not_found, transform_picture
+
+            tt = p.transformed.get(show)  # a target name
+            if tt is None:
+                raise tensor_not_found(f"{ck.path} (through the transforms)", show, list(p.transformed))
+            after = next(t.layout for t in p.tensors if t.name == show)
+            _picture(transform_picture(ck, tt, after))
+            return
         if show is not None:
             from .show import render_plan as plan_picture
             from .show import source_picture

@@ -10,6 +10,7 @@ does); the transformed full tensors come from torch ops (cat, stack, view+transp
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,63 @@ def test_plan_shows_which_source_tensors_feed_each_target(hf: Path, tmp_path: Pa
     # the plan's bytes are what convert writes
     c = run("convert", str(hf), str(tmp_path / "out"), *args, "--json")
     assert json.loads(c.stdout)["bytes_written"] == doc["totals"]["bytes_written"]
+
+
+def _row_runs(text: str) -> list[tuple[int, int, str]]:
+    """The ``rows: holders`` of the first table of a ``--show`` picture (one column)."""
+    out = []
+    for line in text.split("\n\n")[0].splitlines():
+        m = re.match(r"│ (\d+):(\d+) +│ +([\d,\-]+) +│$", line)
+        if m:
+            out.append((int(m[1]), int(m[2]), m[3]))
+    return out
+
+
+def test_plan_show_draws_a_fused_target_by_the_source_tensors_feeding_it(hf: Path, tmp_path: Path) -> None:
+    """Megatron's grouped QKV: which rows come from q, k and v, by torch's own grouped cat of labels."""
+    (tmp_path / "meg.yaml").write_text(
+        'mesh: {tp: 2}\nplacements:\n  "*.linear_qkv.weight": S(0)\n  "*": R\n'
+    )
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    args = ["--transforms", "hf-to-megatron-gpt", "--target-layout", str(tmp_path / "meg.yaml")]
+    p = run("plan", str(hf), *args, "--show", name)
+    assert p.returncode == 0, p.stderr
+    hf_full = llama_hf()
+    labels = {
+        f"model.layers.0.self_attn.{x}_proj.weight": torch.full_like(
+            hf_full[f"model.layers.0.self_attn.{x}_proj.weight"], i
+        )
+        for i, x in enumerate("qkv")
+    }
+    rows = megatron_full({**hf_full, **labels})[name][:, 0].tolist()  # each row's source number
+    want = []
+    for i, r in enumerate(rows):
+        if want and want[-1][2] == str(int(r)):
+            want[-1] = (want[-1][0], i + 1, want[-1][2])
+        else:
+            want.append((i, i + 1, str(int(r))))
+    assert _row_runs(p.stdout) == want
+    doc = json.loads(run("plan", str(hf), *args, "--json").stdout)
+    for i, f in enumerate(doc["transforms"]["feeds"][name]):  # plan's regions and byte ranges, numbered
+        region = ",".join(f"{a}:{b}" for a, b in f["region"])
+        span = f"bytes {f['byte_range'][0]}..{f['byte_range'][1]}"
+        assert f"source {i}: {f['source']} [{region}] {span}" in p.stdout
+    target = p.stdout.split(f"{name}: target")[1]
+    assert _row_runs(target.lstrip("\n").split("\n", 1)[1]) == [(0, 32, "0"), (32, 64, "1")]  # S(0) on tp=2
+    assert "source 2\nmodel.layers.0.self_attn.v_proj.weight: shape [16, 32]" in p.stdout
+
+
+def test_plan_show_through_transforms_draws_padding_and_names_unknown_targets(
+    hf: Path, tmp_path: Path
+) -> None:
+    args = ["--transforms", "hf-to-vllm", "--target-mesh", "tp=2", "--target-layout", "llama-tp"]
+    p = run("plan", str(hf), *args, "--show", "model.embed_tokens.weight")
+    assert p.returncode == 0, p.stderr
+    assert _row_runs(p.stdout) == [(0, 50, "0"), (50, 64, "1")]  # vocab 50 padded to 64 with zeros
+    assert f"1: zeros ({(64 - 50) * 32 * 4 / 1024:.2f} KiB)" in p.stdout
+    p = run("plan", str(hf), *args, "--show", "model.layers.0.self_attn.q_proj.weight")  # a source name
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "did you mean 'model.layers.0.self_attn.qkv_proj.weight'" in " ".join(p.stderr.split())
 
 
 def megatron_full(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
