@@ -156,6 +156,16 @@ TransformsOpt = Annotated[
 InverseOpt = Annotated[
     bool, typer.Option("--inverse", help="Apply the inverse of the transforms (e.g. torchtitan -> HF).")
 ]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="NAME=INTEGER: a size name for the transforms (e.g. tp=4, num_key_value_heads=2), over "
+        "the model config and the spec's own config: (repeatable).",
+        metavar="NAME=INT",
+        show_default=False,
+    ),
+]
 ModelConfigOpt = Annotated[
     str | None,
     typer.Option(
@@ -220,7 +230,7 @@ def _target(
     dtype: str | None,
     max_shard_size: str,
     config_from: str | None = None,
-    transforms: tuple[str | None, bool, str | None, bool] = (None, False, None, False),
+    transforms: tuple[str | None, bool, str | None, bool, tuple[str, ...]] = (None, False, None, False, ()),
 ) -> TargetSpec:
     from .convert import TargetSpec
 
@@ -382,6 +392,7 @@ def convert(
     inverse: InverseOpt = False,
     model_config: ModelConfigOpt = None,
     allow_unused: AllowUnusedOpt = False,
+    set_: SetOpt = None,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
     verify: Annotated[
@@ -434,7 +445,7 @@ def convert(
                 dtype,
                 max_shard_size,
                 config_from,
-                (transforms, inverse, model_config, allow_unused),
+                (transforms, inverse, model_config, allow_unused, tuple(set_ or ())),
             )
             result = run(
                 _source(src, from_, source_layout, source_mesh, include, exclude),
@@ -572,6 +583,7 @@ def plan(
     inverse: InverseOpt = False,
     model_config: ModelConfigOpt = None,
     allow_unused: AllowUnusedOpt = False,
+    set_: SetOpt = None,
     show: ShowOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -601,7 +613,7 @@ def plan(
             dtype,
             max_shard_size,
             None,
-            (transforms, inverse, model_config, allow_unused),
+            (transforms, inverse, model_config, allow_unused, tuple(set_ or ())),
         )
         p = build_plan(ck, resolve_target(ck, tspec))
         if show is not None and p.transformed is not None:
@@ -654,6 +666,7 @@ def verify(
     inverse: InverseOpt = False,
     model_config: ModelConfigOpt = None,
     allow_unused: AllowUnusedOpt = False,
+    set_: SetOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -685,6 +698,7 @@ def verify(
             inverse=inverse,
             model_config=model_config,
             allow_unused=allow_unused,
+            sets=set_ or (),
         )
         if tf is not None:
             ca = tf.checkpoint(ca)

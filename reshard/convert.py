@@ -125,6 +125,8 @@ class TargetSpec:
     """The model's ``config.json`` for size names (default: the source's, when it has one)."""
     allow_unused: bool = False
     """Let source tensors no transform rule touches pass through unchanged."""
+    sets: tuple[str, ...] = ()
+    """``KEY=VALUE`` overrides of the size names the transforms use (``--set``)."""
 
 
 def _load_layout(text: str) -> LayoutConfig:
@@ -286,6 +288,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
         inverse=spec.inverse,
         model_config=spec.model_config,
         allow_unused=spec.allow_unused,
+        sets=spec.sets,
     )
     if to is not None and (to.consolidated or (to.whole_by_default and not spec.layout and not sizes)):
         return Target(to, Mesh.single(), None, dtype, options, tf)

@@ -583,3 +583,79 @@ def test_hf_to_torchtitan_tp2_equals_torchtitans_own_adapter_split(hf: Path, tmp
     assert sorted(got) == sorted(want)
     for n, t in want.items():
         assert torch.equal(got[n], t.contiguous()), n
+
+
+VLLM_TP4 = """\
+mesh: {tp: 4}
+placements:
+  "*.self_attn.qkv_proj.weight": S(0)
+  "*.mlp.gate_up_proj.weight": S(0)
+  "*.self_attn.o_proj.weight": S(1)
+  "*.mlp.down_proj.weight": S(1)
+  "model.embed_tokens.weight": S(0)
+  "lm_head.weight": S(0)
+  "*": R
+"""
+
+
+def test_hf_to_vllm_sharded_state_tp4_with_replicated_kv_heads_and_back(hf: Path, tmp_path: Path) -> None:
+    """--set tp=4 (2 KV heads: each held by two ranks): vLLM's own sharded-state files, each rank's
+    qkv_proj = [q_r; k_(r//2); v_(r//2)] by torch.chunk and cat; back to HF byte for byte."""
+    from tests.unit.test_transform_profiles import vllm_rank_qkv
+
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    out, back = tmp_path / "vllm", tmp_path / "back"
+    args = ["--transforms", "hf-to-vllm", "--set", "tp=4"]
+    p = run("convert", str(hf), str(out), *args, "--target-layout", str(tmp_path / "vllm.yaml"),
+            "--to", "sharded-state")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    full = load_file(str(hf / "model.safetensors"))
+    for r in range(4):
+        got = load_file(str(out / f"model-rank-{r}-part-0.safetensors"))
+        for i in range(2):
+            pre = f"model.layers.{i}."
+            q, k, v = (full[pre + f"self_attn.{x}_proj.weight"] for x in "qkv")
+            assert torch.equal(got[pre + "self_attn.qkv_proj.weight"], vllm_rank_qkv(q, k, v, 2, 4, r)), (
+                r,
+                i,
+            )
+            gate_up = torch.cat(
+                [torch.chunk(full[pre + f"mlp.{x}_proj.weight"], 4)[r] for x in ("gate", "up")]
+            )
+            assert torch.equal(got[pre + "mlp.gate_up_proj.weight"], gate_up), (r, i)
+        padded = torch.nn.functional.pad(full["model.embed_tokens.weight"], (0, 0, 0, 64 - 50))
+        assert torch.equal(got["model.embed_tokens.weight"], torch.chunk(padded, 4)[r])
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert (
+        manifest["transforms"]["set"] == {"tp": 4}
+        and {"tp": 4}.items() <= manifest["transforms"]["spec"]["config"].items()
+    )
+    p = run("convert", str(out), str(back), *args, "--inverse", "--consolidate",
+            "--model-config", str(hf / "config.json"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    a = tmp_path / "a"  # the HF model as reshard writes it (the same header metadata)
+    assert run("convert", str(hf), str(a), "--consolidate").returncode == 0
+    assert (back / "model.safetensors").read_bytes() == (a / "model.safetensors").read_bytes()
+    p = run("verify", str(hf), str(out), *args)  # HF seen through the transforms = the vLLM files
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["--set", "tp=3"], "heads / tp': 4 / 3 is not a whole number"),
+        (["--set", "tp"], "--set 'tp': write NAME=INTEGER"),
+        (["--set", "tp=two"], "--set 'tp=two': write NAME=INTEGER"),
+    ],
+)
+def test_set_values_that_do_not_fit_exit_2_naming_the_rule(
+    hf: Path, tmp_path: Path, sets: list[str], message: str
+) -> None:
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4.replace("tp: 4", "tp: 3"))
+    dst = tmp_path / "out"
+    p = run("convert", str(hf), str(dst), "--transforms", "hf-to-vllm", *sets,
+            "--target-layout", str(tmp_path / "vllm.yaml"))  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert message in " ".join(p.stderr.split()) and "Traceback" not in p.stderr and not dst.exists()
+    p = run("plan", str(hf), "--consolidate", "--set", "tp=2")
+    assert p.returncode == 2 and "need --transforms" in p.stderr
