@@ -189,3 +189,46 @@ def test_what_cannot_be_dealt_is_refused(tmp_path: Path, mesh: str, rule: str, m
     assert p.returncode == 2, p.stderr
     assert re.search(message, " ".join(p.stderr.split())), p.stderr
     assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_stacked_experts_to_local_per_expert_rank_files_in_one_pass(tmp_path: Path) -> None:
+    """[E, ...] stacked experts unstacked by the inverse of mixtral-experts-stack straight into
+    EP rank files with local names (E from --set), then back to HF equal to the original."""
+    full = {n: t.float() for n, t in model(4).items()}  # stack needs one dtype per group
+    src, stacked, out, back = (tmp_path / d for d in ("hf", "stacked", "ep", "back"))
+    src.mkdir()
+    save_file(full, str(src / "model.safetensors"))
+    (tmp_path / "ep.yaml").write_text(LAYOUT.format(mesh="{ep: 2}", rule='{ep: "Own(expert, local)"}'))
+    tf = ["--transforms", "mixtral-experts-stack", "--set", "experts=4"]
+    assert run("convert", str(src), str(stacked), *tf, "--consolidate").returncode == 0
+    p = run("convert", str(stacked), str(out), *tf, "--inverse", "--target-layout", str(tmp_path / "ep.yaml"))
+    assert p.returncode == 0, p.stderr
+    check_ep(out, full, 4, 2)
+    assert json.loads((out / "reshard.json").read_text())["transforms"]["set"] == {"experts": 4}
+    assert run("convert", str(out), str(back), "--consolidate").returncode == 0
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+@pytest.mark.parametrize(
+    ("local_names", "message"),
+    [
+        ({"no.such.entry": "model.norm.weight"}, "local_names maps 'no.such.entry'"),
+        ([1, 2], "reshard.local_names"),
+        ({"model.layers.0.block_sparse_moe.experts.0.w1.weight": "model.norm.weight"}, "also in"),
+    ],
+)
+def test_bad_local_names_in_rank_metadata_exit_2(tmp_path: Path, local_names: object, message: str) -> None:
+    src, layout, _ = write(tmp_path, 4, "{ep: 2}", '{ep: "Own(expert, local)"}')
+    out = tmp_path / "ep"
+    assert run("convert", str(src), str(out), "--target-layout", str(layout)).returncode == 0
+    path = rank_files(out)[1]
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    meta = json.loads(metadata["reshard"])
+    meta["local_names"] = local_names
+    save_file(load_file(str(path)), str(path), metadata={**metadata, "reshard": json.dumps(meta)})
+    (out / "reshard.json").unlink()  # its checksums would refuse the edited file first
+    p = run("convert", str(out), str(tmp_path / "back"), "--consolidate")
+    assert p.returncode == 2, p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr and not (tmp_path / "back").exists()
