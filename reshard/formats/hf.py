@@ -32,7 +32,9 @@ def _tensor(name: str, header: Header, file_index: int, e: TensorEntry | None = 
     e = header.entry(name) if e is None else e
     blocks, signature = _geometry(e.shape)
     # positional: a 100k-tensor checkpoint builds 100k of these, and keywords cost a third more
-    return TensorSource(name, e.dtype, e.shape, (file_index,), (header.data_start + e.start,), blocks, signature)
+    return TensorSource(
+        name, e.dtype, e.shape, (file_index,), (header.data_start + e.start,), blocks, signature
+    )
 
 
 @lru_cache(maxsize=65536)

@@ -393,8 +393,16 @@ def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str
 def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
     layout = geo.layout  # positional: built once per tensor, 100k times for an MoE checkpoint
     return TensorSource(
-        name, dtype, layout.shape, geo.files, offsets, geo.blocks, geo.signature, geo.partials,
-        layout.partial_op, layout.placements
+        name,
+        dtype,
+        layout.shape,
+        geo.files,
+        offsets,
+        geo.blocks,
+        geo.signature,
+        geo.partials,
+        layout.partial_op,
+        layout.placements,
     )
 
 
