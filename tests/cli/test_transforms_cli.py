@@ -659,3 +659,19 @@ def test_set_values_that_do_not_fit_exit_2_naming_the_rule(
     assert message in " ".join(p.stderr.split()) and "Traceback" not in p.stderr and not dst.exists()
     p = run("plan", str(hf), "--consolidate", "--set", "tp=2")
     assert p.returncode == 2 and "need --transforms" in p.stderr
+
+
+def test_the_python_api_takes_set_values(hf: Path, tmp_path: Path) -> None:
+    from reshard.api import compare_checkpoints, convert_checkpoint
+
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    out = tmp_path / "vllm"
+    convert_checkpoint(
+        hf, out, transforms="hf-to-vllm", sets=["tp=4"], target_layout=str(tmp_path / "vllm.yaml")
+    )
+    assert compare_checkpoints(hf, out, transforms="hf-to-vllm", sets=["tp=4"])["equal"]
+    logical = compare_checkpoints(hf, out, transforms="hf-to-vllm")  # tp 1: [q; k; v], another order
+    assert not logical["equal"]
+    assert {d["tensor"] for d in logical["differences"]} == {
+        f"model.layers.{i}.{t}.weight" for i in range(2) for t in ("self_attn.qkv_proj", "mlp.gate_up_proj")
+    }
