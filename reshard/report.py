@@ -7,13 +7,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
 from .intervals import Block, block_shape, box_span, format_box
-from .plan import Plan, copy_boxes
+from .plan import Plan, copy_boxes, natural_sorted
 from .text import markup_safe, shown
 from .transform_plan import feeds, piece_strides
 
@@ -40,8 +38,6 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     tensors = []
     total = 0
     params = 0
-    from .plan import natural_key
-
     shapes: dict[int, tuple[list[list[int]], bool]] = {}
     # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
     lists: dict[int, tuple[object, list[Any] | None]] = {}
@@ -54,7 +50,7 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
             hit = lists[id(value)] = (value, [str(p) for p in value])
         return hit[1]
 
-    for name in sorted(ck.tensors, key=natural_key):
+    for name in natural_sorted(ck.tensors):
         t = ck.tensors[name]
         nbytes = t.numel * DTYPE_SIZES[t.dtype]
         total += nbytes
@@ -265,6 +261,8 @@ class _Geometry:
         self.files: Any = None
 
     def arrays(self) -> None:
+        import numpy as np  # lazy: only plan reports count reads
+
         srcs = [t.src for t in self.members]
         self.offsets = np.array([s.piece_offsets for s in srcs], dtype=np.int64)
         self.files = np.array([s.piece_files for s in srcs], dtype=np.int64)
@@ -294,6 +292,8 @@ def _file_reads(
     """For the output file of target rank ``rank`` holding the tensors of ``geos``: bytes read
     per source file index (as :meth:`Plan.file_reads` counts them, with zero parts under file -1),
     the first coalesced byte spans read per source file, their count, and the number of copies."""
+    import numpy as np
+
     read_files: list[Any] = []
     read_bytes: list[Any] = []
     span_files: list[Any] = []
@@ -314,7 +314,8 @@ def _file_reads(
             span_files.append(g.files[:, k])
             starts.append(g.offsets[:, k] + lo)
             stops.append(g.offsets[:, k] + hi)
-    reads = _sums(np.concatenate(read_files or [_NONE]), np.concatenate(read_bytes or [_NONE]))
+    none = np.zeros(0, dtype=np.int64)
+    reads = _sums(np.concatenate(read_files or [none]), np.concatenate(read_bytes or [none]))
     ranges: dict[int, list[list[int]]] = {}
     totals: dict[int, int] = {}
     if span_files:
@@ -325,11 +326,10 @@ def _file_reads(
     return reads, ranges, totals, copies_n
 
 
-_NONE = np.zeros(0, dtype=np.int64)
-
-
 def _sums(keys: Any, values: Any) -> dict[int, int]:
     """``values`` summed per key (exact int64 sums), keys in increasing order."""
+    import numpy as np
+
     if not len(keys):
         return {}
     order = np.argsort(keys, kind="stable")
@@ -340,6 +340,8 @@ def _sums(keys: Any, values: Any) -> dict[int, int]:
 
 def _merged(a: Any, b: Any) -> tuple[list[list[int]], int]:
     """Spans ``[a, b)`` coalesced (touching spans merge): the first :data:`_MAX_RANGES` and the count."""
+    import numpy as np
+
     order = np.argsort(a, kind="stable")
     a, b = a[order], b[order]
     reach = np.maximum.accumulate(b)
