@@ -532,7 +532,7 @@ def make_plan(
         layout = lay[1]
         mkey = (id(src.piece_blocks), id(src.piece_partials), id(layout))
         hit = matched.get(mkey)
-        if hit is None or src.signature != hit[0]:
+        if hit is None or (src.signature is not hit[0] and src.signature != hit[0]):
             hit = matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout, match))
         tensors.append(_target(src, layout, out_dtype, hit[2]))
     files = writer.files(tensors, mesh, options)

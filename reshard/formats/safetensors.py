@@ -147,8 +147,12 @@ def split_parts(tensors: Sequence[TargetTensor], rank: int, max_size: int) -> li
     larger than ``max_size`` gets a file of its own, and no file is empty."""
     parts: list[list[TargetTensor]] = [[]]
     acc = 0
+    sizes: dict[tuple[int, str], tuple[TensorLayout, int]] = {}  # by identity: no layout hash per tensor
     for t in tensors:
-        n = local_nbytes(t, rank)
+        hit = sizes.get((id(t.layout), t.dtype))
+        if hit is None or hit[0] is not t.layout:
+            hit = sizes[(id(t.layout), t.dtype)] = (t.layout, local_nbytes(t, rank))
+        n = hit[1]
         if parts[-1] and acc + n > max_size:
             parts.append([])
             acc = 0
