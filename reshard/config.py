@@ -42,7 +42,7 @@ import fnmatch
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeAlias, TypedDict
@@ -319,7 +319,12 @@ class LayoutConfig:
     # exact-name rule per tensor, and trying every rule on every name is quadratic.
     # Literal patterns map name -> first rule index; the rest are tried in order.
     _exact: dict[str, int] = field(init=False, repr=False, compare=False)
-    _patterns: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # (index, its matcher's fullmatch) of the other rules; None for "*", which matches every name
+    _patterns: tuple[tuple[int, Callable[[str], object] | None], ...] = field(
+        init=False, repr=False, compare=False
+    )
+    # Each rule's placements on this layout's own mesh (every rule is resolved on it at construction).
+    _own_mesh: tuple[tuple[Placement, ...], ...] = field(init=False, repr=False, compare=False)
     # Each rule's placements per mesh, resolved once (100k tensors: 100k lookups, not 100k resolutions).
     _resolved: dict[tuple[int, int], tuple[Mesh, tuple[Placement, ...]]] = field(
         init=False, repr=False, compare=False, default_factory=dict
@@ -330,6 +335,7 @@ class LayoutConfig:
             raise ConfigError(f"{self.source}: mesh must be a Mesh, got {self.mesh!r}", path=self.source)
         object.__setattr__(self, "rules", tuple(self.rules))
         seen: dict[str, Rule] = {}
+        own_mesh: list[tuple[Placement, ...]] = []
         for rule in self.rules:
             if not isinstance(rule, Rule):
                 raise ConfigError(f"{self.source}: rules must be Rule values, got {rule!r}", path=self.source)
@@ -342,7 +348,8 @@ class LayoutConfig:
                     path=self.source,
                 )
             seen[rule.pattern] = rule
-            self._placements(rule, self.mesh, None)
+            own_mesh.append(self._placements(rule, self.mesh, None))
+        object.__setattr__(self, "_own_mesh", tuple(own_mesh))
         object.__setattr__(self, "optional", frozenset(self.optional))
         missing = sorted(self.optional - seen.keys())
         if missing:
@@ -352,11 +359,11 @@ class LayoutConfig:
                 path=self.source,
             )
         exact: dict[str, int] = {}
-        patterns: list[int] = []
+        patterns: list[tuple[int, Callable[[str], object] | None]] = []
         for i, rule in enumerate(self.rules):
             literal = _literal(rule.pattern)
             if literal is None:
-                patterns.append(i)
+                patterns.append((i, None if rule.pattern == "*" else rule._regex.fullmatch))
             else:
                 exact.setdefault(literal, i)
         object.__setattr__(self, "_exact", exact)
@@ -382,10 +389,10 @@ class LayoutConfig:
     def _first(self, name: str) -> int | None:
         """Index of the first rule matching ``name``: the exact hit unless an earlier pattern matches."""
         hit = self._exact.get(name)
-        for i in self._patterns:
+        for i, fullmatch in self._patterns:
             if hit is not None and i > hit:
                 break
-            if self.rules[i].matches(name):
+            if fullmatch is None or fullmatch(name) is not None:
                 return i
         return hit
 
@@ -396,9 +403,12 @@ class LayoutConfig:
             LayoutError: no rule matches.
         """
         i = self._first(name)
-        if i is not None:
-            return self.rules[i]
-        raise LayoutError(
+        if i is None:
+            raise self._no_rule(name)
+        return self.rules[i]
+
+    def _no_rule(self, name: str) -> LayoutError:
+        return LayoutError(
             f'tensor "{name}" matches no rule in {self.source}; add a rule for it, '
             f'or "*": R to replicate everything else',
             tensor=name,
@@ -420,7 +430,12 @@ class LayoutConfig:
             LayoutError: no rule matches ``name``.
             ConfigError: the matching rule does not fit ``mesh``.
         """
-        rule = self.match(name)
+        i = self._first(name)
+        if i is None:
+            raise self._no_rule(name)
+        rule = self.rules[i]
+        if rule.own is None and (mesh is None or mesh is self.mesh):
+            return self._own_mesh[i]
         mesh = self.mesh if mesh is None else mesh
         out = self._placements(rule, mesh, name)
         return out if rule.own is None else self._owned(rule, name, mesh, out)
