@@ -478,6 +478,34 @@ def _target_layout(
         ) from None
 
 
+class _Geometries:
+    """Target layouts and matchings shared by the tensors of one geometry, found by identity
+    (each value holds the objects its key names, so their ids stay theirs): a 100k-tensor
+    checkpoint then hashes no placements per tensor, and writers can cache by layout."""
+
+    __slots__ = ("mesh", "rules", "match", "layouts", "matched")
+
+    def __init__(self, mesh: Mesh, rules: LayoutConfig | None, match: Matcher) -> None:
+        self.mesh, self.rules, self.match = mesh, rules, match
+        self.layouts: dict[tuple[object, ...], tuple[object, TensorLayout]] = {}
+        self.matched: dict[tuple[int, int, int], tuple[object, object, tuple[Any, int]]] = {}
+
+    def of(
+        self, src: TensorSource, pl: Sequence[Placement | str]
+    ) -> tuple[TensorLayout, tuple[tuple[tuple[Copy, ...], ...], int]]:
+        """The target layout of ``src`` placed ``pl``, and its matching (:func:`_matched`)."""
+        lkey = (src.shape, *map(id, pl))
+        lay = self.layouts.get(lkey)
+        if lay is None:
+            lay = self.layouts[lkey] = (pl, _target_layout(src, self.mesh, pl, self.rules))
+        layout = lay[1]
+        mkey = (id(src.piece_blocks), id(src.piece_partials), id(layout))
+        hit = self.matched.get(mkey)
+        if hit is None or (src.signature is not hit[0] and src.signature != hit[0]):
+            hit = self.matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout, self.match))
+        return layout, hit[2]
+
+
 def make_plan(
     source: Checkpoint,
     mesh: Mesh,
@@ -511,29 +539,16 @@ def make_plan(
         PlanError: the source cannot produce the target.
     """
     by_name = source.tensors if sources is None else sources
-    names = natural_sorted(by_name)
     tensors: list[TargetTensor] = []
-    whole = writer.consolidated
-    # Tensors of one geometry share one layout object and one matching, found by identity
-    # (each value holds the objects its key names, so their ids stay theirs): a 100k-tensor
-    # checkpoint then hashes no placements per tensor, and writers can cache by layout.
-    layouts: dict[tuple[object, ...], tuple[object, TensorLayout]] = {}
-    matched: dict[tuple[int, int, int], tuple[object, object, tuple[tuple[tuple[Copy, ...], ...], int]]] = {}
-    for name in names:
+    whole = ["R"] * mesh.ndim if writer.consolidated else None
+    geometries = _Geometries(mesh, None if whole is not None else rules, match)
+    for name in natural_sorted(by_name):
         src = by_name[name]
+        layout, (copies, groups) = geometries.of(src, whole if whole is not None else placements_for(name))
         out_dtype = src.dtype
-        if dtype is not None and src.dtype != dtype and src.dtype in FLOAT_DTYPES:
+        if dtype is not None and out_dtype != dtype and out_dtype in FLOAT_DTYPES:
             out_dtype = dtype
-        pl = ["R"] * mesh.ndim if whole else placements_for(name)
-        lkey = (src.shape, *map(id, pl))
-        lay = layouts.get(lkey)
-        if lay is None:
-            lay = layouts[lkey] = (pl, _target_layout(src, mesh, pl, None if whole else rules))
-        layout = lay[1]
-        mkey = (id(src.piece_blocks), id(src.piece_partials), id(layout))
-        hit = matched.get(mkey)
-        if hit is None or (src.signature is not hit[0] and src.signature != hit[0]):
-            hit = matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout, match))
-        tensors.append(_target(src, layout, out_dtype, hit[2]))
+        reduce_op = src.reduce_op if groups > 1 else None
+        tensors.append(TargetTensor(src.name, src, out_dtype, layout, copies, groups, reduce_op))
     files = writer.files(tensors, mesh, options)
     return Plan(source, writer, mesh, tensors, files, rules=rules, transforms=transforms)
