@@ -13,6 +13,7 @@ of torch and of this module until one is called.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from .budget import budget_for, default_workers
@@ -48,6 +49,7 @@ def _target(**kw: Any) -> TargetSpec:
         inverse=kw.get("inverse", False),
         model_config=kw.get("model_config"),
         allow_unused=kw.get("allow_unused", False),
+        sets=tuple(kw.get("sets", ())),
     )
 
 
@@ -73,6 +75,7 @@ def convert_checkpoint(
     inverse: bool = False,
     model_config: str | None = None,
     allow_unused: bool = False,
+    sets: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``reshard convert SRC DST ...``; options as the CLI's (``target_mesh="tp=8"``: ``--target-mesh tp=8``).
 
@@ -115,6 +118,7 @@ def verify_output(source: SourceSpec, dst: PathLike, target: TargetSpec | None =
             inverse=target.inverse,
             model_config=target.model_config,
             allow_unused=target.allow_unused,
+            sets=target.sets,
         )
         ck = tf.checkpoint(ck) if tf is not None else ck
     return dict(verify_checkpoints(ck, open_source(SourceSpec(str(dst)))))
@@ -146,6 +150,7 @@ def plan_conversion(
     inverse: bool = False,
     model_config: str | None = None,
     allow_unused: bool = False,
+    sets: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``reshard plan SRC ...``: what :func:`convert_checkpoint` would read and write; writes nothing."""
     ck = open_source(SourceSpec(str(src), None, source_layout, None))
@@ -163,6 +168,7 @@ def compare_checkpoints(
     inverse: bool = False,
     model_config: str | None = None,
     allow_unused: bool = False,
+    sets: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``reshard verify A B``: ``"equal"`` when both hold the same tensors bit for bit
     (with ``transforms``: A seen through them).
@@ -172,6 +178,11 @@ def compare_checkpoints(
     ca = open_source(SourceSpec(str(a), None, layout_a, None))
     cb = open_source(SourceSpec(str(b), None, layout_b, None))
     tf = transforms_for(
-        ca, transforms=transforms, inverse=inverse, model_config=model_config, allow_unused=allow_unused
+        ca,
+        transforms=transforms,
+        inverse=inverse,
+        model_config=model_config,
+        allow_unused=allow_unused,
+        sets=sets,
     )
     return dict(verify_checkpoints(tf.checkpoint(ca) if tf is not None else ca, cb))

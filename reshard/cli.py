@@ -156,6 +156,16 @@ TransformsOpt = Annotated[
 InverseOpt = Annotated[
     bool, typer.Option("--inverse", help="Apply the inverse of the transforms (e.g. torchtitan -> HF).")
 ]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="NAME=INTEGER: a size name for the transforms (e.g. tp=4, num_key_value_heads=2), over "
+        "the model config and the spec's own config: (repeatable).",
+        metavar="NAME=INT",
+        show_default=False,
+    ),
+]
 ModelConfigOpt = Annotated[
     str | None,
     typer.Option(
@@ -220,7 +230,7 @@ def _target(
     dtype: str | None,
     max_shard_size: str,
     config_from: str | None = None,
-    transforms: tuple[str | None, bool, str | None, bool] = (None, False, None, False),
+    transforms: tuple[str | None, bool, str | None, bool, tuple[str, ...]] = (None, False, None, False, ()),
 ) -> TargetSpec:
     from .convert import TargetSpec
 
@@ -394,6 +404,7 @@ def convert(
     inverse: InverseOpt = False,
     model_config: ModelConfigOpt = None,
     allow_unused: AllowUnusedOpt = False,
+    set_: SetOpt = None,
     overwrite: OverwriteOpt = False,
     resume: ResumeOpt = False,
     verify: Annotated[
@@ -446,7 +457,7 @@ def convert(
                 dtype,
                 max_shard_size,
                 config_from,
-                (transforms, inverse, model_config, allow_unused),
+                (transforms, inverse, model_config, allow_unused, tuple(set_ or ())),
             )
             result = run(
                 _source(src, from_, source_layout, source_mesh, include, exclude),
@@ -584,6 +595,7 @@ def plan(
     inverse: InverseOpt = False,
     model_config: ModelConfigOpt = None,
     allow_unused: AllowUnusedOpt = False,
+    set_: SetOpt = None,
     show: ShowOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -613,11 +625,18 @@ def plan(
             dtype,
             max_shard_size,
             None,
-            (transforms, inverse, model_config, allow_unused),
+            (transforms, inverse, model_config, allow_unused, tuple(set_ or ())),
         )
         p = build_plan(ck, resolve_target(ck, tspec))
-        if show is not None and p.transforms is not None:
-            raise UsageError("--show draws one tensor's layouts by name; it does not follow transforms yet")
+        if show is not None and p.transformed is not None:
+            from .show import tensor_not_found, transform_picture
+
+            tt = p.transformed.get(show)  # a target name
+            if tt is None:
+                raise tensor_not_found(f"{ck.path} (through the transforms)", show, list(p.transformed))
+            after = next(t.layout for t in p.tensors if t.name == show)
+            _picture(transform_picture(ck, tt, after))
+            return
         if show is not None:
             from .show import render_plan as plan_picture
             from .show import source_picture
@@ -659,6 +678,7 @@ def verify(
     inverse: InverseOpt = False,
     model_config: ModelConfigOpt = None,
     allow_unused: AllowUnusedOpt = False,
+    set_: SetOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -690,6 +710,7 @@ def verify(
             inverse=inverse,
             model_config=model_config,
             allow_unused=allow_unused,
+            sets=set_ or (),
         )
         if tf is not None:
             ca = tf.checkpoint(ca)

@@ -42,7 +42,7 @@ import fnmatch
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeAlias, TypedDict
@@ -95,9 +95,9 @@ class Own:
     The tensor is held whole, by the ranks of that mesh dim owning the number the rule's
     ``re:`` pattern captures in group ``capture``: the E numbers of tensors whose names
     differ only there are dealt in contiguous blocks of E/size (rank c owns
-    ``[c*E/size, (c+1)*E/size)``, as Megatron and vLLM place experts). ``local``: rename the
-    number to its index on the owning rank: parsed, but refused by convert until the per-rank
-    writer can name a rank's tensors locally (README, "Expert parallelism").
+    ``[c*E/size, (c+1)*E/size)``, as Megatron and vLLM place experts). ``local``: in rank
+    files the number is the tensor's index on its owning rank (``n - c*E/size``), as Megatron
+    and vLLM name local experts (:meth:`LayoutConfig.file_names`, :meth:`LayoutConfig.global_names`).
 
     >>> Own.parse("Own(expert, local)")
     Own(capture='expert', local=True)
@@ -295,6 +295,17 @@ class Rule:
 
 
 @dataclass(frozen=True, slots=True)
+class _Captured:
+    """The number an ``Own(...)`` rule captures in a tensor name, and where."""
+
+    rule: int  # index of the rule
+    group: str  # the name with the number replaced by ``{}``: tensors differing only there
+    number: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
 class LayoutConfig:
     """A mesh and ordered placement rules; the first rule matching a tensor name wins.
 
@@ -313,8 +324,9 @@ class LayoutConfig:
     rules: tuple[Rule, ...]
     source: str = "<layout>"
     optional: frozenset[str] = frozenset()
-    # Own(capture) rules bound to a checkpoint's names (:meth:`assign`): name -> (number, count in its group).
-    numbers: Mapping[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    # Own(capture) rules bound to a checkpoint's names (:meth:`assign`): name -> (number, count in
+    # its group, start and end of the number in the name).
+    numbers: Mapping[str, tuple[int, int, int, int]] = field(default_factory=dict, compare=False, repr=False)
     # Matching index, derived from rules: a self-describing checkpoint brings one
     # exact-name rule per tensor, and trying every rule on every name is quadratic.
     # Literal patterns map name -> first rule index; the rest are tried in order.
@@ -445,14 +457,6 @@ class LayoutConfig:
         assert rule.own is not None
         dim, own = rule.own
         where = self._where(rule)
-        if own.local:
-            raise LayoutError(
-                f'tensor "{name}": {where}{own} renames tensors to rank-local numbers, which per-rank '
-                f"outputs do not support yet; drop ', local' (each rank's file then holds its tensors "
-                "under their global names)",
-                tensor=name,
-                path=self.source,
-            )
         bound = self.numbers.get(name)
         if bound is None:
             raise LayoutError(
@@ -461,7 +465,7 @@ class LayoutConfig:
                 tensor=name,
                 path=self.source,
             )
-        number, count = bound
+        number, count = bound[:2]
         size = mesh.shape[mesh.names.index(dim)]
         if count % size:
             raise LayoutError(
@@ -494,38 +498,119 @@ class LayoutConfig:
         owning = [i for i, r in enumerate(self.rules) if r.own is not None]
         if not owning:
             return self
-        groups: dict[tuple[int, str], dict[str, int]] = {}
+        groups: dict[tuple[int, str], dict[str, _Captured]] = {}
         for name in names:
-            i = self._first(name)
-            if i is None or i not in owning:
-                continue
-            rule = self.rules[i]
-            assert rule.own is not None
-            m = re.fullmatch(rule.pattern[len(REGEX_PREFIX) :], name)
-            assert m is not None  # the rule matched it
-            key = m.group(rule.own[1].capture)
-            span = m.span(rule.own[1].capture)
-            if not key.isdigit():
-                raise LayoutError(
-                    f'tensor "{name}": {self._where(rule)}captures {key!r} for {rule.own[1]}; '
-                    "the group must capture a number, e.g. (?P<expert>\\d+)",
-                    tensor=name,
-                    path=self.source,
-                )
-            groups.setdefault((i, name[: span[0]] + "{}" + name[span[1] :]), {})[name] = int(key)
-        numbers: dict[str, tuple[int, int]] = {}
+            hit = self._captured(name)
+            if hit is not None:
+                groups.setdefault((hit.rule, hit.group), {})[name] = hit
+        numbers: dict[str, tuple[int, int, int, int]] = {}
         for (i, group), members in groups.items():
-            count = len(set(members.values()))
-            if sorted(set(members.values())) != list(range(count)):
+            found = sorted({c.number for c in members.values()})
+            count = len(found)
+            if found != list(range(count)):
                 raise LayoutError(
                     f"{self._where(self.rules[i])}the tensors {group.replace('{}', '*')} are numbered "
-                    f"{sorted(set(members.values()))[:8]}, not 0..{count - 1}: Own(...) deals numbers "
+                    f"{found[:8]}, not 0..{count - 1}: Own(...) deals numbers "
                     "0..E-1 to ranks in contiguous blocks",
                     tensor=next(iter(members)),
                     path=self.source,
                 )
-            numbers.update((name, (v, count)) for name, v in members.items())
+            numbers.update((name, (c.number, count, c.start, c.stop)) for name, c in members.items())
         return LayoutConfig(self.mesh, self.rules, self.source, self.optional, numbers)
+
+    def _captured(self, name: str, *, local: bool = False) -> _Captured | None:
+        """The number an ``Own(...)`` rule (a ``local`` one only, if asked) captures in ``name``.
+
+        Raises:
+            LayoutError: the capture is not a number.
+        """
+        i = self._first(name)
+        rule = self.rules[i] if i is not None else None
+        if rule is None or rule.own is None or (local and not rule.own[1].local):
+            return None
+        assert i is not None
+        m = re.fullmatch(rule.pattern[len(REGEX_PREFIX) :], name)
+        assert m is not None  # the rule matched it
+        cap = rule.own[1].capture
+        key, (start, stop) = m.group(cap), m.span(cap)
+        if not (key.isascii() and key.isdigit()):
+            raise LayoutError(
+                f'tensor "{name}": {self._where(rule)}captures {key!r} for {rule.own[1]}; '
+                "the group must capture a number, e.g. (?P<expert>\\d+)",
+                tensor=name,
+                path=self.source,
+            )
+        return _Captured(i, name[:start] + "{}" + name[stop:], int(key), start, stop)
+
+    def _own_dim(self, name: str, mesh: Mesh) -> tuple[int, int]:
+        """The mesh dim index and size of the ``Own`` rule giving ``name`` its placements."""
+        own = self.match(name).own
+        assert own is not None
+        i = mesh.names.index(own[0])
+        return i, mesh.shape[i]
+
+    def file_names(self, mesh: Mesh | None = None) -> dict[str, str]:
+        """Tensor name -> its name in its owner's rank files, for the tensors an ``Own(NAME, local)``
+        rule renumbers (bound by :meth:`assign`): number ``n`` of a group of E, owned by rank
+        ``c = n // (E/size)``, is named ``n - c*E/size`` there. Names that stay are left out.
+        """
+        mesh = self.mesh if mesh is None else mesh
+        out: dict[str, str] = {}
+        for name, (number, count, start, stop) in self.numbers.items():
+            own = self.match(name).own
+            if own is None or not own[1].local:
+                continue
+            size = self._own_dim(name, mesh)[1]
+            if count % size == 0 and number % (count // size) != number:
+                out[name] = f"{name[:start]}{number % (count // size)}{name[stop:]}"
+        return out
+
+    def global_names(self, held: Sequence[Iterable[str]], mesh: Mesh | None = None) -> list[dict[str, str]]:
+        """Per rank, the names its files hold under ``Own(NAME, local)`` numbers -> their global names.
+
+        ``held[r]`` are rank ``r``'s names (flat rank on ``mesh``). Every rank must hold numbers
+        0..k-1 of each group, the same k everywhere; number ``j`` on the rank at coordinate ``c``
+        of the rule's dim is ``c*k + j`` (the inverse of :meth:`file_names`). Names that stay
+        are left out.
+
+        Raises:
+            LayoutError: a capture is not a number, or the ranks' numbers are not 0..k-1 alike.
+        """
+        mesh = self.mesh if mesh is None else mesh
+        found: list[dict[str, _Captured]] = []
+        per_group: dict[tuple[int, str], list[list[int]]] = {}
+        for r, names in enumerate(held):
+            mine = {n: c for n in names if (c := self._captured(n, local=True)) is not None}
+            found.append(mine)
+            for c in mine.values():
+                per_group.setdefault((c.rule, c.group), [[] for _ in held])[r].append(c.number)
+        counts = {key: self._local_count(key, ranks) for key, ranks in per_group.items()}
+        out: list[dict[str, str]] = [{} for _ in held]
+        if len(held) != mesh.size:
+            return out  # the rank count is reported by the reader
+        for r, mine in enumerate(found):
+            for name, c in mine.items():
+                dim = self._own_dim(name, mesh)[0]
+                number = mesh.coordinate(r)[dim] * counts[(c.rule, c.group)] + c.number
+                if number != c.number:
+                    out[r][name] = f"{name[: c.start]}{number}{name[c.stop :]}"
+        return out
+
+    def _local_count(self, key: tuple[int, str], ranks: Sequence[Sequence[int]]) -> int:
+        """k, when every rank holds numbers 0..k-1 of the group ``key`` (rule index, name with ``{}``)."""
+        rule = self.rules[key[0]]
+        assert rule.own is not None
+        want = sorted(ranks[0])
+        for r, numbers in enumerate(ranks):
+            got = sorted(numbers)
+            if got != list(range(len(got))) or len(got) != len(want):
+                raise LayoutError(
+                    f"{self._where(rule)}rank {r} holds the tensors {key[1].replace('{}', '*')} numbered "
+                    f"{got[:8]}, rank 0 {want[:8]}: {rule.own[1]} needs every rank to hold rank-local "
+                    "numbers 0..k-1, the same k on each",
+                    path=self.source,
+                )
+        return len(want)
 
     def unused_rules(self, names: Iterable[str]) -> list[Rule]:
         """Rules that are the first match of none of ``names`` (worth a warning), except optional ones.

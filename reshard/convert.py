@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -124,6 +125,8 @@ class TargetSpec:
     """The model's ``config.json`` for size names (default: the source's, when it has one)."""
     allow_unused: bool = False
     """Let source tensors no transform rule touches pass through unchanged."""
+    sets: tuple[str, ...] = ()
+    """``KEY=VALUE`` overrides of the size names the transforms use (``--set``)."""
 
 
 def _load_layout(text: str) -> LayoutConfig:
@@ -285,6 +288,7 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
         inverse=spec.inverse,
         model_config=spec.model_config,
         allow_unused=spec.allow_unused,
+        sets=spec.sets,
     )
     if to is not None and (to.consolidated or (to.whole_by_default and not spec.layout and not sizes)):
         return Target(to, Mesh.single(), None, dtype, options, tf)
@@ -397,6 +401,12 @@ def _checked_rules(
     return rules
 
 
+def _with_file_names(target: Target, rules: LayoutConfig | None) -> WriteOptions:
+    """The target's options, with the rank-local names ``Own(NAME, local)`` rules give tensors."""
+    renamed = rules.file_names(target.mesh) if rules is not None and target.fmt == SHARDED else None
+    return dataclasses.replace(target.options, file_names=renamed) if renamed else target.options
+
+
 def build_plan(source: Checkpoint, target: Target) -> Plan:
     rules = target.rules
     tf = target.transforms
@@ -415,7 +425,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         placements_for,
         writer=target.writer,
         dtype=target.dtype,
-        options=target.options,
+        options=_with_file_names(target, rules),
         rules=rules,
         sources=tensors,
         match=match_blocks if tf is None else match_any,

@@ -284,26 +284,32 @@ class _Reads:
         self.scratch = _scratch()
         self.src = np.frombuffer(self.scratch, np.uint8)
         self.as_strided = np.lib.stride_tricks.as_strided
-        self.windows: dict[int, tuple[int, int, int]] = {}  # file -> (lo, hi, scratch offset)
-        self.owner: list[int] = [-1] * _SLOTS
-        self.next = 0
+        self.windows: dict[int, list[tuple[int, int, int]]] = {}  # file -> its (lo, hi, scratch offset)
+        self.owner: list[int] = [-1] * _SLOTS  # slot -> the file whose window it holds
+        self.used: list[int] = [0] * _SLOTS  # slot -> when last read from (the least recent is reused)
+        self.clock = 0
 
     def _window(self, fi: int, lo: int, n: int) -> int:
-        """Scratch offset of file ``fi``'s bytes at ``lo`` (``n <= _WINDOW``), read if not held."""
-        w = self.windows.get(fi)
-        if w is not None and w[0] <= lo and lo + n <= w[1]:
-            return w[2] + lo - w[0]
-        if w is None:  # a slot of its own, the oldest file's
-            slot = self.next
-            self.next = (slot + 1) % _SLOTS
-            self.windows.pop(self.owner[slot], None)
-            self.owner[slot] = fi
-            at = slot * _WINDOW
-        else:
-            at = w[2]
+        """Scratch offset of file ``fi``'s bytes at ``lo`` (``n <= _WINDOW``), read if not held.
+
+        A file may hold several windows: a permuted view (RoPE's half-head pairs, 256 KiB
+        apart) alternates between two regions, and one window a file re-read 256 KiB per row.
+        """
+        self.clock += 1
+        for wlo, whi, at in self.windows.get(fi, ()):
+            if wlo <= lo and lo + n <= whi:
+                self.used[at // _WINDOW] = self.clock
+                return at + lo - wlo
+        slot = min(range(_SLOTS), key=self.used.__getitem__)  # the least recently used
+        at = slot * _WINDOW
+        old = self.owner[slot]
+        if old >= 0:
+            self.windows[old] = [w for w in self.windows[old] if w[2] != at]
         hi = max(lo + n, min(lo + _WINDOW, self.sources.size(fi)))
         self.sources.pread(fi, memoryview(self.scratch)[at : at + hi - lo], lo)
-        self.windows[fi] = (lo, hi, at)
+        self.windows.setdefault(fi, []).append((lo, hi, at))
+        self.owner[slot] = fi
+        self.used[slot] = self.clock
         return at
 
     def copy(self, fi: int, lo: int, n: int, pos: int) -> None:

@@ -275,6 +275,8 @@ class WriteOptions:
 
     max_shard_size: int = 5 * 10**9
     """Split a rank's (or the consolidated) output into files of at most this many bytes."""
+    file_names: Mapping[str, str] | None = None
+    """Tensor name -> its name inside rank files, where not its own (``Own(NAME, local)``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,15 @@ from .plan import Plan, copy_boxes, natural_sorted
 from .text import markup_safe, shown
 from .transform_plan import feeds, piece_strides
 
-__all__ = ["inspect_report", "render_inspect", "plan_report", "render_plan", "group_names", "human"]
+__all__ = [
+    "inspect_report",
+    "render_inspect",
+    "plan_report",
+    "render_plan",
+    "group_names",
+    "human",
+    "feed_text",
+]
 
 _MAX_RANGES = 32
 
@@ -432,13 +440,16 @@ def _render_feeds(doc: dict[str, Any], console: Any, most: int = 40) -> None:
             break
         for j, f in enumerate(parts):
             head = shown(name) if j == 0 else " " * min(len(shown(name)), 8) + "+"
-            if f["source"] is None:
-                what = f"zeros ({human(f['zeros'])})"
-            else:
-                region = ",".join(f"{a}:{b}" for a, b in f["region"])
-                span = f["byte_range"]
-                what = f"{shown(f['source'])} [{region}] bytes {span[0]}..{span[1]} ({human(f['bytes'])})"
-            console.print(f"  {markup_safe(head)} <- {markup_safe(what)}", soft_wrap=True)
+            console.print(f"  {markup_safe(head)} <- {markup_safe(feed_text(f))}", soft_wrap=True)
+
+
+def feed_text(f: dict[str, Any]) -> str:
+    """One part of :func:`~reshard.transform_plan.feeds` as ``plan`` prints it (plain text)."""
+    if f["source"] is None:
+        return f"zeros ({human(f['zeros'])})"
+    region = ",".join(f"{a}:{b}" for a, b in f["region"])
+    span = f["byte_range"]
+    return f"{shown(f['source'])} [{region}] bytes {span[0]}..{span[1]} ({human(f['bytes'])})"
 
 
 def render_plan(doc: dict[str, Any], console: Any) -> None:

@@ -39,9 +39,11 @@ from typing import IO, TYPE_CHECKING
 
 from .checkpoint import Checkpoint
 from .errors import TensorNotFoundError
-from .intervals import Block, Box, Interval
+from .indexmap import Seg
+from .intervals import Block, Box, IndexList, Interval, normalize
 from .layout import TensorLayout
 from .placements import Partial
+from .transforms import TransformedTensor
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -56,6 +58,7 @@ __all__ = [
     "render_layout",
     "render_plan",
     "source_picture",
+    "transform_picture",
     "plain",
     "layout_text",
     "plan_text",
@@ -369,16 +372,64 @@ def source_picture(ckpt: Checkpoint, name: str, **grid_kw: int) -> RenderableTyp
     """
     src = ckpt.tensors.get(name)
     if src is None:
-        close = difflib.get_close_matches(name, list(ckpt.tensors), n=3)
-        hint = (
-            f"did you mean {', '.join(repr(c) for c in close)}?"
-            if close
-            else "list them with reshard inspect"
-        )
-        raise TensorNotFoundError(f"{ckpt.path}: no tensor {name!r}", path=ckpt.path, tensor=name, hint=hint)
+        raise tensor_not_found(ckpt.path, name, list(ckpt.tensors))
     if ckpt.mesh is not None and src.placements is not None:
         return render_layout(TensorLayout.make(src.shape, ckpt.mesh, src.placements), name, **grid_kw)
     return render_pieces(name, src.shape, src.piece_blocks, src.piece_files, **grid_kw)
+
+
+def _dst_intervals(segs: Sequence[Seg]) -> IndexList:
+    """The target indices of a dim map as ascending intervals (a strided segment: one per index)."""
+    ivs = [
+        iv
+        for s in segs
+        for iv in (
+            (Interval(s.dst, s.dst + s.size),)
+            if s.dst_step == 1
+            else tuple(Interval(i, i + 1) for i in range(s.dst, s.dst_last + 1, s.dst_step))
+        )
+    ]
+    return normalize(sorted(ivs, key=lambda iv: iv.start))
+
+
+def tensor_not_found(where: str, name: str, names: Sequence[str]) -> TensorNotFoundError:
+    """No tensor ``name`` among ``names``: the error, suggesting close names."""
+    close = difflib.get_close_matches(name, list(names), n=3)
+    hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else "list them with reshard inspect"
+    return TensorNotFoundError(f"{where}: no tensor {name!r}", path=where, tensor=name, hint=hint)
+
+
+def transform_picture(
+    ckpt: Checkpoint, tt: TransformedTensor, target: TensorLayout, *, most: int = 4
+) -> RenderableType:
+    """``plan --show NAME`` through transforms: the target tensor cut by the source tensors that
+    fill it (a cell shows their numbers; ``plan``'s region and byte range of each below), its
+    layout on the target mesh, then the first ``most`` sources' own pictures (:func:`source_picture`).
+    """
+    from rich.console import Group
+    from rich.text import Text
+
+    from .report import feed_text  # plan's wording of each part
+    from .transform_plan import feeds
+
+    names = list(dict.fromkeys(p.source for p in tt.parts if p.source is not None))
+    number = {n: i for i, n in enumerate(names)}
+    owner = [len(names) if p.source is None else number[p.source] for p in tt.parts]
+    blocks = [tuple(_dst_intervals(d.segs) for d in p.dims) for p in tt.parts]
+    legend = [
+        f"{'source ' if f['source'] is not None else ''}{k}: {feed_text(f)}"
+        for k, f in zip(owner, feeds(tt, ckpt.tensors))
+    ]
+    n = len(names)
+    title = f"{tt.name}: shape {list(tt.shape)}, filled from {n} source tensor{'s' * (n != 1)}"
+    grid = grid_from_blocks(tt.shape, blocks)
+    out: list[RenderableType] = [render_grid(grid, title, noun="source", owner=owner, notes=legend)]
+    out += [Text(""), Text(f"{tt.name}: target"), render_layout(target)]
+    for name in names[:most]:
+        out += [Text(""), Text(f"source {number[name]}"), source_picture(ckpt, name)]
+    if n > most:
+        out.append(Text(f"... and {n - most} more source tensors (reshard plan --json lists them all)"))
+    return Group(*out)
 
 
 def render_plan(

@@ -59,6 +59,7 @@ __all__ = [
     "Transforms",
     "layout_transforms",
     "transforms_for",
+    "parse_sets",
 ]
 
 
@@ -352,6 +353,7 @@ class Transforms:
         origin: the file or profile name it came from.
         inverse: whether ``spec`` is the inverse of ``origin``'s.
         config: the model's config.json values (size names), and where they came from.
+        sets: ``--set KEY=VALUE`` values, already in ``spec``'s own config (recorded).
     """
 
     spec: TransformSpec
@@ -359,6 +361,7 @@ class Transforms:
     inverse: bool = False
     config: Mapping[str, Any] | None = None
     config_path: str | None = None
+    sets: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def resolve(self, source: Checkpoint) -> dict[str, TransformedTensor]:
         """The target tensors (``apply`` on the source's shapes and dtypes).
@@ -406,6 +409,7 @@ class Transforms:
             "origin": self.origin,
             "inverse": self.inverse,
             "model_config": self.config_path,
+            **({"set": dict(self.sets)} if self.sets else {}),
             "spec": self.spec.to_json(),
         }
 
@@ -432,14 +436,17 @@ def transforms_for(
     inverse: bool = False,
     model_config: str | None = None,
     allow_unused: bool = False,
+    sets: Sequence[str] = (),
 ) -> Transforms | None:
     """The transforms of a conversion: ``--transforms`` or the target layout's section.
 
     The model config is ``model_config``, else the source directory's ``config.json``
-    when there is one.
+    when there is one. ``sets`` (``--set KEY=VALUE``) override its values and the spec's
+    own ``config:`` entries of those names.
 
     Raises:
-        UsageError: both ``--transforms`` and a layout section, or transform-only options alone.
+        UsageError: both ``--transforms`` and a layout section, transform-only options alone,
+            or a ``--set`` that is not ``NAME=INTEGER``.
         ConfigError: the spec or the config cannot be read, or cannot be inverted.
     """
     in_layout = layout_transforms(layout) if layout else None
@@ -448,9 +455,12 @@ def transforms_for(
             f"{layout} has a transforms: section and --transforms {transforms} gives another; use one"
         )
     if transforms is None and in_layout is None:
-        if inverse or allow_unused or model_config:
-            raise UsageError("--inverse, --allow-unused and --model-config need --transforms FILE|PROFILE")
+        if inverse or allow_unused or model_config or sets:
+            raise UsageError(
+                "--inverse, --allow-unused, --model-config and --set need --transforms FILE|PROFILE"
+            )
         return None
+    overrides = parse_sets(sets)
     spec = load_transforms(transforms) if transforms is not None else in_layout
     assert spec is not None
     origin = transforms if transforms is not None else str(layout)
@@ -458,10 +468,36 @@ def transforms_for(
         spec = inverse_spec(spec)
     if allow_unused:
         spec = dataclasses.replace(spec, allow_unused=True)
+    if overrides:
+        spec = spec.with_values(overrides)
     path = model_config
     if path is None:
         src = Path(source.path)
         candidate = (src if src.is_dir() else src.parent) / "config.json"
         path = str(candidate) if candidate.is_file() else None
     config = load_hf_config(path) if path is not None else None
-    return Transforms(spec, origin, inverse, config, path)
+    return Transforms(spec, origin, inverse, config, path, overrides)
+
+
+_SET = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?[0-9]{1,18})\s*")
+
+
+def parse_sets(texts: Sequence[str]) -> dict[str, int]:
+    """``--set KEY=VALUE`` options as integers by name (the last of a name wins).
+
+    >>> parse_sets(["tp=4", "num_key_value_heads = 2"])
+    {'tp': 4, 'num_key_value_heads': 2}
+
+    Raises:
+        UsageError: not ``NAME=INTEGER``.
+    """
+    out: dict[str, int] = {}
+    for text in texts:
+        m = _SET.fullmatch(text)
+        if m is None:
+            raise UsageError(
+                f"--set {text!r}: write NAME=INTEGER, e.g. --set num_key_value_heads=2 or --set tp=4 "
+                "(a size name the transforms use)"
+            )
+        out[m.group(1)] = int(m.group(2))
+    return out

@@ -29,6 +29,7 @@ back.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import json
 import math
@@ -87,6 +88,9 @@ _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
 }
 
 
+_CALLS: dict[str, Callable[..., int]] = {"min": min, "max": max}
+
+
 def _parse_expr(expr: Expr) -> ast.expr:
     if isinstance(expr, bool) or not isinstance(expr, (int, str)):
         raise ConfigError(f"a size must be an integer or an expression such as heads*head_dim, got {expr!r}")
@@ -97,13 +101,38 @@ def _parse_expr(expr: Expr) -> ast.expr:
             f"size expression {expr!r} is not valid; use integers, names, + - * / // %"
         ) from None
     for sub in ast.walk(node):
-        if not isinstance(
-            sub, (ast.BinOp, ast.UnaryOp, ast.USub, ast.Constant, ast.Name, ast.Load, ast.Div, *_BINOPS)
-        ) or (
-            isinstance(sub, ast.Constant) and (isinstance(sub.value, bool) or not isinstance(sub.value, int))
+        if (
+            not isinstance(
+                sub,
+                (
+                    ast.BinOp,
+                    ast.UnaryOp,
+                    ast.USub,
+                    ast.Constant,
+                    ast.Name,
+                    ast.Load,
+                    ast.Div,
+                    ast.Call,
+                    *_BINOPS,
+                ),
+            )
+            or (
+                isinstance(sub, ast.Constant)
+                and (isinstance(sub.value, bool) or not isinstance(sub.value, int))
+            )
+            or (
+                isinstance(sub, ast.Call)
+                and (
+                    not isinstance(sub.func, ast.Name)
+                    or sub.func.id not in _CALLS
+                    or sub.keywords
+                    or not sub.args
+                )
+            )
         ):
             raise ConfigError(
-                f"size expression {expr!r} may only use integers, config names and + - * / // %"
+                f"size expression {expr!r} may only use integers, config names, + - * / // %, "
+                "min(..) and max(..)"
             )
     return node
 
@@ -147,6 +176,9 @@ class _Env:
             return self.name(n.id)
         if isinstance(n, ast.UnaryOp):
             return -self._node(n.operand, expr)
+        if isinstance(n, ast.Call):  # min(..) / max(..), checked by _parse_expr
+            assert isinstance(n.func, ast.Name)
+            return _CALLS[n.func.id](self._node(a, expr) for a in n.args)
         assert isinstance(n, ast.BinOp)
         a, b = self._node(n.left, expr), self._node(n.right, expr)
         if isinstance(n.op, (ast.Div, ast.FloorDiv, ast.Mod)) and b == 0:
@@ -316,18 +348,39 @@ def _remap(shape: Sequence[int], d: int, segs: tuple[Seg, ...], source: str | No
     return Part(source, dims)
 
 
-def _group_segs(sizes: Sequence[int], groups: int, i: int) -> tuple[Seg, ...]:
+def _group_segs(
+    sizes: Sequence[int], groups: int, i: int, shards: Sequence[int] | None = None
+) -> tuple[Seg, ...]:
     """Where part ``i`` of a grouped concat lives: per group g, ``[p0_g, p1_g, ...]`` along the dim.
 
-    Returns segments from the fused index (``dst``) to part ``i``'s index (``src``).
+    Part ``i`` is cut into ``shards[i]`` chunks (default: ``groups``), and group g holds chunk
+    ``g // (groups / shards[i])``: a chunk repeated in consecutive groups (vLLM's KV heads
+    replicated over TP ranks). Returns segments from the fused index (``dst``) to part ``i``'s
+    index (``src``).
     """
-    chunks = [n // groups for n in sizes]
-    total, off, c = sum(chunks), sum(chunks[:i]), chunks[i]
+    cuts = [groups] * len(sizes) if shards is None else list(shards)
+    chunks = [n // k for n, k in zip(sizes, cuts)]
+    total, off, c, rep = sum(chunks), sum(chunks[:i]), chunks[i], groups // cuts[i]
     if c == 0:
         return ()
-    if c == 1 and groups > 1:
+    if c == 1 and groups > 1 and rep == 1:
         return (Seg(off, 0, groups, total, 1),)  # alternating rows: one strided segment
-    return tuple(Seg(g * total + off, g * c, c) for g in range(groups))
+    return tuple(Seg(g * total + off, (g // rep) * c, c) for g in range(groups))
+
+
+def _split_segs(sizes: Sequence[int], groups: int, i: int, shards: Sequence[int] | None) -> tuple[Seg, ...]:
+    """The inverse of :func:`_group_segs`: part ``i``'s index -> fused index, each repeated
+    chunk read from the first group holding it."""
+    segs = _group_segs(sizes, groups, i, shards)
+    if shards is not None and groups // shards[i] > 1:
+        total = sum(n // k for n, k in zip(sizes, shards))
+        segs = tuple(s for s in segs if (s.dst // total) % (groups // shards[i]) == 0)
+    return _invert_segs(segs)
+
+
+def _fused_size(sizes: Sequence[int], groups: int, shards: Sequence[int] | None) -> int:
+    """Along the fused dim: ``sum(sizes)``, more when ``shards`` repeat chunks."""
+    return sum(sizes) if shards is None else groups * sum(n // k for n, k in zip(sizes, shards))
 
 
 def _invert_segs(segs: Sequence[Seg]) -> tuple[Seg, ...]:
@@ -431,10 +484,12 @@ class Concat(_Base):
     sizes: tuple[Expr, ...] | None = None
     optional: bool = False
     line: int = field(default=0, compare=False)
+    shards: tuple[Expr, ...] | None = None  # per input, its chunk count (default: groups)
     OP = "concat"
 
     def __post_init__(self) -> None:
         _check_many(len(self.sources), self.sizes, "from")
+        _check_many(len(self.sources), self.shards, "from", "shards")
         for tpl in (*(p.text for p in self.sources[1:]), self.target):
             self.sources[0].check_template(tpl, "name")
 
@@ -447,11 +502,13 @@ class Concat(_Base):
                     raise ConfigError(f'tensor "{n}" is missing (needed with "{name}")', tensor=n)
             shapes = [state[n].shape for n in names]
             d = _dim(self.dim, len(shapes[0]), name)
-            g, sizes = env.eval(self.groups), [s[d] for s in shapes]
-            _check_parts(names, shapes, d, sizes, g, _eval_sizes(self.sizes, env))
-            parts = tuple(_remap(shapes[0], d, _group_segs(sizes, g, i), n) for i, n in enumerate(names))
-            target = _fill(self.target, m)
-            outs.append(_Out(target, _with_dim(shapes[0], d, sum(sizes)), _same_dtype(names, state), parts))
+            g, sizes, cuts = env.eval(self.groups), [s[d] for s in shapes], _eval_sizes(self.shards, env)
+            _check_parts(names, shapes, d, sizes, g, _eval_sizes(self.sizes, env), cuts)
+            parts = tuple(
+                _remap(shapes[0], d, _group_segs(sizes, g, i, cuts), n) for i, n in enumerate(names)
+            )
+            shape = _with_dim(shapes[0], d, _fused_size(sizes, g, cuts))
+            outs.append(_Out(_fill(self.target, m), shape, _same_dtype(names, state), parts))
             consumed.update(names)
         return _Step(tuple(outs), frozenset(consumed))
 
@@ -468,14 +525,15 @@ class Concat(_Base):
             self.sizes,
             self.optional,
             self.line,
+            self.shards,
         )
 
 
-def _check_many(count: int, sizes: Sequence[Expr] | None, what: str) -> None:
+def _check_many(count: int, sizes: Sequence[Expr] | None, what: str, field_: str = "sizes") -> None:
     if count < 2:
         raise ConfigError(f"{what}: needs a list of at least two tensor names")
     if sizes is not None and len(sizes) != count:
-        raise ConfigError(f"sizes: has {len(sizes)} entries but {what}: names {count} tensors")
+        raise ConfigError(f"{field_}: has {len(sizes)} entries but {what}: names {count} tensors")
 
 
 def _check_parts(
@@ -485,8 +543,10 @@ def _check_parts(
     sizes: Sequence[int],
     groups: int,
     want: Sequence[int] | None,
+    shards: Sequence[int] | None = None,
 ) -> None:
-    """Shapes agree off ``dim``; sizes match ``want`` and divide into ``groups``."""
+    """Shapes agree off ``dim``; sizes match ``want`` and divide into ``groups`` (or ``shards``,
+    each dividing ``groups``)."""
     for n, s in zip(names, shapes):
         if len(s) != len(shapes[0]) or _with_dim(s, d, 0) != _with_dim(shapes[0], d, 0):
             raise ConfigError(
@@ -496,8 +556,14 @@ def _check_parts(
             )
     if want is not None and list(want) != list(sizes):
         raise ConfigError(f"sizes {list(want)} do not match the tensors' sizes {list(sizes)} along dim {d}")
-    if groups < 1 or any(n % groups for n in sizes):
+    if shards is None and (groups < 1 or any(n % groups for n in sizes)):
         raise ConfigError(f"sizes {list(sizes)} along dim {d} do not divide into groups: {groups}")
+    for size, k in zip(sizes, shards or ()):
+        if k < 1 or groups < 1 or groups % k or size % k:
+            raise ConfigError(
+                f"shards {list(shards or ())} do not fit: each must divide groups: {groups} and its "
+                f"tensor's size along dim {d} (sizes {list(sizes)})"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,10 +577,14 @@ class Split(_Base):
     sizes: tuple[Expr, ...] | None = None
     optional: bool = False
     line: int = field(default=0, compare=False)
+    shards: tuple[Expr, ...] | None = None  # as in concat; a repeated chunk is read once
     OP = "split"
 
     def __post_init__(self) -> None:
         _check_many(len(self.targets), self.sizes, "to")
+        _check_many(len(self.targets), self.shards, "to", "shards")
+        if self.shards is not None and self.sizes is None:
+            raise ConfigError("split with shards: needs sizes: (the sizes of the tensors it splits into)")
         for t in self.targets:
             self.source.check_template(t, "split target")
 
@@ -532,14 +602,18 @@ class Split(_Base):
                         tensor=name,
                     )
                 sizes = [n // k] * k
-            if sum(sizes) != n or min(sizes) < 0:
+            g, cuts = env.eval(self.groups), _eval_sizes(self.shards, env)
+            if cuts is not None:  # the fused size needs whole chunks
+                _check_parts([name], [t.shape], d, sizes, g, None, cuts)
+            fused = _fused_size(sizes, g, cuts)
+            if min(sizes) < 0 or fused != n:
+                how = "add up to" if cuts is None else f"in {g} groups of shards {cuts} make"
                 raise ConfigError(
-                    f'sizes {sizes} add up to {sum(sizes)}, but "{name}" has {n} along dim {d}', tensor=name
+                    f'sizes {sizes} {how} {fused}, but "{name}" has {n} along dim {d}', tensor=name
                 )
-            g = env.eval(self.groups)
-            _check_parts([name], [t.shape], d, sizes, g, None)
+            _check_parts([name], [t.shape], d, sizes, g, None, cuts)
             for i, tpl in enumerate(self.targets):
-                part = _remap(t.shape, d, _invert_segs(_group_segs(sizes, g, i)), name)
+                part = _remap(t.shape, d, _split_segs(sizes, g, i, cuts), name)
                 outs.append(_Out(_fill(tpl, m), _with_dim(t.shape, d, sizes[i]), t.dtype, (part,)))
             consumed.add(name)
         return _Step(tuple(outs), frozenset(consumed))
@@ -557,6 +631,7 @@ class Split(_Base):
             self.sizes,
             self.optional,
             self.line,
+            self.shards,
         )
 
 
@@ -977,6 +1052,12 @@ class TransformSpec:
             out["allow_unused"] = True
         return out
 
+    def with_values(self, values: Mapping[str, int]) -> TransformSpec:
+        """This spec with ``values`` as its own ``config:`` entries (``--set``): they win over
+        the entries of those names it has and over the model's config.json."""
+        kept = tuple((k, v) for k, v in self.config if k not in values)
+        return dataclasses.replace(self, config=kept + tuple(values.items()))
+
     def where(self, i: int) -> str:
         op = self.ops[i]
         line = f":{op.line}" if op.line else ""
@@ -985,8 +1066,8 @@ class TransformSpec:
 
 _ATTRS: dict[str, tuple[str, ...]] = {  # op: its attributes, in YAML field order
     "drop": ("tensors",),
-    "concat": ("sources", "target", "dim", "groups", "sizes"),
-    "split": ("source", "targets", "dim", "groups", "sizes"),
+    "concat": ("sources", "target", "dim", "groups", "sizes", "shards"),
+    "split": ("source", "targets", "dim", "groups", "sizes", "shards"),
     "stack": ("source", "target", "index", "dim", "count"),
     "unstack": ("source", "target", "index", "dim", "count"),
     "rope_permute": ("tensors", "heads", "to", "dim"),
@@ -1131,8 +1212,8 @@ _OPTIONAL = ("optional",)
 _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # op: (required, optional) fields
     "rename": (("from", "to"), _OPTIONAL),
     "drop": (("tensors",), _OPTIONAL),
-    "concat": (("from", "to"), ("dim", "groups", "sizes", *_OPTIONAL)),
-    "split": (("from", "to"), ("dim", "groups", "sizes", *_OPTIONAL)),
+    "concat": (("from", "to"), ("dim", "groups", "sizes", "shards", *_OPTIONAL)),
+    "split": (("from", "to"), ("dim", "groups", "sizes", "shards", *_OPTIONAL)),
     "stack": (("from", "to", "index"), ("dim", "count", *_OPTIONAL)),
     "unstack": (("from", "to", "index"), ("dim", "count", *_OPTIONAL)),
     "rope_permute": (("tensors", "heads"), ("to", "dim", *_OPTIONAL)),
@@ -1174,12 +1255,12 @@ def _opt_expr(f: Mapping[str, object], key: str) -> Expr | None:
     return None if f.get(key) is None else _expr(f[key])
 
 
-def _sizes(f: Mapping[str, object]) -> tuple[Expr, ...] | None:
-    v = f.get("sizes")
+def _sizes(f: Mapping[str, object], key: str = "sizes") -> tuple[Expr, ...] | None:
+    v = f.get(key)
     if v is None:
         return None
     if not isinstance(v, list):
-        raise ConfigError(f"sizes: must be a list, e.g. [heads*head_dim, kv_heads*head_dim], got {v!r}")
+        raise ConfigError(f"{key}: must be a list, e.g. [heads*head_dim, kv_heads*head_dim], got {v!r}")
     return tuple(_expr(x) for x in v)
 
 
@@ -1206,9 +1287,9 @@ def _build(op: str, f: Mapping[str, Any], line: int) -> Op:
         groups = _expr(f.get("groups", 1))
         if op == "concat":
             pats = tuple(NamePattern(x) for x in _strs(f["from"], "from:"))
-            return Concat(pats, _str(f["to"], "to:"), dim, groups, _sizes(f), opt, line)
+            return Concat(pats, _str(f["to"], "to:"), dim, groups, _sizes(f), opt, line, _sizes(f, "shards"))
         src = NamePattern(_str(f["from"], "from:"))
-        return Split(src, _strs(f["to"], "to:"), dim, groups, _sizes(f), opt, line)
+        return Split(src, _strs(f["to"], "to:"), dim, groups, _sizes(f), opt, line, _sizes(f, "shards"))
     if op in ("stack", "unstack"):
         cls = Stack if op == "stack" else Unstack
         src = NamePattern(_str(f["from"], "from:"))

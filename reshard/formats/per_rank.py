@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -46,6 +47,7 @@ __all__ = [
     "source_layout",
     "manifest_layout",
     "exact_rules",
+    "local_names",
 ]
 
 RANK_FILE = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
@@ -234,6 +236,9 @@ class RankFiles:
     paths: tuple[Path, ...]
     headers: tuple[Header, ...]
     ranks: tuple[tuple[int, ...], ...]
+    names: tuple[Mapping[str, str], ...] = ()
+    """Per file (when any): an entry's name -> the tensor's name, where they differ
+    (``Own(NAME, local)``: experts under rank-local numbers)."""
 
     @classmethod
     def one_per_rank(cls, paths: Sequence[Path]) -> RankFiles:
@@ -246,7 +251,9 @@ class RankFiles:
         for files in self.ranks:
             where: dict[str, tuple[int, TensorEntry]] = {}
             for i in files:
-                for name in self.headers[i].names:
+                renamed = self.names[i] if self.names else {}
+                for entry_name in self.headers[i].names:
+                    name = renamed.get(entry_name, entry_name)
                     if name in where:
                         p = self.paths[i]
                         raise HeaderError(
@@ -255,7 +262,7 @@ class RankFiles:
                             path=str(p),
                             tensor=name,
                         )
-                    where[name] = (i, self.headers[i].entry(name))
+                    where[name] = (i, self.headers[i].entry(entry_name))
             out.append(where)
         return out
 
@@ -290,12 +297,14 @@ def open_per_rank(
     mesh: Mesh | None,
     placements_for: Callable[[str], Sequence[Placement | str]] | None,
     layout_source: str = "the layout",
+    names: Sequence[Mapping[str, str]] | None = None,
 ) -> Checkpoint:
     """Open a per-rank checkpoint.
 
     Global shapes and placements come from each file's ``reshard`` metadata, or,
     with ``placements_for`` (a source layout), are derived from local shapes and
-    checked on every rank.
+    checked on every rank. Per rank, ``names`` renames entries (a layout's
+    ``Own(NAME, local)``); self-described files carry their own (``local_names``).
 
     Raises:
         HeaderError: missing rank files, unreadable headers.
@@ -305,6 +314,9 @@ def open_per_rank(
     paths = _rank_paths(directory, strict=placements_for is None)
     files = RankFiles.one_per_rank(paths)
     mesh, desc0 = _rank_mesh(directory, paths, files.headers, mesh, described=placements_for is None)
+    if names is not None or placements_for is None:
+        renamed = tuple(names) if names is not None else local_names(files)
+        files = dataclasses.replace(files, names=renamed if any(renamed) else ())
     describe: Describe
     if placements_for is not None:
         describe = layout_describe(placements_for, mesh, paths[0], layout_source)
@@ -391,17 +403,18 @@ def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str
 
 
 def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
+    layout = geo.layout  # positional: built once per tensor, 100k times for an MoE checkpoint
     return TensorSource(
-        name=name,
-        dtype=dtype,
-        shape=geo.layout.shape,
-        piece_files=geo.files,
-        piece_offsets=offsets,
-        piece_blocks=geo.blocks,
-        signature=geo.signature,
-        piece_partials=geo.partials,
-        reduce_op=geo.layout.partial_op,
-        placements=geo.layout.placements,
+        name,
+        dtype,
+        layout.shape,
+        geo.files,
+        offsets,
+        geo.blocks,
+        geo.signature,
+        geo.partials,
+        layout.partial_op,
+        layout.placements,
     )
 
 
@@ -486,6 +499,8 @@ def _uniform_order(files: RankFiles) -> tuple[int, ...] | None:
     hold the same tensors with the same dtypes, local shapes and offsets.
     """
     heads = files.headers
+    if files.names:  # renamed entries: the same entries are other tensors on each rank
+        return None
     if all(len(r) == 1 for r in files.ranks) and all(h.entries is heads[0].entries for h in heads):
         return tuple(r[0] for r in files.ranks)
     return None
@@ -695,13 +710,19 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
     if not path.is_dir():
         raise UsageError(f"{path}: a per-rank checkpoint is a directory", path=str(path))
     cfg = source_layout(options)
+    names = None
     if cfg is not None and any(r.own is not None for r in cfg.rules):  # Own(...) deals by the names held
-        cfg = cfg.assign(n for p in _rank_paths(path, strict=False) for n in read_header(p).names)
+        held = [read_header(p).names for p in _rank_paths(path, strict=False)]
+        if any(r.own is not None and r.own[1].local for r in cfg.rules):  # rank-local numbers
+            names = cfg.global_names(held)
+            held = [tuple(m.get(n, n) for n in h) for h, m in zip(held, names)]
+        cfg = cfg.assign(n for h in held for n in h)
     ckpt = open_per_rank(
         path,
         mesh=cfg.mesh if cfg is not None else None,
         placements_for=cfg.placements_for if cfg is not None else None,
         layout_source=cfg.source if cfg is not None else "the layout",
+        names=names,
     )
     manifest = read_manifest(path)
     ckpt.manifest = manifest
@@ -810,18 +831,88 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     ordered = header_order(tensors)
-    if any(t.layout.assigned for t in ordered):  # Own(...): a rank's file leaves out others' tensors
-        text = (1, tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in ordered))
-        mine = [[t for t in ordered if t.layout.holds(c)] for c in mesh.coordinates()]
-    else:
-        text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
-        mine = [ordered] * mesh.size
+    if any(t.layout.assigned for t in ordered):
+        return _owned_files(ordered, mesh, options.file_names or {})
+    text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
     return [
         SafetensorsFile(
-            rank_file_name(rank, mesh.size), rank, mine[rank], metadata_text(rank_metadata(mesh, rank, text))
+            rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))
         )
         for rank in range(mesh.size)
     ]
+
+
+def _owned_files(ordered: Sequence[TargetTensor], mesh: Mesh, renamed: Mapping[str, str]) -> list[OutFile]:
+    """``Own(...)``: a rank's file leaves out the tensors it does not own (format version 1, which
+    describes every tensor). Tensors ``renamed`` (``Own(NAME, local)``) are stored under their
+    rank-local names, in the reference writer's order of those names, and the file's metadata
+    maps them back: ``"local_names": {name in this file: tensor name}``.
+    """
+    text = tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in ordered)
+    out: list[OutFile] = []
+    for rank, coord in enumerate(mesh.coordinates()):
+        mine = [t for t in ordered if t.layout.holds(coord)]
+        names, extra = None, ""
+        if renamed:
+            pairs = sorted(
+                ((renamed.get(t.name, t.name), t) for t in mine),
+                key=lambda p: (-DTYPE_RANK[p[1].dtype], p[0]),
+            )
+            _check_unique(pairs, rank)
+            mine, names = [t for _, t in pairs], [n for n, _ in pairs]
+            local = {n: t.name for n, t in pairs if n != t.name}
+            extra = ',"local_names":' + json.dumps(local, separators=(",", ":")) if local else ""
+        meta = metadata_text(rank_metadata(mesh, rank, (1, text + extra)))
+        out.append(SafetensorsFile(rank_file_name(rank, mesh.size), rank, mine, meta, names))
+    return out
+
+
+def _check_unique(pairs: Sequence[tuple[str, TargetTensor]], rank: int) -> None:
+    """No two tensors of one rank's file under one name (a rank-local name taken by another tensor)."""
+    seen: dict[str, str] = {}
+    for n, t in pairs:
+        if n in seen:
+            raise LayoutError(
+                f'tensors "{seen[n]}" and "{t.name}" would both be named "{n}" in rank {rank}\'s file: '
+                "Own(NAME, local) renumbers a tensor to a name another tensor of that rank has; "
+                "change the layout's rules so only one of them is renumbered",
+                tensor=t.name,
+            )
+        seen[n] = t.name
+
+
+def local_names(files: RankFiles) -> tuple[dict[str, str], ...]:
+    """Per file, the ``local_names`` its reshard metadata records (``Own(NAME, local)``: an entry's
+    name -> the tensor's), each naming an entry of the file.
+
+    Raises:
+        HeaderError: the member is not an object of names the file holds.
+    """
+    out = []
+    for p, h in zip(files.paths, files.headers):
+        raw = (h.metadata or {}).get("reshard")
+        found: dict[str, str] = {}
+        if raw is not None and '"local_names"' in raw:
+            where = str(p)
+            data = expect_object(
+                load_json(raw.encode(), path=where, what="reshard metadata", error=HeaderError),
+                path=where,
+                field="the reshard metadata",
+                error=HeaderError,
+            )
+            found = expect_object(
+                data.get("local_names"), path=where, field="reshard.local_names", error=HeaderError
+            )
+            held = set(h.names)
+            for k, v in found.items():
+                if k not in held or not isinstance(v, str):
+                    raise HeaderError(
+                        f"{p}: invalid reshard metadata (local_names maps {k!r} to {v!r}; it must map "
+                        "names this file holds to tensor names)",
+                        path=where,
+                    )
+        out.append(found)
+    return tuple(out)
 
 
 WRITER = Writer(

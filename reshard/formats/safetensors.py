@@ -30,20 +30,27 @@ __all__ = ["SafetensorsFile", "header_order", "metadata_text", "split_parts"]
 class SafetensorsFile(OutFile):
     """A safetensors output file: the header, then each tensor's block back to back."""
 
-    __slots__ = ("_meta", "_sec")
+    __slots__ = ("_meta", "_sec", "_names")
 
     def __init__(
-        self, name: str, rank: int | None, tensors: Sequence[TargetTensor], meta: str | None
+        self,
+        name: str,
+        rank: int | None,
+        tensors: Sequence[TargetTensor],
+        meta: str | None,
+        names: Sequence[str] | None = None,
     ) -> None:
         """``tensors`` in header order (:func:`header_order`); ``meta`` the JSON text of ``__metadata__``
-        (None: no ``__metadata__``, as ``save_file`` without metadata writes)."""
+        (None: no ``__metadata__``, as ``save_file`` without metadata writes); ``names`` the
+        entries' names when not the tensors' own (``Own(NAME, local)`` rank files)."""
         super().__init__(name, rank, tensors)
         self._meta = meta
         self._sec: _Section | None = None
+        self._names = names
 
     def lay_out(self) -> FileLayout:
         r = self.local_rank
-        sec = self._sec = _section(self.tensors)  # held: the siblings find it while this file lives
+        sec = self._sec = _section(self.tensors, self._names)  # held: siblings find it while this file lives
         texts = tuple(_local_texts(lay, dtype)[r] for lay, dtype in sec.geometries)
         last = sec.last
         if last is None or last[0] != texts:  # siblings with equal local shapes share one section
@@ -65,9 +72,9 @@ class _Section:
 
     __slots__ = ("tensors", "quoted", "geometries", "geometry", "last", "__weakref__")
 
-    def __init__(self, tensors: Sequence[TargetTensor]) -> None:
+    def __init__(self, tensors: Sequence[TargetTensor], names: Sequence[str] | None) -> None:
         self.tensors = tensors  # keeps the list's id its own while the section lives
-        self.quoted = _quoted_names([t.name for t in tensors])
+        self.quoted = _quoted_names(list(names) if names is not None else [t.name for t in tensors])
         index: dict[tuple[int, str], int] = {}
         self.geometries: list[tuple[TensorLayout, str]] = []
         self.geometry: list[int] = []
@@ -84,12 +91,15 @@ _SECTIONS: weakref.WeakValueDictionary[int, _Section] = weakref.WeakValueDiction
 _SECTIONS_LOCK = threading.Lock()
 
 
-def _section(tensors: Sequence[TargetTensor]) -> _Section:
-    """The section shared by the files of ``tensors`` (alive while one of their layouts is)."""
+def _section(tensors: Sequence[TargetTensor], names: Sequence[str] | None = None) -> _Section:
+    """The section shared by the files of ``tensors`` (alive while one of their layouts is);
+    ``names``: the entries' names, when not the tensors' own (a section of its own)."""
+    if names is not None:
+        return _Section(tensors, names)
     with _SECTIONS_LOCK:
         sec = _SECTIONS.get(id(tensors))
         if sec is None or sec.tensors is not tensors:
-            sec = _SECTIONS[id(tensors)] = _Section(tensors)
+            sec = _SECTIONS[id(tensors)] = _Section(tensors, None)
         return sec
 
 

@@ -10,6 +10,7 @@ does); the transformed full tensors come from torch ops (cat, stack, view+transp
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,63 @@ def test_plan_shows_which_source_tensors_feed_each_target(hf: Path, tmp_path: Pa
     # the plan's bytes are what convert writes
     c = run("convert", str(hf), str(tmp_path / "out"), *args, "--json")
     assert json.loads(c.stdout)["bytes_written"] == doc["totals"]["bytes_written"]
+
+
+def _row_runs(text: str) -> list[tuple[int, int, str]]:
+    """The ``rows: holders`` of the first table of a ``--show`` picture (one column)."""
+    out = []
+    for line in text.split("\n\n")[0].splitlines():
+        m = re.match(r"│ (\d+):(\d+) +│ +([\d,\-]+) +│$", line)
+        if m:
+            out.append((int(m[1]), int(m[2]), m[3]))
+    return out
+
+
+def test_plan_show_draws_a_fused_target_by_the_source_tensors_feeding_it(hf: Path, tmp_path: Path) -> None:
+    """Megatron's grouped QKV: which rows come from q, k and v, by torch's own grouped cat of labels."""
+    (tmp_path / "meg.yaml").write_text(
+        'mesh: {tp: 2}\nplacements:\n  "*.linear_qkv.weight": S(0)\n  "*": R\n'
+    )
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    args = ["--transforms", "hf-to-megatron-gpt", "--target-layout", str(tmp_path / "meg.yaml")]
+    p = run("plan", str(hf), *args, "--show", name)
+    assert p.returncode == 0, p.stderr
+    hf_full = llama_hf()
+    labels = {
+        f"model.layers.0.self_attn.{x}_proj.weight": torch.full_like(
+            hf_full[f"model.layers.0.self_attn.{x}_proj.weight"], i
+        )
+        for i, x in enumerate("qkv")
+    }
+    rows = megatron_full({**hf_full, **labels})[name][:, 0].tolist()  # each row's source number
+    want = []
+    for i, r in enumerate(rows):
+        if want and want[-1][2] == str(int(r)):
+            want[-1] = (want[-1][0], i + 1, want[-1][2])
+        else:
+            want.append((i, i + 1, str(int(r))))
+    assert _row_runs(p.stdout) == want
+    doc = json.loads(run("plan", str(hf), *args, "--json").stdout)
+    for i, f in enumerate(doc["transforms"]["feeds"][name]):  # plan's regions and byte ranges, numbered
+        region = ",".join(f"{a}:{b}" for a, b in f["region"])
+        span = f"bytes {f['byte_range'][0]}..{f['byte_range'][1]}"
+        assert f"source {i}: {f['source']} [{region}] {span}" in p.stdout
+    target = p.stdout.split(f"{name}: target")[1]
+    assert _row_runs(target.lstrip("\n").split("\n", 1)[1]) == [(0, 32, "0"), (32, 64, "1")]  # S(0) on tp=2
+    assert "source 2\nmodel.layers.0.self_attn.v_proj.weight: shape [16, 32]" in p.stdout
+
+
+def test_plan_show_through_transforms_draws_padding_and_names_unknown_targets(
+    hf: Path, tmp_path: Path
+) -> None:
+    args = ["--transforms", "hf-to-vllm", "--target-mesh", "tp=2", "--target-layout", "llama-tp"]
+    p = run("plan", str(hf), *args, "--show", "model.embed_tokens.weight")
+    assert p.returncode == 0, p.stderr
+    assert _row_runs(p.stdout) == [(0, 50, "0"), (50, 64, "1")]  # vocab 50 padded to 64 with zeros
+    assert f"1: zeros ({(64 - 50) * 32 * 4 / 1024:.2f} KiB)" in p.stdout
+    p = run("plan", str(hf), *args, "--show", "model.layers.0.self_attn.q_proj.weight")  # a source name
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "did you mean 'model.layers.0.self_attn.qkv_proj.weight'" in " ".join(p.stderr.split())
 
 
 def megatron_full(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -525,3 +583,95 @@ def test_hf_to_torchtitan_tp2_equals_torchtitans_own_adapter_split(hf: Path, tmp
     assert sorted(got) == sorted(want)
     for n, t in want.items():
         assert torch.equal(got[n], t.contiguous()), n
+
+
+VLLM_TP4 = """\
+mesh: {tp: 4}
+placements:
+  "*.self_attn.qkv_proj.weight": S(0)
+  "*.mlp.gate_up_proj.weight": S(0)
+  "*.self_attn.o_proj.weight": S(1)
+  "*.mlp.down_proj.weight": S(1)
+  "model.embed_tokens.weight": S(0)
+  "lm_head.weight": S(0)
+  "*": R
+"""
+
+
+def test_hf_to_vllm_sharded_state_tp4_with_replicated_kv_heads_and_back(hf: Path, tmp_path: Path) -> None:
+    """--set tp=4 (2 KV heads: each held by two ranks): vLLM's own sharded-state files, each rank's
+    qkv_proj = [q_r; k_(r//2); v_(r//2)] by torch.chunk and cat; back to HF byte for byte."""
+    from tests.unit.test_transform_profiles import vllm_rank_qkv
+
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    out, back = tmp_path / "vllm", tmp_path / "back"
+    args = ["--transforms", "hf-to-vllm", "--set", "tp=4"]
+    p = run("convert", str(hf), str(out), *args, "--target-layout", str(tmp_path / "vllm.yaml"),
+            "--to", "sharded-state")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    full = load_file(str(hf / "model.safetensors"))
+    for r in range(4):
+        got = load_file(str(out / f"model-rank-{r}-part-0.safetensors"))
+        for i in range(2):
+            pre = f"model.layers.{i}."
+            q, k, v = (full[pre + f"self_attn.{x}_proj.weight"] for x in "qkv")
+            assert torch.equal(got[pre + "self_attn.qkv_proj.weight"], vllm_rank_qkv(q, k, v, 2, 4, r)), (
+                r,
+                i,
+            )
+            gate_up = torch.cat(
+                [torch.chunk(full[pre + f"mlp.{x}_proj.weight"], 4)[r] for x in ("gate", "up")]
+            )
+            assert torch.equal(got[pre + "mlp.gate_up_proj.weight"], gate_up), (r, i)
+        padded = torch.nn.functional.pad(full["model.embed_tokens.weight"], (0, 0, 0, 64 - 50))
+        assert torch.equal(got["model.embed_tokens.weight"], torch.chunk(padded, 4)[r])
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert (
+        manifest["transforms"]["set"] == {"tp": 4}
+        and {"tp": 4}.items() <= manifest["transforms"]["spec"]["config"].items()
+    )
+    p = run("convert", str(out), str(back), *args, "--inverse", "--consolidate",
+            "--model-config", str(hf / "config.json"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    a = tmp_path / "a"  # the HF model as reshard writes it (the same header metadata)
+    assert run("convert", str(hf), str(a), "--consolidate").returncode == 0
+    assert (back / "model.safetensors").read_bytes() == (a / "model.safetensors").read_bytes()
+    p = run("verify", str(hf), str(out), *args)  # HF seen through the transforms = the vLLM files
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["--set", "tp=3"], "heads / tp': 4 / 3 is not a whole number"),
+        (["--set", "tp"], "--set 'tp': write NAME=INTEGER"),
+        (["--set", "tp=two"], "--set 'tp=two': write NAME=INTEGER"),
+    ],
+)
+def test_set_values_that_do_not_fit_exit_2_naming_the_rule(
+    hf: Path, tmp_path: Path, sets: list[str], message: str
+) -> None:
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4.replace("tp: 4", "tp: 3"))
+    dst = tmp_path / "out"
+    p = run("convert", str(hf), str(dst), "--transforms", "hf-to-vllm", *sets,
+            "--target-layout", str(tmp_path / "vllm.yaml"))  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert message in " ".join(p.stderr.split()) and "Traceback" not in p.stderr and not dst.exists()
+    p = run("plan", str(hf), "--consolidate", "--set", "tp=2")
+    assert p.returncode == 2 and "need --transforms" in p.stderr
+
+
+def test_the_python_api_takes_set_values(hf: Path, tmp_path: Path) -> None:
+    from reshard.api import compare_checkpoints, convert_checkpoint
+
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    out = tmp_path / "vllm"
+    convert_checkpoint(
+        hf, out, transforms="hf-to-vllm", sets=["tp=4"], target_layout=str(tmp_path / "vllm.yaml")
+    )
+    assert compare_checkpoints(hf, out, transforms="hf-to-vllm", sets=["tp=4"])["equal"]
+    logical = compare_checkpoints(hf, out, transforms="hf-to-vllm")  # tp 1: [q; k; v], another order
+    assert not logical["equal"]
+    assert {d["tensor"] for d in logical["differences"]} == {
+        f"model.layers.{i}.{t}.weight" for i in range(2) for t in ("self_attn.qkv_proj", "mlp.gate_up_proj")
+    }

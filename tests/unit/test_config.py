@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -964,5 +965,27 @@ def test_own_needs_a_named_group_in_a_regex_and_a_mesh_dim() -> None:
     assert rule.own == ("ep", Own("e", local=True))
     assert rule.to_json() == {"fsdp": "S(0)", "ep": "Own(e, local)"}
     assert cfg.placements_for("l.0.other") == (Replicate(), Replicate())
-    with pytest.raises(LayoutError, match=r'tensor "l.0.experts.7.w1".*rank-local numbers'):
-        cfg.assign([f"l.0.experts.{e}.w1" for e in range(8)]).placements_for("l.0.experts.7.w1")
+    names = [f"l.{layer}.experts.{e}.w1" for layer in (0, 1) for e in range(8)]
+    bound = cfg.assign(names)
+    assert [str(p) for p in bound.placements_for("l.1.experts.7.w1")] == ["S(0)", "Own(3)"]
+    local = bound.file_names()  # expert e on ep rank e // 2 is local e % 2; 0 and 1 keep their names
+    assert local == {
+        n: re.sub(r"\.(\d+)\.w1", lambda m: f".{int(m[1]) % 2}.w1", n)
+        for n in names
+        if int(n.split(".")[3]) > 1
+    }
+    held = [[f"l.{layer}.experts.{j}.w1" for layer in (0, 1) for j in (0, 1)]] * 8  # rank = fsdp * 4 + ep
+    back = bound.global_names(held)
+    assert back[5] == {
+        "l.0.experts.0.w1": "l.0.experts.2.w1",
+        "l.0.experts.1.w1": "l.0.experts.3.w1",
+        "l.1.experts.0.w1": "l.1.experts.2.w1",
+        "l.1.experts.1.w1": "l.1.experts.3.w1",
+    }
+    assert back[0] == {} and back[4] == {}
+    with pytest.raises(
+        LayoutError, match=r"rank 3 holds the tensors l.0.experts.\*.w1 numbered \[0\], rank 0 \[0, 1\]"
+    ):
+        bound.global_names(
+            [*held[:3], ["l.0.experts.0.w1", "l.1.experts.0.w1", "l.1.experts.1.w1"], *held[4:]]
+        )

@@ -37,7 +37,9 @@ def _write_tp8(plan, out: Path) -> Path:
     return out
 
 
-def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: int) -> int:
+def _run(
+    plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: int, buffer_size: int = 4096
+) -> int:
     """Bytes read from the source by pread while executing ``plan`` (contiguous runs included)."""
     monkeypatch.setattr(ex, "GROUP_FILES", group)
     read = [0]
@@ -50,7 +52,7 @@ def _run(plan, out: Path, monkeypatch: pytest.MonkeyPatch, group: int, workers: 
 
     monkeypatch.setattr(os, "preadv", counting)  # every source read is a pread
     out.mkdir()
-    ex.execute_plan(plan, out, workers=workers, buffer_size=4096)
+    ex.execute_plan(plan, out, workers=workers, buffer_size=buffer_size)
     monkeypatch.setattr(os, "preadv", real)
     return read[0]
 
@@ -208,3 +210,30 @@ def test_read_window_hits_misses_and_limits(tmp_path: Path) -> None:
         assert b.read(src, 0, 0, 4096, 0, 4096) is None  # even the span does not fit
     finally:
         src.close()
+
+
+def test_rope_permuted_rows_are_read_once_not_a_window_per_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RoPE permutation alternates rows half a head apart; each file keeps several windows,
+    so the rows are read about once (one window a file re-read a whole window per row: 28x at
+    2 GB), and the bytes are torch's permutation split by torch."""
+    monkeypatch.setattr(ex, "_RUNS", {})
+    monkeypatch.setattr(ex, "_WINDOW", 8192)  # a window: half a head
+    heads, hd, d = 4, 64, 128  # 256-byte rows of f16; half a head: 32 rows = 8 KiB
+    w = torch.randn(heads * hd, d, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    save_file({"wq": w}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "t.yaml").write_text(
+        f"transforms:\n  - rope_permute: {{tensors: wq, heads: {heads}, to: meta}}\n"
+    )
+    (tmp_path / "l.yaml").write_text("mesh: {tp: 2}\nplacements:\n  wq: {tp: S(0)}\n")
+    ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
+    spec = TargetSpec(layout=str(tmp_path / "l.yaml"), transforms=str(tmp_path / "t.yaml"))
+    plan = build_plan(ck, resolve_target(ck, spec))
+    read = _run(plan, tmp_path / "out", monkeypatch, group=1, workers=1, buffer_size=1 << 20)
+    assert read <= 2 * w.numel() * 2  # about once (windows overlap a little at their ends)
+    # meta order: within each head, rows (0, hd/2, 1, hd/2+1, ...), as torchtitan's permute
+    meta = w.view(heads, 2, hd // 2, d).transpose(1, 2).reshape(heads * hd, d)
+    for r, part in enumerate(torch.chunk(meta, 2)):
+        got = load_file(str(tmp_path / "out" / f"rank-{r:05d}-of-00002.safetensors"))["wq"]
+        assert torch.equal(got, part)

@@ -271,3 +271,54 @@ def test_missing_expert_is_named() -> None:
             {n: tuple(t.shape) for n, t in hf.items()},
             config=MIXTRAL,
         )
+
+
+def vllm_rank_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int, tp: int, r: int
+) -> torch.Tensor:
+    """What vLLM's QKVParallelLinear holds on TP rank r: its chunk of q, and KV head chunk
+    ``r // (tp / kv_heads)`` when the KV heads are replicated (tp > kv_heads), else chunk r."""
+    kv_chunk = r * kv_heads // tp if tp > kv_heads else r
+    kv_parts = min(tp, kv_heads)
+    return torch.cat(
+        [torch.chunk(q, tp)[r], torch.chunk(k, kv_parts)[kv_chunk], torch.chunk(v, kv_parts)[kv_chunk]]
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tp"), [(4, 2, 1), (4, 2, 2), (4, 2, 4), (8, 4, 2), (8, 2, 8), (4, 1, 4)]
+)
+def test_hf_to_vllm_with_tp_orders_rows_as_vllm_ranks_hold_them(heads: int, kv_heads: int, tp: int) -> None:
+    """--set tp=N: S(0) of the fused tensors gives each rank vLLM's [q_r; k_r; v_r], [gate_r; up_r]."""
+    cfg = {**LLAMA, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    hf = llama_hf(cfg)
+    spec = load_transforms("hf-to-vllm").with_values({"tp": tp})  # --set tp=N
+    got = run_spec(spec, numpy_of(hf), cfg)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        q, k, v = (hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
+        qkv = torch.from_numpy(got[p + "self_attn.qkv_proj.weight"])
+        gate_up = torch.from_numpy(got[p + "mlp.gate_up_proj.weight"])
+        for r in range(tp):
+            assert torch.equal(torch.chunk(qkv, tp)[r], vllm_rank_qkv(q, k, v, kv_heads, tp, r)), (i, r)
+            want = torch.cat([torch.chunk(gate, tp)[r], torch.chunk(up, tp)[r]])
+            assert torch.equal(torch.chunk(gate_up, tp)[r], want), (i, r)
+    back = run_spec(inverse(spec), got, cfg)  # the first copy of each replicated KV head
+    assert_same(back, hf)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tp", "message"),
+    [
+        (4, 2, 3, r"heads / tp.*4 / 3 is not a whole number"),
+        (6, 3, 2, r"kv_heads / kv_shards.*3 / 2 is not a whole number"),
+        (6, 2, 3, r"shards \[3, 2, 2\] do not fit: each must divide groups: 3"),
+    ],
+)
+def test_hf_to_vllm_refuses_a_tp_that_does_not_divide_the_heads(
+    heads: int, kv_heads: int, tp: int, message: str
+) -> None:
+    cfg = {**LLAMA, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": 8 * heads}
+    with pytest.raises(ConfigError, match=message):
+        run_spec(load_transforms("hf-to-vllm").with_values({"tp": tp}), numpy_of(llama_hf(cfg)), cfg)

@@ -283,6 +283,10 @@ YAML_ERRORS = [
     ("transforms: []\nmesh: {tp: 2}\nconfig: {h: [1]}\n", "spec.yaml:3: config 'h': a size must be"),
     ("transfroms: []\n", "unknown top-level key 'transfroms'; did you mean 'transforms'?"),
     ("transforms:\n  - drop: {tensors: a, optional: 1}\n", "optional: must be true or false, got 1"),
+    ("transforms:\n  - split: {from: a, to: [b, c], sizes: [abs(1), 1]}\n", "min(..) and max(..)"),
+    ("transforms:\n  - split: {from: a, to: [b, c], sizes: [min(x=1), 1]}\n", "min(..) and max(..)"),
+    ("transforms:\n  - split: {from: a, to: [b, c], shards: [1, 1]}\n", "split with shards: needs sizes:"),
+    ("transforms:\n  - concat: {from: [a, b], to: c, shards: [1]}\n", "shards: has 1 entries but from:"),
 ]  # fmt: skip
 
 
@@ -360,3 +364,21 @@ def test_to_json_dumps_back_to_the_same_spec(profile: str) -> None:
         assert (again.ops, again.config, again.allow_unused) == (spec.ops, spec.config, spec.allow_unused)
     text = yaml.safe_dump(inverse(load_transforms("hf-to-megatron-gpt")).to_json(), sort_keys=False)
     assert "split:" in text and "unpad:" in text
+
+
+def test_concat_shards_repeat_chunks_and_split_reads_the_first_copy() -> None:
+    """groups 4, b cut into 2 chunks each held by two groups: [a0 b0 a1 b0 a2 b1 a3 b1] (torch.cat)."""
+    spec = spec_of("""
+        config: {n: 2}
+        transforms:
+          - concat: {from: [a, b], to: f, groups: 4, sizes: [8, 4], shards: [4, "max(1, min(n, 4))"]}
+        """)
+    a, b = torch.arange(8 * 3).reshape(8, 3), 100 + torch.arange(4 * 3).reshape(4, 3)
+    got = run_spec(spec, {"a": a.numpy(), "b": b.numpy()})
+    ca, cb = torch.chunk(a, 4), torch.chunk(b, 2)
+    want = torch.cat([x for g in range(4) for x in (ca[g], cb[g // 2])])
+    assert torch.equal(torch.from_numpy(got["f"]), want)
+    back = run_spec(inverse(spec), got)
+    assert torch.equal(torch.from_numpy(back["a"]), a) and torch.equal(torch.from_numpy(back["b"]), b)
+    with pytest.raises(ConfigError, match=r"shards \[4, 3\] do not fit: each must divide groups: 4"):
+        apply(spec.with_values({"n": 3}), {"a": (8, 3), "b": (4, 3)})
