@@ -175,9 +175,10 @@ def _quoted_names(names: list[str]) -> list[str]:
     """Each name as JSON text (``json.dumps(name, ensure_ascii=False)``, as the reference writer
     quotes it): names of printable characters other than ``"`` and ``\\`` need no escape, so
     100k of them are quoted by one join and one split."""
-    text = "".join(names)
-    if text.isprintable() and '"' not in text and "\\" not in text:
-        return ('"' + '"\n"'.join(names) + '"').split("\n") if names else []
+    if all(map(str.isprintable, names)):  # no control character (no newline either)
+        text = '"' + '"\n"'.join(names) + '"'
+        if text.count('"') == 2 * len(names) and "\\" not in text:
+            return text.split("\n") if names else []
     return [json.dumps(name, ensure_ascii=False) for name in names]
 
 

