@@ -43,50 +43,7 @@ def human(n: float) -> str:
 
 def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     """Format, mesh, files and per-tensor facts, from headers only."""
-    tensors = []
-    total = 0
-    params = 0
-    shapes: dict[int, tuple[list[list[int]], bool]] = {}
-    # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
-    lists: dict[int, tuple[object, list[Any] | None]] = {}
-
-    def shared(value: Any) -> list[Any] | None:
-        if value is None:
-            return None
-        hit = lists.get(id(value))
-        if hit is None or hit[0] is not value:
-            hit = lists[id(value)] = (value, [str(p) for p in value])
-        return hit[1]
-
-    for name in natural_sorted(ck.tensors):
-        t = ck.tensors[name]
-        nbytes = t.numel * DTYPE_SIZES[t.dtype]
-        total += nbytes
-        params += t.numel
-        geo = shapes.get(id(t.piece_blocks))
-        if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
-            locals_ = [list(block_shape(b)) for b in t.piece_blocks]
-            geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
-        locals_, uniform = geo
-        chunks = {}
-        if ck.format == "dcp":
-            chunks["chunks"] = [
-                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
-                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
-            ]
-        tensors.append(
-            {
-                **chunks,
-                "name": t.name,
-                "dtype": t.dtype,
-                "shape": _shape_list(t.shape, lists),
-                "placements": shared(t.placements),
-                "local_shapes": locals_,
-                "uniform": uniform,
-                "pieces": len(t.piece_blocks),
-                "bytes": nbytes,
-            }
-        )
+    tensors, total, params = _tensor_rows(ck)
     doc: dict[str, Any] = {
         "path": ck.path,
         "format": ck.format,
@@ -113,12 +70,55 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     return doc
 
 
-def _shape_list(shape: tuple[int, ...], lists: dict[int, tuple[object, list[Any] | None]]) -> list[int]:
-    hit = lists.get(id(shape))
-    if hit is None or hit[0] is not shape:
-        hit = lists[id(shape)] = (shape, list(shape))
-    assert hit[1] is not None
-    return hit[1]
+def _tensor_rows(ck: Checkpoint) -> tuple[list[dict[str, Any]], int, int]:
+    """The report's row of each tensor in natural name order, the total bytes and elements."""
+    tensors = []
+    total = 0
+    params = 0
+    shapes: dict[int, tuple[list[list[int]], bool]] = {}
+    # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
+    lists: dict[int, tuple[object, list[Any] | None]] = {}
+
+    def shared(value: Any) -> list[Any] | None:
+        if value is None:
+            return None
+        hit = lists.get(id(value))
+        if hit is None or hit[0] is not value:
+            hit = lists[id(value)] = (value, [str(p) for p in value])
+        return hit[1]
+
+    by_shape: dict[int, tuple[tuple[int, ...], list[int], int]] = {}  # shape, as a list, numel
+    dcp = ck.format == "dcp"
+    for name in natural_sorted(ck.tensors):
+        t = ck.tensors[name]
+        shape = by_shape.get(id(t.shape))
+        if shape is None or shape[0] is not t.shape:  # shapes are shared by the reader's tensors
+            shape = by_shape[id(t.shape)] = (t.shape, list(t.shape), t.numel)
+        nbytes = shape[2] * DTYPE_SIZES[t.dtype]
+        total += nbytes
+        params += shape[2]
+        geo = shapes.get(id(t.piece_blocks))
+        if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
+            locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+            geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
+        row = {
+            "name": t.name,
+            "dtype": t.dtype,
+            "shape": shape[1],
+            "placements": shared(t.placements),
+            "local_shapes": geo[0],
+            "uniform": geo[1],
+            "pieces": len(t.piece_blocks),
+            "bytes": nbytes,
+        }
+        if dcp:
+            chunks = [
+                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
+                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
+            ]
+            row = {"chunks": chunks, **row}
+        tensors.append(row)
+    return tensors, total, params
 
 
 _DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
