@@ -293,12 +293,37 @@ def _no_json_show(show: str | None, json_: bool) -> None:
 
 
 def _emit(doc: dict[str, Any]) -> None:
-    # indented for people; a large document (100k tensors) compact, so the C encoder writes it
+    # indented for people; a large document (100k tensors) compact, so a C encoder writes it
     large = sum(len(v) for v in doc.values() if isinstance(v, list)) > _COMPACT_JSON_ITEMS
     full = {"schema": 1, **doc}
-    text = json.dumps(full, separators=(",", ":")) if large else json.dumps(full, indent=2)
-    sys.stdout.write(text + "\n")
+    raw = _orjson_text(full) if large else None
+    out = getattr(sys.stdout, "buffer", None)
+    if raw is not None and out is not None:  # the bytes as they are: no str copy of 20 MB
+        sys.stdout.flush()
+        out.write(raw)
+        out.write(b"\n")
+        out.flush()
+        return
+    if raw is not None:
+        text = raw.decode()
+    else:
+        text = json.dumps(full, separators=(",", ":")) if large else json.dumps(full, indent=2)
+    sys.stdout.write(text)
+    sys.stdout.write("\n")
     sys.stdout.flush()
+
+
+def _orjson_text(doc: dict[str, Any]) -> bytes | None:
+    """``json.dumps(doc, separators=(",", ":"))``'s text as bytes, by orjson (100k tensors: a
+    tenth of the time) when it gives the same: an ASCII document (the stdlib escapes other
+    characters). None without orjson, or for a value it does not take (an int over 64 bits)."""
+    try:
+        import orjson
+
+        raw = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)
+    except (ImportError, TypeError):
+        return None
+    return raw if raw.isascii() else None
 
 
 @contextmanager

@@ -181,7 +181,10 @@ def check_heads(source: Checkpoint, rules: LayoutConfig | None, mesh: Mesh) -> l
     """
     if rules is None:
         return []
-    names = [n for n in source.tensors if _FUSED_QKV.fullmatch(n) or _KV_ROWS.fullmatch(n)]
+    # both patterns hold "_proj.": a substring test first, regexes for the few that pass (100k names)
+    names = [
+        n for n in source.tensors if "_proj." in n and (_FUSED_QKV.fullmatch(n) or _KV_ROWS.fullmatch(n))
+    ]
     if not names:
         return []
     heads = read_heads(_model_dir(source))

@@ -11,7 +11,7 @@ from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
 from .intervals import Block, block_shape, box_span, format_box
-from .plan import Plan, copy_boxes
+from .plan import Plan, copy_boxes, natural_sorted
 from .text import markup_safe, shown
 from .transform_plan import feeds, piece_strides
 
@@ -43,52 +43,7 @@ def human(n: float) -> str:
 
 def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     """Format, mesh, files and per-tensor facts, from headers only."""
-    tensors = []
-    total = 0
-    params = 0
-    from .plan import natural_key
-
-    shapes: dict[int, tuple[list[list[int]], bool]] = {}
-    # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
-    lists: dict[int, tuple[object, list[Any] | None]] = {}
-
-    def shared(value: Any) -> list[Any] | None:
-        if value is None:
-            return None
-        hit = lists.get(id(value))
-        if hit is None or hit[0] is not value:
-            hit = lists[id(value)] = (value, [str(p) for p in value])
-        return hit[1]
-
-    for name in sorted(ck.tensors, key=natural_key):
-        t = ck.tensors[name]
-        nbytes = t.numel * DTYPE_SIZES[t.dtype]
-        total += nbytes
-        params += t.numel
-        geo = shapes.get(id(t.piece_blocks))
-        if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
-            locals_ = [list(block_shape(b)) for b in t.piece_blocks]
-            geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
-        locals_, uniform = geo
-        chunks = {}
-        if ck.format == "dcp":
-            chunks["chunks"] = [
-                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
-                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
-            ]
-        tensors.append(
-            {
-                **chunks,
-                "name": t.name,
-                "dtype": t.dtype,
-                "shape": _shape_list(t.shape, lists),
-                "placements": shared(t.placements),
-                "local_shapes": locals_,
-                "uniform": uniform,
-                "pieces": len(t.piece_blocks),
-                "bytes": nbytes,
-            }
-        )
+    tensors, total, params = _tensor_rows(ck)
     doc: dict[str, Any] = {
         "path": ck.path,
         "format": ck.format,
@@ -115,12 +70,55 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     return doc
 
 
-def _shape_list(shape: tuple[int, ...], lists: dict[int, tuple[object, list[Any] | None]]) -> list[int]:
-    hit = lists.get(id(shape))
-    if hit is None or hit[0] is not shape:
-        hit = lists[id(shape)] = (shape, list(shape))
-    assert hit[1] is not None
-    return hit[1]
+def _tensor_rows(ck: Checkpoint) -> tuple[list[dict[str, Any]], int, int]:
+    """The report's row of each tensor in natural name order, the total bytes and elements."""
+    tensors = []
+    total = 0
+    params = 0
+    shapes: dict[int, tuple[list[list[int]], bool]] = {}
+    # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
+    lists: dict[int, tuple[object, list[Any] | None]] = {}
+
+    def shared(value: Any) -> list[Any] | None:
+        if value is None:
+            return None
+        hit = lists.get(id(value))
+        if hit is None or hit[0] is not value:
+            hit = lists[id(value)] = (value, [str(p) for p in value])
+        return hit[1]
+
+    by_shape: dict[int, tuple[tuple[int, ...], list[int], int]] = {}  # shape, as a list, numel
+    dcp = ck.format == "dcp"
+    for name in natural_sorted(ck.tensors):
+        t = ck.tensors[name]
+        shape = by_shape.get(id(t.shape))
+        if shape is None or shape[0] is not t.shape:  # shapes are shared by the reader's tensors
+            shape = by_shape[id(t.shape)] = (t.shape, list(t.shape), t.numel)
+        nbytes = shape[2] * DTYPE_SIZES[t.dtype]
+        total += nbytes
+        params += shape[2]
+        geo = shapes.get(id(t.piece_blocks))
+        if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
+            locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+            geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
+        row = {
+            "name": t.name,
+            "dtype": t.dtype,
+            "shape": shape[1],
+            "placements": shared(t.placements),
+            "local_shapes": geo[0],
+            "uniform": geo[1],
+            "pieces": len(t.piece_blocks),
+            "bytes": nbytes,
+        }
+        if dcp:
+            chunks = [
+                {"file": os.path.basename(ck.files[fi]), "box": _block_text(b)}
+                for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
+            ]
+            row = {"chunks": chunks, **row}
+        tensors.append(row)
+    return tensors, total, params
 
 
 _DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
@@ -258,40 +256,108 @@ def _relative_spans(src: Any, copies: Any) -> list[tuple[int, int, int]]:
     return out
 
 
-def _file_reads(f: Any) -> tuple[dict[int, int], dict[int, list[list[int]]], int]:
-    """For output file ``f``, in one pass over its entries: bytes read per source file index
-    (as :meth:`Plan.file_reads` counts them), the coalesced byte spans read, and the copies."""
-    reads: dict[int, int] = {}
-    spans: dict[int, list[tuple[int, int]]] = {}
-    copies_n = 0
-    shared: dict[tuple[int, int, str], tuple[list[tuple[int, int, int]], list[tuple[int, int]]]] = {}
-    for e in f.entries:  # tensors of one geometry share their spans (the plan keeps the keys alive)
-        t = e.tensor
+class _Geometry:
+    """The tensors of one output tensor list sharing a geometry (``copies``, source blocks, dtype):
+    their source piece offsets and files as arrays, so per output file their reads are array sums."""
+
+    __slots__ = ("first", "offsets", "files", "members")
+
+    def __init__(self, first: Any) -> None:
+        self.first = first  # a TargetTensor of the group: its copies and blocks are everyone's
+        self.members: list[Any] = []
+        self.offsets: Any = None
+        self.files: Any = None
+
+    def arrays(self) -> None:
+        import numpy as np  # lazy: only plan reports count reads
+
+        srcs = [t.src for t in self.members]
+        self.offsets = np.array([s.piece_offsets for s in srcs], dtype=np.int64)
+        self.files = np.array([s.piece_files for s in srcs], dtype=np.int64)
+        self.members = []
+
+
+def _geometries(tensors: Sequence[Any]) -> list[_Geometry]:
+    """Group ``tensors`` by geometry: tensors of one geometry share their copies objects (the plan's
+    matching cache), their source blocks (the reader's) and their dtype."""
+    groups: dict[tuple[int, int, str], _Geometry] = {}
+    for t in tensors:
         src = t.src
-        copies = t.copies[e.rank]
-        key = (id(copies), id(src.piece_blocks), src.dtype)
-        hit = shared.get(key)
-        if hit is None:
-            isz = DTYPE_SIZES[src.dtype]
-            hit = shared[key] = (_relative_spans(src, copies), [(c.piece, c.numel * isz) for c in copies])
-        copies_n += len(copies)
-        files, offsets = src.piece_files, src.piece_offsets
-        for k, n in hit[1]:
-            reads[files[k]] = reads.get(files[k], 0) + n
-        for k, a, b in hit[0]:
-            base = offsets[k]
-            spans.setdefault(files[k], []).append((base + a, base + b))
-    out: dict[int, list[list[int]]] = {}
-    for fi, ss in spans.items():
-        ss.sort()
-        merged: list[list[int]] = []
-        for a, b in ss:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        out[fi] = merged
-    return reads, out, copies_n
+        key = (id(t.copies), id(src.piece_blocks), src.dtype)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = _Geometry(t)
+        g.members.append(t)
+    out = list(groups.values())
+    for g in out:
+        g.arrays()
+    return out
+
+
+def _file_reads(
+    geos: Sequence[_Geometry], rank: int
+) -> tuple[dict[int, int], dict[int, list[list[int]]], dict[int, int], int]:
+    """For the output file of target rank ``rank`` holding the tensors of ``geos``: bytes read
+    per source file index (as :meth:`Plan.file_reads` counts them, with zero parts under file -1),
+    the first coalesced byte spans read per source file, their count, and the number of copies."""
+    import numpy as np
+
+    read_files: list[Any] = []
+    read_bytes: list[Any] = []
+    span_files: list[Any] = []
+    starts: list[Any] = []
+    stops: list[Any] = []
+    copies_n = 0
+    for g in geos:
+        t = g.first
+        src = t.src
+        copies = t.copies[rank]
+        n = len(g.offsets)
+        copies_n += n * len(copies)
+        isz = DTYPE_SIZES[src.dtype]
+        for c in copies:
+            read_files.append(g.files[:, c.piece])
+            read_bytes.append(np.full(n, c.numel * isz, dtype=np.int64))
+        for k, lo, hi in _relative_spans(src, copies):
+            span_files.append(g.files[:, k])
+            starts.append(g.offsets[:, k] + lo)
+            stops.append(g.offsets[:, k] + hi)
+    none = np.zeros(0, dtype=np.int64)
+    reads = _sums(np.concatenate(read_files or [none]), np.concatenate(read_bytes or [none]))
+    ranges: dict[int, list[list[int]]] = {}
+    totals: dict[int, int] = {}
+    if span_files:
+        files, a, b = np.concatenate(span_files), np.concatenate(starts), np.concatenate(stops)
+        for fi in np.unique(files).tolist():
+            sel = files == fi
+            ranges[fi], totals[fi] = _merged(a[sel], b[sel])
+    return reads, ranges, totals, copies_n
+
+
+def _sums(keys: Any, values: Any) -> dict[int, int]:
+    """``values`` summed per key (exact int64 sums), keys in increasing order."""
+    import numpy as np
+
+    if not len(keys):
+        return {}
+    order = np.argsort(keys, kind="stable")
+    keys, values = keys[order], values[order]
+    firsts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    return dict(zip(keys[firsts].tolist(), np.add.reduceat(values, firsts).tolist()))
+
+
+def _merged(a: Any, b: Any) -> tuple[list[list[int]], int]:
+    """Spans ``[a, b)`` coalesced (touching spans merge): the first :data:`_MAX_RANGES` and the count."""
+    import numpy as np
+
+    order = np.argsort(a, kind="stable")
+    a, b = a[order], b[order]
+    reach = np.maximum.accumulate(b)
+    # a run starts where a span begins past everything before it
+    new = np.flatnonzero(np.r_[True, a[1:] > reach[:-1]])
+    ends = np.r_[new[1:] - 1, len(a) - 1]
+    first = np.stack([a[new[:_MAX_RANGES]], reach[ends[:_MAX_RANGES]]], axis=1)
+    return first.tolist(), len(new)
 
 
 def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
@@ -299,8 +365,12 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
     files = []
     total_read = 0
     total_copies = 0
+    geos: dict[int, tuple[Sequence[Any], list[_Geometry]]] = {}
     for f in plan.files:
-        reads, ranges, copies = _file_reads(f)
+        hit = geos.get(id(f.tensors))  # sibling rank files share their tensor list
+        if hit is None or hit[0] is not f.tensors:
+            hit = geos[id(f.tensors)] = (f.tensors, _geometries(f.tensors))
+        reads, ranges, counts, copies = _file_reads(hit[1], f.local_rank)
         read = sum(reads.values())
         total_read += read
         total_copies += copies
@@ -316,8 +386,8 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
                     {
                         "file": os.path.basename(plan.source.files[fi]),
                         "bytes": reads.get(fi, 0),
-                        "ranges": ranges[fi][:_MAX_RANGES],
-                        "ranges_total": len(ranges[fi]),
+                        "ranges": ranges[fi],
+                        "ranges_total": counts[fi],
                     }
                     for fi in sorted(ranges)
                 ],

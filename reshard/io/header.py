@@ -61,6 +61,8 @@ __all__ = [
     "encode_header",
     "header_prefix",
     "entries_text",
+    "entry_head",
+    "joined_entries",
     "prefix_parts",
 ]
 
@@ -747,14 +749,27 @@ def header_prefix(
 def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[bytes, list[int]]:
     """The tensor entries of a header (``tensors`` as :func:`header_prefix` takes them), comma-joined
     UTF-8, and each tensor's data offset: what sibling rank files with equal local shapes share."""
-    stops = list(itertools.accumulate(t[3] for t in tensors))
+    heads = [entry_head(dtype, shape_text) for _, dtype, shape_text, _ in tensors]
+    return joined_entries([t[0] for t in tensors], heads, [t[3] for t in tensors])
+
+
+def entry_head(dtype: str, shape_text: str) -> str:
+    """The text of a header entry between its quoted name and its data offsets (shared by the
+    entries of one dtype and shape), e.g. ``:{"dtype":"F32","shape":[2,3],"data_offsets":[``."""
+    return f':{{"dtype":"{dtype}","shape":[{shape_text}],"data_offsets":['
+
+
+def joined_entries(
+    quoted: Sequence[str], heads: Sequence[str], sizes: Sequence[int]
+) -> tuple[bytes, list[int]]:
+    """:func:`entries_text` from per tensor its quoted name, :func:`entry_head` and data bytes.
+
+    The heads are shared per dtype and shape, so an entry costs one short format (100k entries:
+    a third of formatting each one whole).
+    """
+    stops = list(itertools.accumulate(sizes))
     starts = [0, *stops[:-1]] if stops else []
-    text = ",".join(
-        [
-            f'{quoted}:{{"dtype":"{dtype}","shape":[{shape_text}],"data_offsets":[{a},{b}]}}'
-            for (quoted, dtype, shape_text, _), a, b in zip(tensors, starts, stops)
-        ]
-    )
+    text = ",".join([f"{q}{h}{a},{b}]}}" for q, h, a, b in zip(quoted, heads, starts, stops)])
     return text.encode("utf-8"), starts
 
 

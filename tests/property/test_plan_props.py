@@ -27,7 +27,7 @@ from reshard.io.header import DTYPE_SIZES
 from reshard.layout import TensorLayout
 from reshard.mesh import Mesh
 from reshard.placements import Partial, Placement, Replicate, Shard, StridedShard
-from reshard.plan import copy_boxes, make_plan, match_blocks
+from reshard.plan import copy_boxes, make_plan, match_blocks, natural_key, natural_sorted
 from tests.strategies import (
     examples,
     index_array,
@@ -528,3 +528,22 @@ def test_partial_target_is_refused_by_the_planner():
     )
     with pytest.raises(PlanError, match="Partial"):
         make_plan(ckpt, Mesh(("tp",), (2,)), lambda name: ["P(sum)"], writer=writer("per-rank"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.text(alphabet="a._-/Z~ 0123456789", max_size=10), min_size=0, max_size=40),
+    st.integers(0, 2**32 - 1),
+)
+def test_natural_sorted_is_the_natural_key_order(names, seed):
+    """The byte-key sort of many names (numpy) is ``sorted(key=natural_key)``: digit runs of
+    different widths, leading zeros (equal numbers keep their order), text parts that are
+    prefixes of others ('.' sorts below digits as text, above them as the end of a part)."""
+    import random
+
+    rng = random.Random(seed)
+    noise = ("".join(rng.choice("ab.0123456789_") for _ in range(rng.randint(0, 9))) for _ in range(3000))
+    many = names + list(noise)
+    rng.shuffle(many)
+    assert natural_sorted(many) == sorted(many, key=natural_key)
+    assert natural_sorted(names) == sorted(names, key=natural_key)

@@ -95,3 +95,15 @@ def test_twenty_thousand_exact_rules_match_in_linear_time() -> None:
     assert [r.pattern for r in matched] == [REGEX_PREFIX + re.escape(n) for n in reversed(names)]
     assert [r.pattern for r in unused] == ["*"]
     assert elapsed < 2.0, f"{elapsed:.2f} s for 20,000 names (trying every rule takes minutes)"
+
+
+@given(
+    st.text(alphabet="ab.*", min_size=1, max_size=9).filter(lambda p: "*" in p),
+    st.lists(st.text(alphabet="ab.", max_size=9), min_size=1, max_size=8),
+)
+def test_star_globs_match_as_fnmatchcase(pattern: str, names: list[str]) -> None:
+    """Globs whose only wildcard is * are matched by string methods: same answers, overlapping
+    parts (``a*ab*b`` on ``aab``) and repeated stars included."""
+    cfg = layout([pattern, "re:.*"])
+    for name in names + [pattern.replace("*", ""), pattern.replace("*", "ab.")]:
+        assert (cfg.match(name) is cfg.rules[0]) == fnmatch.fnmatchcase(name, pattern), (pattern, name)
