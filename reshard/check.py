@@ -52,7 +52,7 @@ from .intervals import (
 from .io.checksum import CHECKSUM_PREFIX, file_checksum
 from .io.reader import MappedFiles, read_box
 from .io.readhash import ReadHashes, Region, xxh3_regions
-from .plan import natural_key
+from .plan import natural_key, natural_sorted
 
 __all__ = [
     "check_checkpoint",
@@ -620,7 +620,7 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
     cache: dict[tuple[Hashable, ...], _Geometry] = {}
     data = _Data(ckpt, max_bytes)
     try:
-        for name in sorted(ckpt.tensors, key=natural_key):
+        for name in natural_sorted(ckpt.tensors):
             t = ckpt.tensors[name]
             key = (t.signature, t.shape, t.piece_partials)
             g = cache.get(key)

@@ -783,15 +783,21 @@ def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[
     table: dict[tuple[str, ...], str] = {}
     codes = []
     shapes = {}
+    # tensors of one geometry share one layout object (the planner's): its code and evenness
+    # are found once, by identity (``ordered`` holds the layouts, so their ids stay theirs)
+    per_layout: dict[int, tuple[str, bool]] = {}
     for name, _, layout in ordered:
-        pls = _placement_texts(layout.placements)
-        code = table.get(pls)
-        if code is None:
-            if len(table) == len(_CODES):
-                return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, _, lay in ordered)
-            code = table[pls] = _CODES[len(table)]
-        codes.append(code)
-        if not _splits_evenly(layout):
+        hit = per_layout.get(id(layout))
+        if hit is None:
+            pls = _placement_texts(layout.placements)
+            code = table.get(pls)
+            if code is None:
+                if len(table) == len(_CODES):
+                    return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, _, lay in ordered)
+                code = table[pls] = _CODES[len(table)]
+            hit = per_layout[id(layout)] = (code, _splits_evenly(layout))
+        codes.append(hit[0])
+        if not hit[1]:
             shapes[name] = list(layout.shape)
     compact = (",", ":")
     text = (
@@ -831,7 +837,7 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     ordered = header_order(tensors)
-    if any(t.layout.assigned for t in ordered):
+    if any(lay.assigned for lay in {id(t.layout): t.layout for t in ordered}.values()):
         return _owned_files(ordered, mesh, options.file_names or {})
     text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
     return [
