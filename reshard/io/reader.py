@@ -19,6 +19,8 @@ bit pattern survives, NaN payloads and ``-0.0`` included):
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -42,7 +44,9 @@ __all__ = [
     "SCRATCH",
     "WINDOW",
     "WINDOW_SLOTS",
-    "BAND",
+    "Run",
+    "Span",
+    "Windows",
     "Items",
     "uint_dtype",
     "Piece",
@@ -63,15 +67,17 @@ WINDOW = 256 << 10
 many bytes of their file, read with one ``pread``: the neighbouring tensors a rank file takes
 next are usually in it, so 100k small tensors cost a few thousand system calls, not 100k."""
 
-WINDOW_SLOTS = 8
-"""Windows a writer holds at once (one per source file, the oldest file's reused)."""
+WINDOW_SLOTS = 13
+"""Windows a writer holds at once, kept from one buffer to the next (the oldest refilled
+first): the sibling files written in lockstep take their pieces of the same source bytes from
+them (HF -> TP-8: a buffer's 1 KiB pieces, 8 KiB apart, span 2 MiB of the source)."""
 
-BAND = 1 << 20
-"""Strided rows too far apart for a window are read with one ``pread`` of the span holding
-them, in bands of rows spanning at most this many bytes."""
+SCRATCH = WINDOW_SLOTS * WINDOW
+"""Bytes of a writer thread's scratch buffer: its windows (see ``memory_estimate``)."""
 
-SCRATCH = WINDOW_SLOTS * WINDOW + BAND + WINDOW
-"""Bytes of a writer thread's scratch buffer: its windows and a band (see ``memory_estimate``)."""
+_ALIGN = 4096
+"""Windows start at a multiple of this (within the window's size), so that a sibling asking
+for bytes just before another's window finds them in it."""
 
 
 @cache
@@ -292,3 +298,179 @@ class MappedFiles(PageWindow):
         """Release pages and close maps and file descriptors."""
         self.release()
         self.sources.close()
+
+
+Span = tuple[int, int, int, int, int, int, int]
+"""A source read: (file, offset, n, rows, source stride, position in the buffer, buffer stride):
+``rows`` rows of ``n`` bytes, ``source stride`` apart in the file and ``buffer stride`` apart
+in the buffer (one row: strides unused)."""
+
+Run = tuple[int, int, int, int, int, int, int]
+"""A copy of ``rows`` rows of ``n`` bytes: (byte offset in the target entry, source piece, byte
+offset in the piece, n, rows, source stride, target stride). One row (strides 0) is a contiguous
+run; rows whose target stride is ``n`` are back to back in the target; other runs interleave
+with the entry's other runs (a column shard of a small tensor written whole). Made by
+:func:`reshard.execute.entry_runs`."""
+
+_LOCAL = threading.local()
+_TOKENS = itertools.count()
+
+
+class Windows:
+    """Windows of source files in this thread's scratch buffer, kept from one gather to the next.
+
+    Many short reads (a 100k-tensor file's pieces) cost a few numpy copies, not Python work
+    per piece: :meth:`gather_entries` takes consecutive entries of one geometry, and the run
+    ``j`` of each is a progression (one file, a fixed step in both the file and the buffer:
+    one tensor's piece after the previous one's), moved with one strided copy per window.
+    Windows of ``window`` bytes are read by ``pread`` (never mapped: a file that shrank is a
+    named error, not a SIGBUS) into ``slots`` slots, the oldest refilled first, and stay for
+    the next gather, so sibling files written in lockstep take their pieces of the same
+    source bytes from one read. Reads larger than half a window go straight into the buffer.
+
+    The scratch is the thread's (memory touched once, kept: see MACHINE-NOTES); windows of
+    another :class:`Windows` that used it in between are forgotten, not trusted.
+    """
+
+    def __init__(self, sources: SourceFiles, window: int = WINDOW, slots: int = WINDOW_SLOTS) -> None:
+        self.sources = sources
+        self.window = window
+        self.slots: list[tuple[int, int, int]] = [(-1, 0, 0)] * max(1, slots)  # (file, lo, hi)
+        self.last = 0  # the slot hit last
+        self.next = 0  # the slot refilled next
+        self.token = next(_TOKENS)
+        self.scratch = bytearray()
+        self.view = memoryview(self.scratch)
+
+    def _claim(self) -> None:
+        """Take this thread's scratch; if another :class:`Windows` used it since, forget our windows."""
+        if getattr(_LOCAL, "owner", None) == self.token:
+            return
+        need = self.window * len(self.slots)
+        buf: bytearray | None = getattr(_LOCAL, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = _LOCAL.buf = bytearray(need)
+        _LOCAL.owner = self.token
+        self.scratch, self.view = buf, memoryview(buf)
+        self.slots = [(-1, 0, 0)] * len(self.slots)
+
+    def gather(self, spans: list[int], buf: bytearray) -> None:
+        """Copy the source bytes of ``spans`` (seven ints a :data:`Span`, one after another)
+        into ``buf`` at their positions, by ``pread`` only; neighbouring one-row spans that
+        land next to each other are read as one."""
+        if not spans:
+            return
+        self._claim()
+        out = memoryview(buf)
+        fi, lo, n, rows, ss, pos, ds = spans[:7]
+        for i in range(7, len(spans) + 7, 7):
+            nxt = spans[i : i + 7]
+            if nxt and nxt[0] == fi and nxt[1] == lo + n and nxt[5] == pos + n and rows == 1 == nxt[3]:
+                n += nxt[2]
+                continue
+            if rows == 1:
+                self._piece(fi, lo, n, pos, out)
+            else:
+                self._copy(fi, lo, ss, pos, ds, rows, n, buf)
+            if nxt:
+                fi, lo, n, rows, ss, pos, ds = nxt
+
+    def gather_entries(
+        self, runs: Sequence[Run], pos: int, step: int, srcs: Sequence[TensorSource], buf: bytearray
+    ) -> None:
+        """Copy consecutive entries of one geometry into ``buf``: entry ``i`` (of tensor
+        ``srcs[i]``) at ``pos + i * step``, made of ``runs``.
+
+        Run ``j`` of every entry is one progression when the pieces it reads follow each other
+        at a fixed step in one file (checked with two list comparisons), else as many as it takes.
+        """
+        self._claim()
+        count = len(srcs)
+        for d, k, s, n, rows, ss, ds in runs:
+            fis = [t.piece_files[k] for t in srcs]
+            los = [t.piece_offsets[k] for t in srcs]
+            a0 = los[0]
+            dl = los[1] - a0 if count > 1 else 0
+            if fis.count(fis[0]) == count and (
+                los == list(range(a0, a0 + dl * count, dl)) if dl else los.count(a0) == count
+            ):
+                self._copy(fis[0], a0 + s, dl, pos + d, step, count, n, buf, rows, ss, ds)
+                continue
+            i = 0
+            while i < count:  # the longest progressions, in order
+                f, j = fis[i], i + 1
+                dl = los[j] - los[i] if j < count and fis[j] == f else 0
+                while j < count and fis[j] == f and los[j] - los[j - 1] == dl:
+                    j += 1
+                self._copy(f, los[i] + s, dl, pos + d + i * step, step, j - i, n, buf, rows, ss, ds)
+                i = j
+
+    def _copy(
+        self,
+        fi: int,
+        lo: int,
+        dl: int,
+        pos: int,
+        dp: int,
+        k: int,
+        n: int,
+        buf: bytearray,
+        rows: int = 1,
+        ss: int = 0,
+        ds: int = 0,
+    ) -> None:
+        """``k`` items, ``dl`` apart from ``lo`` in file ``fi`` and ``dp`` apart from ``pos`` in
+        the buffer, each ``rows`` rows of ``n`` bytes (``ss`` apart in the file, ``ds`` in the
+        buffer): one strided numpy copy per window."""
+        if rows == 1 and dl == n == dp:  # back to back on both sides: one read
+            self._piece(fi, lo, n * k, pos, memoryview(buf))
+            return
+        span = (rows - 1) * ss + n
+        if span > self.window // 2 or n <= 0 or ss < 0:
+            for i in range(k):  # too large for a window: item by item, row by row
+                if rows == 1:
+                    self._piece(fi, lo + i * dl, n, pos + i * dp, memoryview(buf))
+                else:
+                    self._copy(fi, lo + i * dl, ss, pos + i * dp, ds, rows, n, buf)
+            return
+        import numpy as np
+
+        if dl < 0:  # walk the file forwards
+            lo, pos, dl, dp = lo + (k - 1) * dl, pos + (k - 1) * dp, -dl, -dp
+        while k > 0:
+            at, hi = self._window(fi, lo, span)
+            fit = k if dl == 0 else min(k, (hi - lo - span) // dl + 1)
+            shape = (fit, rows, n)
+            dst = np.ndarray(shape, np.uint8, buf, pos, (dp, ds, 1))
+            dst[...] = np.ndarray(shape, np.uint8, self.scratch, at, (dl, ss, 1))
+            lo, pos, k = lo + fit * dl, pos + fit * dp, k - fit
+
+    def _piece(self, fi: int, lo: int, n: int, pos: int, out: memoryview) -> None:
+        """``n`` bytes of file ``fi`` at ``lo`` into the buffer at ``pos``."""
+        if n > self.window // 2:
+            self.sources.pread(fi, out[pos : pos + n], lo)
+        elif n > 0:
+            at, _ = self._window(fi, lo, n)
+            out[pos : pos + n] = self.view[at : at + n]
+
+    def _window(self, fi: int, lo: int, n: int) -> tuple[int, int]:
+        """Where file ``fi``'s bytes ``[lo, lo + n)`` are in the scratch (``n <= window``), read
+        if no window holds them; and the file offset where that window ends."""
+        slots = self.slots
+        f, a, b = slots[self.last]
+        if f == fi and a <= lo and lo + n <= b:
+            return self.last * self.window + lo - a, b
+        for j, (f, a, b) in enumerate(slots):
+            if f == fi and a <= lo and lo + n <= b:
+                self.last = j
+                return j * self.window + lo - a, b
+        j = self.next
+        self.next = (j + 1) % len(slots)
+        w = self.window
+        start = max(lo - lo % _ALIGN, lo + n - w)
+        hi = max(lo + n, min(start + w, self.sources.size(fi)))
+        slots[j] = (-1, 0, 0)
+        self.sources.pread(fi, self.view[j * w : j * w + hi - start], start)
+        slots[j] = (fi, start, hi)
+        self.last = j
+        return j * w + lo - start, hi
