@@ -246,8 +246,7 @@ class _Writer:
         self.sink = Sink(fd, lo)
         self.crc32s: dict[int, int] = {}
         self._queued: list[int] = []  # single runs whose bytes go back to back: 7 ints a Span
-        self._groups: list[list[Any]] = []  # consecutive entries of one geometry: [runs, at, step, srcs]
-        self._group: list[Any] | None = None  # the last thing queued, if a group
+        self._groups: dict[int, list[Any]] = {}  # entries by geometry: id(runs) -> [runs, positions, srcs]
         self._q_start = 0  # file offset of the first queued byte
         self._q_end = -1  # one past the last
 
@@ -289,6 +288,7 @@ class _Writer:
         run that extends the queue costs an append."""
         stop = self.stop
         cap = self.bufs.budget
+        groups = self._groups
         memo: dict[tuple[object, ...], tuple[tuple[Run, ...], bool] | None] = {}  # the plan holds the keys
         for _, item in items:
             if stop.is_set():
@@ -309,12 +309,12 @@ class _Writer:
                 yield from self.entry_steps(item)  # type: ignore[arg-type]
                 continue
             if start == self._q_end and start + nbytes - self._q_start <= cap:  # extends the queue
-                g = self._group
-                if g is not None and g[0] is hit[0] and g[2] == nbytes:
-                    g[3].append(src)
-                    self._q_end = start + nbytes
-                else:
-                    self._add(start, src, hit[0], nbytes)
+                g = groups.get(id(hit[0]))
+                if g is None:
+                    g = groups[id(hit[0])] = [hit[0], [], []]
+                g[1].append(start - self._q_start)
+                g[2].append(src)
+                self._q_end = start + nbytes
             elif self._queue(start, src, hit[0], nbytes):
                 yield
         self._flush()
@@ -360,13 +360,12 @@ class _Writer:
         return flushed
 
     def _add(self, start: int, src: TensorSource, runs: Sequence[Run], nbytes: int) -> None:
-        """Queue an entry that extends the queue: onto the last group if it has its geometry."""
-        g = self._group
-        if g is not None and g[0] is runs and g[2] == nbytes:
-            g[3].append(src)
-        else:
-            self._group = g = [runs, start - self._q_start, nbytes, [src]]
-            self._groups.append(g)
+        """Queue an entry that extends the queue, with the queued entries of its geometry."""
+        g = self._groups.get(id(runs))
+        if g is None:
+            g = self._groups[id(runs)] = [runs, [], []]
+        g[1].append(start - self._q_start)
+        g[2].append(src)
         self._q_end = start + nbytes
 
     def _queue_run(self, at: int, fi: int, lo: int, n: int, rows: int, ss: int) -> bool:
@@ -391,7 +390,6 @@ class _Writer:
                 return flushed
             self._q_start = at
         self._queued += (fi, lo, n, rows, ss, at - self._q_start, n)
-        self._group = None
         self._q_end = at + size
         return flushed
 
@@ -403,15 +401,14 @@ class _Writer:
         size = self._q_end - self._q_start
         windows = self.bufs.windows
         windows.gather(self._queued, buf)
-        for runs, at, step, srcs in self._groups:
-            windows.gather_entries(runs, at, step, srcs, buf)
+        for runs, at, srcs in self._groups.values():
+            windows.gather_entries(runs, at, srcs, buf)
         self.sink.submit(memoryview(buf)[:size], self._q_start)
         self.bytes_read += size
         if self.progress:
             self.progress(size)
         self._queued.clear()
         self._groups.clear()
-        self._group = None
         self._q_end = -1
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:

@@ -349,8 +349,8 @@ class _Batch:
         self.items: list[tuple[str, TensorSource, TensorSource, _Match, int]] = []
         self.buffers: tuple[bytearray, bytearray] | None = None
         self.windows = (Windows(fa.sources), Windows(fb.sources))
-        # per side, consecutive tensors of one geometry: [runs, position, bytes each, tensors]
-        self.groups: tuple[list[list[Any]], list[list[Any]]] = ([], [])
+        # per side, tensors by geometry: id(runs) -> [runs, positions, tensors]
+        self.groups: tuple[dict[int, list[Any]], dict[int, list[Any]]] = ({}, {})
         self.templates: dict[tuple[int, bool, str], tuple[Run, ...] | None] = {}  # by id(_Match): held
 
     def has_room(self, a: TensorSource) -> bool:
@@ -366,12 +366,11 @@ class _Batch:
         if runs[0] is None or runs[1] is None:
             return False
         for side, src in enumerate((a, b)):
-            groups = self.groups[side]
-            g = groups[-1] if groups else None
-            if g is not None and g[0] is runs[side] and g[2] == n:  # the last tensor's geometry
-                g[3].append(src)
-            else:
-                groups.append([runs[side], self.size, n, [src]])
+            g = self.groups[side].get(id(runs[side]))
+            if g is None:
+                g = self.groups[side][id(runs[side])] = [runs[side], [], []]
+            g[1].append(self.size)
+            g[2].append(src)
         self.items.append((name, a, b, m, n))
         self.size += n
         return True
@@ -388,8 +387,8 @@ class _Batch:
         ba, bb = self.buffers
         n = self.size
         for windows, groups, buf in zip(self.windows, self.groups, self.buffers):
-            for runs, at, step, srcs in groups:
-                windows.gather_entries(runs, at, step, srcs, buf)
+            for runs, at, srcs in groups.values():
+                windows.gather_entries(runs, at, srcs, buf)
             groups.clear()
         differ = _differing(ba, bb, n)
         if differ is None:

@@ -75,10 +75,6 @@ them (HF -> TP-8: a buffer's 1 KiB pieces, 8 KiB apart, span 2 MiB of the source
 SCRATCH = WINDOW_SLOTS * WINDOW
 """Bytes of a writer thread's scratch buffer: its windows (see ``memory_estimate``)."""
 
-_ALIGN = 4096
-"""Windows start at a multiple of this (within the window's size), so that a sibling asking
-for bytes just before another's window finds them in it."""
-
 
 @cache
 def uint_dtype(itemsize: int) -> Any:
@@ -312,6 +308,9 @@ run; rows whose target stride is ``n`` are back to back in the target; other run
 with the entry's other runs (a column shard of a small tensor written whole). Made by
 :func:`reshard.execute.entry_runs`."""
 
+_UINTS = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
+_PERIODS = 4
+"""Entries of one geometry that alternate with others are tried as this many progressions at most."""
 _LOCAL = threading.local()
 _TOKENS = itertools.count()
 
@@ -376,34 +375,49 @@ class Windows:
                 fi, lo, n, rows, ss, pos, ds = nxt
 
     def gather_entries(
-        self, runs: Sequence[Run], pos: int, step: int, srcs: Sequence[TensorSource], buf: bytearray
+        self, runs: Sequence[Run], at: list[int], srcs: Sequence[TensorSource], buf: bytearray
     ) -> None:
-        """Copy consecutive entries of one geometry into ``buf``: entry ``i`` (of tensor
-        ``srcs[i]``) at ``pos + i * step``, made of ``runs``.
+        """Copy entries of one geometry into ``buf``: entry ``i`` (of tensor ``srcs[i]``) at
+        ``at[i]``, made of ``runs``.
 
-        Run ``j`` of every entry is one progression when the pieces it reads follow each other
-        at a fixed step in one file (checked with two list comparisons), else as many as it takes.
+        Run ``j`` of the entries is one progression when the pieces it reads follow each other
+        at a fixed step in one file and the entries at a fixed step in the buffer (checked with
+        list comparisons); or every second (third, fourth) entry is (tensors of this geometry
+        alternating with others: an expert's gate and up); else as many as it takes.
         """
         self._claim()
         count = len(srcs)
         for d, k, s, n, rows, ss, ds in runs:
             fis = [t.piece_files[k] for t in srcs]
             los = [t.piece_offsets[k] for t in srcs]
-            a0 = los[0]
-            dl = los[1] - a0 if count > 1 else 0
-            if fis.count(fis[0]) == count and (
-                los == list(range(a0, a0 + dl * count, dl)) if dl else los.count(a0) == count
-            ):
-                self._copy(fis[0], a0 + s, dl, pos + d, step, count, n, buf, rows, ss, ds)
-                continue
-            i = 0
-            while i < count:  # the longest progressions, in order
-                f, j = fis[i], i + 1
-                dl = los[j] - los[i] if j < count and fis[j] == f else 0
-                while j < count and fis[j] == f and los[j] - los[j - 1] == dl:
-                    j += 1
-                self._copy(f, los[i] + s, dl, pos + d + i * step, step, j - i, n, buf, rows, ss, ds)
-                i = j
+            for p in range(1, min(_PERIODS, count // 2) + 1):
+                cut = [(fis[r::p], los[r::p], at[r::p]) for r in range(p)]
+                steps = [_step(lo_) if f_.count(f_[0]) == len(f_) else None for f_, lo_, _ in cut]
+                moves = [_step(a_) for _, _, a_ in cut]
+                if None not in steps and None not in moves:
+                    for (f_, lo_, a_), dl, dp in zip(cut, steps, moves):
+                        self._copy(
+                            f_[0], lo_[0] + s, dl or 0, a_[0] + d, dp or 0, len(f_), n, buf, rows, ss, ds
+                        )
+                    break
+            else:
+                self._longest(fis, los, at, (s, d, n, rows, ss, ds), buf)
+
+    def _longest(
+        self, fis: list[int], los: list[int], at: list[int], run: tuple[int, ...], buf: bytearray
+    ) -> None:
+        """Copy pieces ``los[i] + s`` of files ``fis[i]`` to ``at[i] + d`` in the longest
+        progressions, in order."""
+        s, d, n, rows, ss, ds = run
+        count = len(fis)
+        i = 0
+        while i < count:
+            f, j = fis[i], i + 1
+            dl, dp = (los[j] - los[i], at[j] - at[i]) if j < count and fis[j] == f else (0, 0)
+            while j < count and fis[j] == f and los[j] - los[j - 1] == dl and at[j] - at[j - 1] == dp:
+                j += 1
+            self._copy(f, los[i] + s, dl, at[i] + d, dp, j - i, n, buf, rows, ss, ds)
+            i = j
 
     def _copy(
         self,
@@ -440,9 +454,12 @@ class Windows:
         while k > 0:
             at, hi = self._window(fi, lo, span)
             fit = k if dl == 0 else min(k, (hi - lo - span) // dl + 1)
-            shape = (fit, rows, n)
-            dst = np.ndarray(shape, np.uint8, buf, pos, (dp, ds, 1))
-            dst[...] = np.ndarray(shape, np.uint8, self.scratch, at, (dl, ss, 1))
+            g = n | at | pos | dl | dp | (ss | ds if rows > 1 else 0)
+            isz = min(8, g & -g) if g else 8  # the widest items all offsets and strides allow
+            shape = (fit, rows, n // isz)
+            dt = _UINTS[isz]
+            dst = np.ndarray(shape, dt, buf, pos, (dp, ds, isz))
+            dst[...] = np.ndarray(shape, dt, self.scratch, at, (dl, ss, isz))
             lo, pos, k = lo + fit * dl, pos + fit * dp, k - fit
 
     def _piece(self, fi: int, lo: int, n: int, pos: int, out: memoryview) -> None:
@@ -455,7 +472,12 @@ class Windows:
 
     def _window(self, fi: int, lo: int, n: int) -> tuple[int, int]:
         """Where file ``fi``'s bytes ``[lo, lo + n)`` are in the scratch (``n <= window``), read
-        if no window holds them; and the file offset where that window ends."""
+        if no window holds them; and the file offset where that window ends.
+
+        Windows sit on a grid of ``window`` bytes, so walks over the same bytes (sibling files,
+        another geometry's entries) meet the same windows and read each byte once; bytes across
+        a grid line are read on their own into the last slot.
+        """
         slots = self.slots
         f, a, b = slots[self.last]
         if f == fi and a <= lo and lo + n <= b:
@@ -464,13 +486,26 @@ class Windows:
             if f == fi and a <= lo and lo + n <= b:
                 self.last = j
                 return j * self.window + lo - a, b
-        j = self.next
-        self.next = (j + 1) % len(slots)
         w = self.window
-        start = max(lo - lo % _ALIGN, lo + n - w)
-        hi = max(lo + n, min(start + w, self.sources.size(fi)))
+        start = lo - lo % w
+        hi = min(start + w, self.sources.size(fi))
+        if lo + n <= hi:
+            j = self.next
+            self.next = (j + 1) % max(1, len(slots) - 1)
+        else:  # across a grid line (or past the end of the file: the read fails)
+            j, start, hi = len(slots) - 1, lo, lo + n
         slots[j] = (-1, 0, 0)
         self.sources.pread(fi, self.view[j * w : j * w + hi - start], start)
         slots[j] = (fi, start, hi)
         self.last = j
         return j * w + lo - start, hi
+
+
+def _step(xs: list[int]) -> int | None:
+    """The fixed step of ``xs`` (0 for one item), or None when it has none."""
+    if len(xs) < 2:
+        return 0
+    a, step = xs[0], xs[1] - xs[0]
+    if step == 0:
+        return 0 if xs.count(a) == len(xs) else None
+    return step if xs == list(range(a, a + step * len(xs), step)) else None
