@@ -430,8 +430,11 @@ def _differing(ba: bytearray, bb: bytearray, n: int) -> Any:
     ta, tb = np.frombuffer(ba, np.uint8, n - w, w), np.frombuffer(bb, np.uint8, n - w, w)
     if np.array_equal(va, vb) and np.array_equal(ta, tb):
         return None
-    wide = np.flatnonzero(va != vb) * 8  # a differing word's first and last bytes (it may straddle tensors)
-    return np.concatenate((wide, wide + 7, w + np.flatnonzero(ta != tb)))
+    words = np.flatnonzero(va != vb)  # then the bytes of those words (one may hold several tensors)
+    wa = np.frombuffer(ba, np.uint8, w).reshape(-1, 8)[words]
+    wb = np.frombuffer(bb, np.uint8, w).reshape(-1, 8)[words]
+    row, col = np.nonzero(wa != wb)
+    return np.concatenate((words[row] * 8 + col, w + np.flatnonzero(ta != tb)))
 
 
 def _describe(c: Checkpoint) -> Side:
