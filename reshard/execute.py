@@ -3,7 +3,12 @@
 Two ways bytes move:
 
 * a box contiguous in both the source piece and the target tensor (row-sharded
-  pieces, whole tensors) is copied through one reused buffer, hashed on the way;
+  pieces, whole tensors), or small and strided along one dim (column shards of
+  small tensors), is queued as runs: entries that land back to back in the file
+  fill one reused buffer, grouped by geometry, and
+  :meth:`reshard.io.reader.Windows.gather_entries` moves each group's pieces with a
+  few strided numpy copies from windows of the source files (one ``pwrite`` per
+  buffer, hashed on the way); a run larger than the buffer is copied through it;
 * everything else (column slices, strided shards, casts, Partial reductions)
   is gathered slab by slab into that buffer with :func:`reshard.io.reader.read_box`
   and written with one ``pwrite`` per slab.

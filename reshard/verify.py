@@ -330,9 +330,10 @@ class _Batch:
     """Tensors whose regions are contiguous runs on both sides, compared many at a time.
 
     A 100k-tensor checkpoint compared tensor by tensor costs ~100 us each in numpy calls;
-    here both sides' bytes are gathered back to back (neighbouring spans read as one) and
-    compared with one call per batch. Only a batch that differs is compared tensor by tensor,
-    to find each difference's first index.
+    here both sides' bytes are gathered back to back, tensors of one geometry together
+    (:meth:`~reshard.io.reader.Windows.gather_entries`: a few strided copies per batch), and
+    compared eight bytes at a time. Only the tensors holding a differing byte are compared
+    again, alone, to find each difference's first index.
     """
 
     def __init__(

@@ -15,6 +15,10 @@ bit pattern survives, NaN payloads and ``-0.0`` included):
 * otherwise (``verify``, ``inspect --check``, ``load_dtensors``) a view of the
   file's read-only memory map, the pages recorded in a
   :class:`~reshard.io.pages.PageWindow` that releases them as reading goes on.
+
+Many short reads (the pieces of 100k small tensors) go through :class:`Windows`
+instead: windows of the source files read by ``pread`` and kept, the pieces of
+tensors of one geometry moved with one strided numpy copy per progression and window.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ next are usually in it, so 100k small tensors cost a few thousand system calls, 
 
 WINDOW_SLOTS = 13
 """Windows a writer holds at once, kept from one buffer to the next (the oldest refilled
-first): the sibling files written in lockstep take their pieces of the same source bytes from
-them (HF -> TP-8: a buffer's 1 KiB pieces, 8 KiB apart, span 2 MiB of the source)."""
+first; the last slot holds a read across a window's edge): the sibling files written in
+lockstep take their pieces of the same source bytes from them (HF -> TP-8: a buffer's 1 KiB
+pieces, 8 KiB apart, span 2 MiB of the source)."""
 
 SCRATCH = WINDOW_SLOTS * WINDOW
 """Bytes of a writer thread's scratch buffer: its windows (see ``memory_estimate``)."""
