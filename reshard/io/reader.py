@@ -388,25 +388,36 @@ class Windows:
         Run ``j`` of the entries is one progression when the pieces it reads follow each other
         at a fixed step in one file and the entries at a fixed step in the buffer (checked with
         list comparisons); or every second (third, fourth) entry is (tensors of this geometry
-        alternating with others: an expert's gate and up); else as many as it takes.
+        alternating with others: an expert's gate and up). Entries that are not (a layer's
+        norms shift the rest) are split in halves until they are.
         """
         self._claim()
-        count = len(srcs)
         for d, k, s, n, rows, ss, ds in runs:
             fis = [t.piece_files[k] for t in srcs]
             los = [t.piece_offsets[k] for t in srcs]
-            for p in range(1, min(_PERIODS, count // 2) + 1):
-                cut = [(fis[r::p], los[r::p], at[r::p]) for r in range(p)]
-                steps = [_step(lo_) if f_.count(f_[0]) == len(f_) else None for f_, lo_, _ in cut]
-                moves = [_step(a_) for _, _, a_ in cut]
-                if None not in steps and None not in moves:
-                    for (f_, lo_, a_), dl, dp in zip(cut, steps, moves):
-                        self._copy(
-                            f_[0], lo_[0] + s, dl or 0, a_[0] + d, dp or 0, len(f_), n, buf, rows, ss, ds
-                        )
-                    break
-            else:
-                self._longest(fis, los, at, (s, d, n, rows, ss, ds), buf)
+            self._periodic(fis, los, at, (s, d, n, rows, ss, ds), buf)
+
+    def _periodic(
+        self, fis: list[int], los: list[int], at: list[int], run: tuple[int, ...], buf: bytearray
+    ) -> None:
+        """Copy pieces ``los[i] + s`` of files ``fis[i]`` to ``at[i] + d`` as up to
+        :data:`_PERIODS` interleaved progressions, or each half so."""
+        s, d, n, rows, ss, ds = run
+        count = len(fis)
+        for p in range(1, min(_PERIODS, count // 2) + 1):
+            cut = [(fis[r::p], los[r::p], at[r::p]) for r in range(p)]
+            steps = [_step(lo_) if f_.count(f_[0]) == len(f_) else None for f_, lo_, _ in cut]
+            moves = [_step(a_) for _, _, a_ in cut]
+            if None not in steps and None not in moves:
+                for (f_, lo_, a_), dl, dp in zip(cut, steps, moves):
+                    self._copy(f_[0], lo_[0] + s, dl or 0, a_[0] + d, dp or 0, len(f_), n, buf, rows, ss, ds)
+                return
+        if count <= 4 * _PERIODS:
+            self._longest(fis, los, at, run, buf)
+            return
+        h = count // 2
+        self._periodic(fis[:h], los[:h], at[:h], run, buf)
+        self._periodic(fis[h:], los[h:], at[h:], run, buf)
 
     def _longest(
         self, fis: list[int], los: list[int], at: list[int], run: tuple[int, ...], buf: bytearray
