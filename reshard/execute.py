@@ -406,8 +406,7 @@ class _Writer:
         size = self._q_end - self._q_start
         windows = self.bufs.windows
         windows.gather(self._queued, buf)
-        for runs, at, srcs in self._groups.values():
-            windows.gather_entries(runs, at, srcs, buf)
+        windows.gather_groups(self._groups.values(), buf)
         self.sink.submit(memoryview(buf)[:size], self._q_start)
         self.bytes_read += size
         if self.progress:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -333,22 +333,26 @@ class Windows:
     source bytes from one read. Reads larger than half a window go straight into the buffer.
 
     The scratch is the thread's (memory touched once, kept: see MACHINE-NOTES); windows of
-    another :class:`Windows` that used it in between are forgotten, not trusted.
+    another :class:`Windows` that used it in between are forgotten, not trusted. ``own``: a
+    scratch of its own instead (``verify``'s two sides, which take turns), so the windows stay.
     """
 
-    def __init__(self, sources: SourceFiles, window: int = WINDOW, slots: int = WINDOW_SLOTS) -> None:
+    def __init__(
+        self, sources: SourceFiles, window: int = WINDOW, slots: int = WINDOW_SLOTS, *, own: bool = False
+    ) -> None:
         self.sources = sources
         self.window = window
         self.slots: list[tuple[int, int, int]] = [(-1, 0, 0)] * max(1, slots)  # (file, lo, hi)
         self.last = 0  # the slot hit last
         self.next = 0  # the slot refilled next
         self.token = next(_TOKENS)
-        self.scratch = bytearray()
+        self.own = own
+        self.scratch = bytearray(window * len(self.slots) if own else 0)
         self.view = memoryview(self.scratch)
 
     def _claim(self) -> None:
         """Take this thread's scratch; if another :class:`Windows` used it since, forget our windows."""
-        if getattr(_LOCAL, "owner", None) == self.token:
+        if self.own or getattr(_LOCAL, "owner", None) == self.token:
             return
         need = self.window * len(self.slots)
         buf: bytearray | None = getattr(_LOCAL, "buf", None)
@@ -391,11 +395,21 @@ class Windows:
         alternating with others: an expert's gate and up). Entries that are not (a layer's
         norms shift the rest) are split in halves until they are.
         """
+        self.gather_groups([(runs, at, srcs)], buf)
+
+    def gather_groups(self, groups: Iterable[Sequence[Any]], buf: bytearray) -> None:
+        """:meth:`gather_entries` for several geometries ``(runs, at, srcs)``, their runs in file
+        order: the windows of a file serve every geometry before the next file's are read."""
         self._claim()
-        for d, k, s, n, rows, ss, ds in runs:
-            fis = [t.piece_files[k] for t in srcs]
-            los = [t.piece_offsets[k] for t in srcs]
-            self._periodic(fis, los, at, (s, d, n, rows, ss, ds), buf)
+        jobs = []
+        for runs, at, srcs in groups:
+            for d, k, s, n, rows, ss, ds in runs:
+                fis = [t.piece_files[k] for t in srcs]
+                los = [t.piece_offsets[k] for t in srcs]
+                jobs.append((fis[0], los[0], fis, los, at, (s, d, n, rows, ss, ds)))
+        jobs.sort(key=lambda job: job[:2])
+        for _, _, fis, los, at, run in jobs:
+            self._periodic(fis, los, at, run, buf)
 
     def _periodic(
         self, fis: list[int], los: list[int], at: list[int], run: tuple[int, ...], buf: bytearray
