@@ -3,7 +3,12 @@
 Two ways bytes move:
 
 * a box contiguous in both the source piece and the target tensor (row-sharded
-  pieces, whole tensors) is copied through one reused buffer, hashed on the way;
+  pieces, whole tensors), or small and strided along one dim (column shards of
+  small tensors), is queued as runs: entries that land back to back in the file
+  fill one reused buffer, grouped by geometry, and
+  :meth:`reshard.io.reader.Windows.gather_entries` moves each group's pieces with a
+  few strided numpy copies from windows of the source files (one ``pwrite`` per
+  buffer, hashed on the way); a run larger than the buffer is copied through it;
 * everything else (column slices, strided shards, casts, Partial reductions)
   is gathered slab by slab into that buffer with :func:`reshard.io.reader.read_box`
   and written with one ``pwrite`` per slab.
@@ -19,7 +24,6 @@ workers split a file's entries. Where bytes go is the writer's
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -31,7 +35,7 @@ from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, Seen, SourceFiles
-from .io.reader import BAND, DENSE, SCRATCH, WINDOW, WINDOW_SLOTS, RowCache, read_box, slab_items, uint_dtype
+from .io.reader import DENSE, WINDOW, RowCache, Run, Span, Windows, read_box, slab_items, uint_dtype
 from .io.views import open_piece
 from .io.writer import FileResult, Sink, TmpFile
 from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
@@ -44,7 +48,6 @@ __all__ = [
     "Run",
     "Span",
     "entry_runs",
-    "gather_spans",
     "interleaved",
 ]
 
@@ -67,6 +70,7 @@ class _Buffers:
         self.partials: list[bytearray] = []  # slabs of Partial groups 1.. (group 0: the write buffer)
         self.rows = RowCache(DENSE * budget + 64)  # source spans read whole (<= DENSE x used)
         self.pages = PageWindow(sources, window)  # one for all its writers, so bounded
+        self.windows = Windows(sources, _WINDOW)  # short reads, shared by its writers too
 
     def slab_buffers(self, groups: int) -> list[bytearray]:
         """One slab buffer per Partial group; group 0 gathers straight into the write buffer."""
@@ -86,15 +90,6 @@ def _contiguous(shape: Sequence[int], starts: Sequence[int], sizes: Sequence[int
 def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
-
-Run = tuple[int, int, int, int, int, int, int]
-"""A copy of ``rows`` rows of ``n`` bytes: (byte offset in the target entry, source piece, byte
-offset in the piece, n, rows, source stride, target stride). One row (strides 0) is a contiguous
-run; rows whose target stride is ``n`` are back to back in the target; other runs interleave
-with the entry's other runs (a column shard of a small tensor written whole)."""
-
-Span = tuple[int, int, int, int, int, int, int]
-"""A queued source read: (file, offset, n, rows, source stride, position in the buffer, buffer stride)."""
 
 _STRIDED_MAX = 65536
 """Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
@@ -229,120 +224,7 @@ def _box_run(
     return d_off, s_off, src[0], src[1], src[2], dst[2]
 
 
-_WINDOW, _SLOTS, _BAND = WINDOW, WINDOW_SLOTS, BAND  # module names, so tests can change them
-_SCRATCH = threading.local()
-
-
-def _scratch() -> bytearray:
-    """This thread's scratch buffer: :data:`_SLOTS` windows, then a band of strided rows (kept:
-    memory touched for the first time is slow here, see MACHINE-NOTES)."""
-    buf: bytearray | None = getattr(_SCRATCH, "buf", None)
-    if buf is None:
-        buf = _SCRATCH.buf = bytearray(SCRATCH)
-    return buf
-
-
-def gather_spans(pages: PageWindow, spans: list[Span], buf: bytearray) -> None:
-    """Copy source reads (:data:`Span`) into ``buf`` at their positions, by ``pread`` only.
-
-    Neighbouring one-row reads of a file that land next to each other in ``buf`` are read
-    as one span; long spans are read straight into ``buf``, short ones and strided rows
-    through a window of their file (:class:`_Reads`), strided rows moved with one numpy
-    copy. Never through a map: a file truncated meanwhile is a named error
-    (:class:`~reshard.errors.SourceChangedError`), not a SIGBUS. ``spans`` gets a sentinel
-    appended and removed.
-    """
-    if not spans:
-        return
-    reads = _Reads(pages.sources, buf)
-    fi, lo, n, rows, ss, pos, ds = spans[0]
-    spans.append((-1, 0, 0, 1, 0, -1, 0))  # flushes the last span
-    try:
-        for nxt in itertools.islice(spans, 1, None):
-            if nxt[0] == fi and nxt[1] == lo + n and nxt[5] == pos + n and rows == 1 and nxt[3] == 1:
-                n += nxt[2]
-                continue
-            if rows == 1:
-                reads.copy(fi, lo, n, pos)
-            else:
-                reads.copy_rows(fi, lo, n, rows, ss, pos, ds)
-            fi, lo, n, rows, ss, pos, ds = nxt
-    finally:
-        spans.pop()
-        del reads
-
-
-class _Reads:
-    """One buffer of queued reads: numpy views of it and of this thread's scratch windows."""
-
-    def __init__(self, sources: SourceFiles, buf: bytearray) -> None:
-        import numpy as np
-
-        self.sources = sources
-        self.out = memoryview(buf)
-        self.buf = np.frombuffer(buf, np.uint8)
-        self.scratch = _scratch()
-        self.src = np.frombuffer(self.scratch, np.uint8)
-        self.as_strided = np.lib.stride_tricks.as_strided
-        self.windows: dict[int, list[tuple[int, int, int]]] = {}  # file -> its (lo, hi, scratch offset)
-        self.owner: list[int] = [-1] * _SLOTS  # slot -> the file whose window it holds
-        self.used: list[int] = [0] * _SLOTS  # slot -> when last read from (the least recent is reused)
-        self.clock = 0
-
-    def _window(self, fi: int, lo: int, n: int) -> int:
-        """Scratch offset of file ``fi``'s bytes at ``lo`` (``n <= _WINDOW``), read if not held.
-
-        A file may hold several windows: a permuted view (RoPE's half-head pairs, 256 KiB
-        apart) alternates between two regions, and one window a file re-read 256 KiB per row.
-        """
-        self.clock += 1
-        for wlo, whi, at in self.windows.get(fi, ()):
-            if wlo <= lo and lo + n <= whi:
-                self.used[at // _WINDOW] = self.clock
-                return at + lo - wlo
-        slot = min(range(_SLOTS), key=self.used.__getitem__)  # the least recently used
-        at = slot * _WINDOW
-        old = self.owner[slot]
-        if old >= 0:
-            self.windows[old] = [w for w in self.windows[old] if w[2] != at]
-        hi = max(lo + n, min(lo + _WINDOW, self.sources.size(fi)))
-        self.sources.pread(fi, memoryview(self.scratch)[at : at + hi - lo], lo)
-        self.windows.setdefault(fi, []).append((lo, hi, at))
-        self.owner[slot] = fi
-        self.used[slot] = self.clock
-        return at
-
-    def copy(self, fi: int, lo: int, n: int, pos: int) -> None:
-        """``n`` bytes of file ``fi`` at ``lo`` into the buffer at ``pos``."""
-        if n > _WINDOW // 2:
-            self.sources.pread(fi, self.out[pos : pos + n], lo)
-            return
-        at = self._window(fi, lo, n)
-        self.out[pos : pos + n] = self.scratch[at : at + n]
-
-    def copy_rows(self, fi: int, lo: int, n: int, rows: int, ss: int, pos: int, ds: int) -> None:
-        """``rows`` rows of ``n`` bytes, ``ss`` apart from ``lo`` in file ``fi``, into the buffer
-        from ``pos``, ``ds`` apart."""
-        span = (rows - 1) * ss + n
-        if span <= _WINDOW // 2:
-            self._rows(self._window(fi, lo, span), n, rows, ss, pos, ds)
-            return
-        per = max(1, min(rows, _BAND // max(ss, 1)))
-        at = _SLOTS * _WINDOW
-        for j in range(0, rows, per):
-            k = min(per, rows - j)
-            self.sources.pread(fi, memoryview(self.scratch)[at : at + (k - 1) * ss + n], lo + j * ss)
-            self._rows(at, n, k, ss, pos + j * ds, ds)
-
-    def _rows(self, at: int, n: int, rows: int, ss: int, pos: int, ds: int) -> None:
-        """Rows from the scratch at ``at`` (``ss`` apart) to the buffer at ``pos`` (``ds`` apart)."""
-        src, dst = self.src, self.buf
-        if at + rows * ss <= len(src) and pos + rows * ds <= len(dst):  # rows as a reshape: fast
-            into = dst[pos : pos + rows * ds].reshape(rows, ds)
-            into[:, :n] = src[at : at + rows * ss].reshape(rows, ss)[:, :n]
-            return
-        d = self.as_strided(dst[pos:], (rows, n), (ds, 1))
-        d[...] = self.as_strided(src[at:], (rows, n), (ss, 1), writeable=False)
+_WINDOW = WINDOW  # a module name, so tests can change it
 
 
 class _Writer:
@@ -368,7 +250,8 @@ class _Writer:
         self.bytes_read = 0
         self.sink = Sink(fd, lo)
         self.crc32s: dict[int, int] = {}
-        self._queued: list[Span] = []  # source reads whose bytes go back to back
+        self._queued: list[int] = []  # single runs whose bytes go back to back: 7 ints a Span
+        self._groups: dict[int, list[Any]] = {}  # entries by geometry: id(runs) -> [runs, positions, srcs]
         self._q_start = 0  # file offset of the first queued byte
         self._q_end = -1  # one past the last
 
@@ -409,8 +292,8 @@ class _Writer:
         geometry (same copies, piece blocks and dtypes) share one lookup of their runs and a
         run that extends the queue costs an append."""
         stop = self.stop
-        queued = self._queued
         cap = self.bufs.budget
+        groups = self._groups
         memo: dict[tuple[object, ...], tuple[tuple[Run, ...], bool] | None] = {}  # the plan holds the keys
         for _, item in items:
             if stop.is_set():
@@ -431,10 +314,11 @@ class _Writer:
                 yield from self.entry_steps(item)  # type: ignore[arg-type]
                 continue
             if start == self._q_end and start + nbytes - self._q_start <= cap:  # extends the queue
-                files, offsets = src.piece_files, src.piece_offsets
-                base = start - self._q_start
-                for d, k, s, n, rows, ss, ds in hit[0]:
-                    queued.append((files[k], offsets[k] + s, n, rows, ss, base + d, ds))
+                g = groups.get(id(hit[0]))
+                if g is None:
+                    g = groups[id(hit[0])] = [hit[0], [], []]
+                g[1].append(start - self._q_start)
+                g[2].append(src)
                 self._q_end = start + nbytes
             elif self._queue(start, src, hit[0], nbytes):
                 yield
@@ -466,23 +350,28 @@ class _Writer:
         """Queue an entry's runs (interleaved ones only when the entry fits in the buffer);
         True if the queue was written on the way."""
         cap = self.bufs.budget
-        files, offsets = src.piece_files, src.piece_offsets
         flushed = False
         if start != self._q_end or start + nbytes - self._q_start > cap:
-            if self._queued:
+            if self._q_end >= 0:
                 self._flush()
                 flushed = True
             if nbytes > cap:  # run by run (back to back in the target: not interleaved)
+                files, offsets = src.piece_files, src.piece_offsets
                 for d, k, s, n, rows, ss, _ in runs:
                     flushed = self._queue_run(start + d, files[k], offsets[k] + s, n, rows, ss) or flushed
                 return flushed
             self._q_start = start
-        base = start - self._q_start
-        self._queued += [
-            (files[k], offsets[k] + s, n, rows, ss, base + d, ds) for d, k, s, n, rows, ss, ds in runs
-        ]
-        self._q_end = start + nbytes
+        self._add(start, src, runs, nbytes)
         return flushed
+
+    def _add(self, start: int, src: TensorSource, runs: Sequence[Run], nbytes: int) -> None:
+        """Queue an entry that extends the queue, with the queued entries of its geometry."""
+        g = self._groups.get(id(runs))
+        if g is None:
+            g = self._groups[id(runs)] = [runs, [], []]
+        g[1].append(start - self._q_start)
+        g[2].append(src)
+        self._q_end = start + nbytes
 
     def _queue_run(self, at: int, fi: int, lo: int, n: int, rows: int, ss: int) -> bool:
         """Queue ``rows`` rows of ``n`` bytes for target offset ``at`` (split when larger than the
@@ -491,7 +380,7 @@ class _Writer:
         size = n * rows
         flushed = False
         if at != self._q_end or at + size - self._q_start > cap:
-            if self._queued:
+            if self._q_end >= 0:
                 self._flush()
                 flushed = True
             if size > cap and rows == 1:
@@ -505,23 +394,25 @@ class _Writer:
                     )
                 return flushed
             self._q_start = at
-        self._queued.append((fi, lo, n, rows, ss, at - self._q_start, n))
+        self._queued += (fi, lo, n, rows, ss, at - self._q_start, n)
         self._q_end = at + size
         return flushed
 
     def _flush(self) -> None:
         """Gather the queued runs into the write buffer and write them with one ``pwrite``."""
-        queued = self._queued
-        if not queued:
+        if self._q_end < 0:
             return
         buf = self.bufs.write
         size = self._q_end - self._q_start
-        gather_spans(self.bufs.pages, queued, buf)
+        windows = self.bufs.windows
+        windows.gather(self._queued, buf)
+        windows.gather_groups(self._groups.values(), buf)
         self.sink.submit(memoryview(buf)[:size], self._q_start)
         self.bytes_read += size
         if self.progress:
             self.progress(size)
-        queued.clear()
+        self._queued.clear()
+        self._groups.clear()
         self._q_end = -1
 
     def _copy_run(self, fi: int, src_off: int, dst_off: int, n: int) -> None:

@@ -15,11 +15,17 @@ bit pattern survives, NaN payloads and ``-0.0`` included):
 * otherwise (``verify``, ``inspect --check``, ``load_dtensors``) a view of the
   file's read-only memory map, the pages recorded in a
   :class:`~reshard.io.pages.PageWindow` that releases them as reading goes on.
+
+Many short reads (the pieces of 100k small tensors) go through :class:`Windows`
+instead: windows of the source files read by ``pread`` and kept, the pieces of
+tensors of one geometry moved with one strided numpy copy per progression and window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import itertools
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -42,7 +48,9 @@ __all__ = [
     "SCRATCH",
     "WINDOW",
     "WINDOW_SLOTS",
-    "BAND",
+    "Run",
+    "Span",
+    "Windows",
     "Items",
     "uint_dtype",
     "Piece",
@@ -63,15 +71,14 @@ WINDOW = 256 << 10
 many bytes of their file, read with one ``pread``: the neighbouring tensors a rank file takes
 next are usually in it, so 100k small tensors cost a few thousand system calls, not 100k."""
 
-WINDOW_SLOTS = 8
-"""Windows a writer holds at once (one per source file, the oldest file's reused)."""
+WINDOW_SLOTS = 13
+"""Windows a writer holds at once, kept from one buffer to the next (the oldest refilled
+first; the last slot holds a read across a window's edge): the sibling files written in
+lockstep take their pieces of the same source bytes from them (HF -> TP-8: a buffer's 1 KiB
+pieces, 8 KiB apart, span 2 MiB of the source)."""
 
-BAND = 1 << 20
-"""Strided rows too far apart for a window are read with one ``pread`` of the span holding
-them, in bands of rows spanning at most this many bytes."""
-
-SCRATCH = WINDOW_SLOTS * WINDOW + BAND + WINDOW
-"""Bytes of a writer thread's scratch buffer: its windows and a band (see ``memory_estimate``)."""
+SCRATCH = WINDOW_SLOTS * WINDOW
+"""Bytes of a writer thread's scratch buffer: its windows (see ``memory_estimate``)."""
 
 
 @cache
@@ -292,3 +299,243 @@ class MappedFiles(PageWindow):
         """Release pages and close maps and file descriptors."""
         self.release()
         self.sources.close()
+
+
+Span = tuple[int, int, int, int, int, int, int]
+"""A source read: (file, offset, n, rows, source stride, position in the buffer, buffer stride):
+``rows`` rows of ``n`` bytes, ``source stride`` apart in the file and ``buffer stride`` apart
+in the buffer (one row: strides unused)."""
+
+Run = tuple[int, int, int, int, int, int, int]
+"""A copy of ``rows`` rows of ``n`` bytes: (byte offset in the target entry, source piece, byte
+offset in the piece, n, rows, source stride, target stride). One row (strides 0) is a contiguous
+run; rows whose target stride is ``n`` are back to back in the target; other runs interleave
+with the entry's other runs (a column shard of a small tensor written whole). Made by
+:func:`reshard.execute.entry_runs`."""
+
+_UINTS = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
+_PERIODS = 4
+"""Entries of one geometry that alternate with others are tried as this many progressions at most."""
+_LOCAL = threading.local()
+_TOKENS = itertools.count()
+
+
+class Windows:
+    """Windows of source files in this thread's scratch buffer, kept from one gather to the next.
+
+    Many short reads (a 100k-tensor file's pieces) cost a few numpy copies, not Python work
+    per piece: :meth:`gather_entries` takes consecutive entries of one geometry, and the run
+    ``j`` of each is a progression (one file, a fixed step in both the file and the buffer:
+    one tensor's piece after the previous one's), moved with one strided copy per window.
+    Windows of ``window`` bytes are read by ``pread`` (never mapped: a file that shrank is a
+    named error, not a SIGBUS) into ``slots`` slots, the oldest refilled first, and stay for
+    the next gather, so sibling files written in lockstep take their pieces of the same
+    source bytes from one read. Reads larger than half a window go straight into the buffer.
+
+    The scratch is the thread's (memory touched once, kept: see MACHINE-NOTES); windows of
+    another :class:`Windows` that used it in between are forgotten, not trusted. ``own``: a
+    scratch of its own instead (``verify``'s two sides, which take turns), so the windows stay.
+    """
+
+    def __init__(
+        self, sources: SourceFiles, window: int = WINDOW, slots: int = WINDOW_SLOTS, *, own: bool = False
+    ) -> None:
+        self.sources = sources
+        self.window = window
+        self.slots: list[tuple[int, int, int]] = [(-1, 0, 0)] * max(1, slots)  # (file, lo, hi)
+        self.last = 0  # the slot hit last
+        self.next = 0  # the slot refilled next
+        self.token = next(_TOKENS)
+        self.own = own
+        self.scratch = bytearray(window * len(self.slots) if own else 0)
+        self.view = memoryview(self.scratch)
+
+    def _claim(self) -> None:
+        """Take this thread's scratch; if another :class:`Windows` used it since, forget our windows."""
+        if self.own or getattr(_LOCAL, "owner", None) == self.token:
+            return
+        need = self.window * len(self.slots)
+        buf: bytearray | None = getattr(_LOCAL, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = _LOCAL.buf = bytearray(need)
+        _LOCAL.owner = self.token
+        self.scratch, self.view = buf, memoryview(buf)
+        self.slots = [(-1, 0, 0)] * len(self.slots)
+
+    def gather(self, spans: list[int], buf: bytearray) -> None:
+        """Copy the source bytes of ``spans`` (seven ints a :data:`Span`, one after another)
+        into ``buf`` at their positions, by ``pread`` only; neighbouring one-row spans that
+        land next to each other are read as one."""
+        if not spans:
+            return
+        self._claim()
+        out = memoryview(buf)
+        fi, lo, n, rows, ss, pos, ds = spans[:7]
+        for i in range(7, len(spans) + 7, 7):
+            nxt = spans[i : i + 7]
+            if nxt and nxt[0] == fi and nxt[1] == lo + n and nxt[5] == pos + n and rows == 1 == nxt[3]:
+                n += nxt[2]
+                continue
+            if rows == 1:
+                self._piece(fi, lo, n, pos, out)
+            else:
+                self._copy(fi, lo, ss, pos, ds, rows, n, buf)
+            if nxt:
+                fi, lo, n, rows, ss, pos, ds = nxt
+
+    def gather_entries(
+        self, runs: Sequence[Run], at: list[int], srcs: Sequence[TensorSource], buf: bytearray
+    ) -> None:
+        """Copy entries of one geometry into ``buf``: entry ``i`` (of tensor ``srcs[i]``) at
+        ``at[i]``, made of ``runs``.
+
+        Run ``j`` of the entries is one progression when the pieces it reads follow each other
+        at a fixed step in one file and the entries at a fixed step in the buffer (checked with
+        list comparisons); or every second (third, fourth) entry is (tensors of this geometry
+        alternating with others: an expert's gate and up). Entries that are not (a layer's
+        norms shift the rest) are split in halves until they are.
+        """
+        self.gather_groups([(runs, at, srcs)], buf)
+
+    def gather_groups(self, groups: Iterable[Sequence[Any]], buf: bytearray) -> None:
+        """:meth:`gather_entries` for several geometries ``(runs, at, srcs)``, their runs in file
+        order: the windows of a file serve every geometry before the next file's are read."""
+        self._claim()
+        jobs = []
+        for runs, at, srcs in groups:
+            for d, k, s, n, rows, ss, ds in runs:
+                fis = [t.piece_files[k] for t in srcs]
+                los = [t.piece_offsets[k] for t in srcs]
+                jobs.append((fis[0], los[0], fis, los, at, (s, d, n, rows, ss, ds)))
+        jobs.sort(key=lambda job: job[:2])
+        for _, _, fis, los, at, run in jobs:
+            self._periodic(fis, los, at, run, buf)
+
+    def _periodic(
+        self, fis: list[int], los: list[int], at: list[int], run: tuple[int, ...], buf: bytearray
+    ) -> None:
+        """Copy pieces ``los[i] + s`` of files ``fis[i]`` to ``at[i] + d`` as up to
+        :data:`_PERIODS` interleaved progressions, or each half so."""
+        s, d, n, rows, ss, ds = run
+        count = len(fis)
+        for p in range(1, min(_PERIODS, count // 2) + 1):
+            cut = [(fis[r::p], los[r::p], at[r::p]) for r in range(p)]
+            steps = [_step(lo_) if f_.count(f_[0]) == len(f_) else None for f_, lo_, _ in cut]
+            moves = [_step(a_) for _, _, a_ in cut]
+            if None not in steps and None not in moves:
+                for (f_, lo_, a_), dl, dp in zip(cut, steps, moves):
+                    self._copy(f_[0], lo_[0] + s, dl or 0, a_[0] + d, dp or 0, len(f_), n, buf, rows, ss, ds)
+                return
+        if count <= 4 * _PERIODS:
+            self._longest(fis, los, at, run, buf)
+            return
+        h = count // 2
+        self._periodic(fis[:h], los[:h], at[:h], run, buf)
+        self._periodic(fis[h:], los[h:], at[h:], run, buf)
+
+    def _longest(
+        self, fis: list[int], los: list[int], at: list[int], run: tuple[int, ...], buf: bytearray
+    ) -> None:
+        """Copy pieces ``los[i] + s`` of files ``fis[i]`` to ``at[i] + d`` in the longest
+        progressions, in order."""
+        s, d, n, rows, ss, ds = run
+        count = len(fis)
+        i = 0
+        while i < count:
+            f, j = fis[i], i + 1
+            dl, dp = (los[j] - los[i], at[j] - at[i]) if j < count and fis[j] == f else (0, 0)
+            while j < count and fis[j] == f and los[j] - los[j - 1] == dl and at[j] - at[j - 1] == dp:
+                j += 1
+            self._copy(f, los[i] + s, dl, at[i] + d, dp, j - i, n, buf, rows, ss, ds)
+            i = j
+
+    def _copy(
+        self,
+        fi: int,
+        lo: int,
+        dl: int,
+        pos: int,
+        dp: int,
+        k: int,
+        n: int,
+        buf: bytearray,
+        rows: int = 1,
+        ss: int = 0,
+        ds: int = 0,
+    ) -> None:
+        """``k`` items, ``dl`` apart from ``lo`` in file ``fi`` and ``dp`` apart from ``pos`` in
+        the buffer, each ``rows`` rows of ``n`` bytes (``ss`` apart in the file, ``ds`` in the
+        buffer): one strided numpy copy per window."""
+        if rows == 1 and dl == n == dp:  # back to back on both sides: one read
+            self._piece(fi, lo, n * k, pos, memoryview(buf))
+            return
+        span = (rows - 1) * ss + n
+        if span > self.window // 2 or n <= 0 or ss < 0:
+            for i in range(k):  # too large for a window: item by item, row by row
+                if rows == 1:
+                    self._piece(fi, lo + i * dl, n, pos + i * dp, memoryview(buf))
+                else:
+                    self._copy(fi, lo + i * dl, ss, pos + i * dp, ds, rows, n, buf)
+            return
+        import numpy as np
+
+        if dl < 0:  # walk the file forwards
+            lo, pos, dl, dp = lo + (k - 1) * dl, pos + (k - 1) * dp, -dl, -dp
+        while k > 0:
+            at, hi = self._window(fi, lo, span)
+            fit = k if dl == 0 else min(k, (hi - lo - span) // dl + 1)
+            g = n | at | pos | dl | dp | (ss | ds if rows > 1 else 0)
+            isz = min(8, g & -g) if g else 8  # the widest items all offsets and strides allow
+            shape = (fit, rows, n // isz)
+            dt = _UINTS[isz]
+            dst = np.ndarray(shape, dt, buf, pos, (dp, ds, isz))
+            dst[...] = np.ndarray(shape, dt, self.scratch, at, (dl, ss, isz))
+            lo, pos, k = lo + fit * dl, pos + fit * dp, k - fit
+
+    def _piece(self, fi: int, lo: int, n: int, pos: int, out: memoryview) -> None:
+        """``n`` bytes of file ``fi`` at ``lo`` into the buffer at ``pos``."""
+        if n > self.window // 2:
+            self.sources.pread(fi, out[pos : pos + n], lo)
+        elif n > 0:
+            at, _ = self._window(fi, lo, n)
+            out[pos : pos + n] = self.view[at : at + n]
+
+    def _window(self, fi: int, lo: int, n: int) -> tuple[int, int]:
+        """Where file ``fi``'s bytes ``[lo, lo + n)`` are in the scratch (``n <= window``), read
+        if no window holds them; and the file offset where that window ends.
+
+        Windows sit on a grid of ``window`` bytes, so walks over the same bytes (sibling files,
+        another geometry's entries) meet the same windows and read each byte once; bytes across
+        a grid line are read on their own into the last slot.
+        """
+        slots = self.slots
+        f, a, b = slots[self.last]
+        if f == fi and a <= lo and lo + n <= b:
+            return self.last * self.window + lo - a, b
+        for j, (f, a, b) in enumerate(slots):
+            if f == fi and a <= lo and lo + n <= b:
+                self.last = j
+                return j * self.window + lo - a, b
+        w = self.window
+        start = lo - lo % w
+        hi = min(start + w, self.sources.size(fi))
+        if lo + n <= hi:
+            j = self.next
+            self.next = (j + 1) % max(1, len(slots) - 1)
+        else:  # across a grid line (or past the end of the file: the read fails)
+            j, start, hi = len(slots) - 1, lo, lo + n
+        slots[j] = (-1, 0, 0)
+        self.sources.pread(fi, self.view[j * w : j * w + hi - start], start)
+        slots[j] = (fi, start, hi)
+        self.last = j
+        return j * w + lo - start, hi
+
+
+def _step(xs: list[int]) -> int | None:
+    """The fixed step of ``xs`` (0 for one item), or None when it has none."""
+    if len(xs) < 2:
+        return 0
+    a, step = xs[0], xs[1] - xs[0]
+    if step == 0:
+        return 0 if xs.count(a) == len(xs) else None
+    return step if xs == list(range(a, a + step * len(xs), step)) else None
