@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .checkpoint import Checkpoint, TensorSource
 from .dtypes import DTYPE_SIZES, FLOAT_DTYPES
@@ -279,9 +279,12 @@ class WriteOptions:
     """Tensor name -> its name inside rank files, where not its own (``Own(NAME, local)``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class OutEntry:
-    """One tensor in one output file: target rank ``rank``'s block, ``nbytes`` at absolute ``start``."""
+class OutEntry(NamedTuple):
+    """One tensor in one output file: target rank ``rank``'s block, ``nbytes`` at absolute ``start``.
+
+    A named tuple, not a dataclass: writers make one per tensor per file as the executor
+    walks a file (800k for a 100k-tensor checkpoint at TP-8), and a tuple is built in
+    half the time of a frozen dataclass."""
 
     tensor: TargetTensor
     rank: int

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
@@ -70,6 +70,8 @@ def _layouts(draw: Any) -> dict[str, Any]:
         at = [base + (i if order == "even" else i // 2) * step + (i % 2) * gap for i in range(count)]
         offsets = [[a] * nruns for a in at]
         files_of = [files] * count
+        # a long step may not fit the file (base's range clamps at 0): such layouts read past the end
+        assume(all(0 <= a <= room for a in at))
     slots = list(range(count))
     if draw(st.booleans()):
         slots = draw(st.permutations(slots))
