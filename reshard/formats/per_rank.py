@@ -837,7 +837,7 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     ordered = header_order(tensors)
-    if any(lay.assigned for lay in {id(t.layout): t.layout for t in ordered}.values()):
+    if any(t.layout.assigned for t in ordered):
         return _owned_files(ordered, mesh, options.file_names or {})
     text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
     return [
