@@ -34,6 +34,7 @@ from .checkpoint import Checkpoint, Signature, TensorSource
 from .config import resolve_preset
 from .dtypes import DTYPE_SIZES
 from .errors import PlanError, UsageError
+from .heads import HEAD_KEYS, Heads, heads_from
 from .indexmap import Part, full_dims, localize, unit_segments
 from .intervals import Block, block_shape, block_volume, box_span, full_block, row_major_strides
 from .io.safe import MAX_LAYOUT_BYTES, read_document
@@ -43,6 +44,7 @@ from .transforms import (
     TransformSpec,
     Untie,
     apply,
+    config_values,
     load_hf_config,
     load_transforms,
     parse_transforms_text,
@@ -57,6 +59,7 @@ __all__ = [
     "piece_strides",
     "feeds",
     "Transforms",
+    "unfused",
     "layout_transforms",
     "transforms_for",
     "parse_sets",
@@ -403,6 +406,18 @@ class Transforms:
         """``source`` seen through the transforms: its tensors under target names (for verify)."""
         return dataclasses.replace(source, tensors=self.sources(source))
 
+    def heads(self) -> Heads | None:
+        """The model's attention head counts as the transforms see them: ``--set`` values over
+        the spec's ``config:`` entries over config.json (for the KV-heads check of the target)."""
+        values = config_values(self.spec, self.config, HEAD_KEYS)
+        own = {k for k, _ in self.spec.config}
+        where = [f"--set {k}={values[k]}" for k in HEAD_KEYS if k in self.sets and k in values]
+        if any(k in own and k not in self.sets for k in values):
+            where.append(self.spec.source)
+        if self.config_path is not None and any(k not in own for k in values):
+            where.append(self.config_path)
+        return heads_from(values, " over ".join(where))
+
     def record(self) -> dict[str, Any]:
         """What ``reshard.json`` says about them (``inspect`` shows it)."""
         return {
@@ -412,6 +427,13 @@ class Transforms:
             **({"set": dict(self.sets)} if self.sets else {}),
             "spec": self.spec.to_json(),
         }
+
+
+def unfused(targets: Mapping[str, TensorSource]) -> dict[str, TensorSource]:
+    """The target tensors read from one source tensor each (renamed, RoPE-permuted, split out
+    of a fused one, unchanged): their rows are the model's heads in order. Tensors fused from
+    several (vLLM's per-rank ``[q_r; k_r; v_r]``, KV heads repeated) are laid out by their own rule."""
+    return {n: t for n, t in targets.items() if not isinstance(t, TransformedSource) or len(t.inputs) == 1}
 
 
 def layout_transforms(layout: str) -> TransformSpec | None:

@@ -35,7 +35,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -66,6 +66,7 @@ __all__ = [
     "TransformSpec",
     "TransformedTensor",
     "apply",
+    "config_values",
     "inverse",
     "parse_transforms_text",
     "load_transforms",
@@ -1186,6 +1187,30 @@ def apply(
             tensor=left[0],
         )
     return {n: state[n] for n in sorted(state)}
+
+
+def config_values(
+    spec: TransformSpec, config: Mapping[str, Any] | None, keys: Iterable[str]
+) -> dict[str, int]:
+    """The integers ``keys`` name as the spec's size expressions see them: its own ``config:``
+    entries first (``--set`` values among them), then ``config`` (config.json); keys that
+    neither gives are left out.
+
+    >>> spec = TransformSpec((), (("num_key_value_heads", 2),))
+    >>> model = {"num_key_value_heads": 8, "hidden_size": 64}
+    >>> config_values(spec, model, ["num_key_value_heads", "hidden_size"])
+    {'num_key_value_heads': 2, 'hidden_size': 64}
+
+    Raises:
+        ConfigError: a ``config:`` entry of one of ``keys`` cannot be evaluated.
+    """
+    env = _Env(dict(spec.config), config or {})
+    out: dict[str, int] = {}
+    for key in keys:
+        v = env.name(key) if key in env.own else env.external.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out[key] = v
+    return out
 
 
 def inverse(spec: TransformSpec) -> TransformSpec:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -675,3 +677,85 @@ def test_the_python_api_takes_set_values(hf: Path, tmp_path: Path) -> None:
     assert {d["tensor"] for d in logical["differences"]} == {
         f"model.layers.{i}.{t}.weight" for i in range(2) for t in ("self_attn.qkv_proj", "mlp.gate_up_proj")
     }
+
+
+# -- the KV-heads warning with transforms: the head counts they use, --set included ---------
+
+NOOP = """\
+transforms:
+  - drop: {tensors: "model.layers.{i}.self_attn.rotary_emb.inv_freq", optional: true}
+allow_unused: true
+"""
+
+
+def kv_warnings(p: subprocess.CompletedProcess[str]) -> list[str]:
+    assert p.returncode == 0, p.stderr
+    return [w for w in json.loads(p.stdout)["warnings"] if "key/value heads" in w]
+
+
+@pytest.mark.parametrize(
+    ("in_config", "sets", "warned"),
+    [
+        (4, [], None),  # 4 KV heads in config.json: TP-4 keeps whole heads
+        (4, ["--set", "num_key_value_heads=2"], "--set num_key_value_heads=2"),  # --set wins
+        (2, [], "config.json"),
+        (2, ["--set", "num_key_value_heads=4"], None),
+    ],
+)
+def test_kv_heads_warning_takes_set_values_over_config_json(
+    tmp_path: Path, in_config: int, sets: list[str], warned: str | None
+) -> None:
+    """TP-4 over k/v rows warns when the KV-head count the transforms use (``--set`` over
+    config.json) is below 4, whatever config.json says."""
+    src = save_hf(tmp_path / "hf", llama_hf(), {**LLAMA, "num_key_value_heads": in_config})
+    (tmp_path / "noop.yaml").write_text(NOOP)
+    p = run("convert", str(src), str(tmp_path / "out"), "--transforms", str(tmp_path / "noop.yaml"), *sets,
+            "--target-layout", "llama-tp", "--target-mesh", "tp=4", "--json")  # fmt: skip
+    got = kv_warnings(p)
+    if warned is None:
+        assert got == []
+        return
+    assert len(got) == 1, got
+    heads = 2
+    assert re.search(
+        rf'shards "model\.layers\.0\.self_attn\.k_proj\.weight" 4 ways, which exceeds the {heads} key/value '
+        rf"heads \(num_key_value_heads, from [^)]*{re.escape(warned)}",
+        got[0],
+    ), got[0]
+    assert "key/value heads" in p.stderr
+
+
+def test_kv_heads_warning_through_vllm_files_and_back(hf: Path, tmp_path: Path) -> None:
+    """HF -> vLLM TP-4 (2 KV heads): qkv_proj fused by the transforms with whole KV heads repeated
+    per rank, no warning. vLLM -> HF k/v split back out and sharded S(0) over TP-4: a warning,
+    with the count the transforms use: --set num_key_value_heads=2 where config.json says 4."""
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    vllm = tmp_path / "vllm"
+    p = run("convert", str(hf), str(vllm), "--transforms", "hf-to-vllm", "--set", "tp=4",
+            "--target-layout", str(tmp_path / "vllm.yaml"), "--to", "sharded-state", "--json")  # fmt: skip
+    assert kv_warnings(p) == []
+    # config.json says 4 KV heads: rank files of one KV head each fit that too (4 distinct heads)
+    lying = tmp_path / "config.json"
+    lying.write_text(json.dumps({**LLAMA, "num_key_value_heads": 4}))
+    back = ["convert", str(vllm), str(tmp_path / "back"), "--transforms", "hf-to-vllm", "--inverse",
+            "--set", "tp=4", "--model-config", str(lying), "--target-layout", "llama-tp",
+            "--target-mesh", "tp=4", "--json", "--overwrite"]  # fmt: skip
+    assert kv_warnings(run(*back)) == []
+    got = kv_warnings(run(*back, "--set", "num_key_value_heads=2"))
+    assert len(got) == 1 and "the 2 key/value heads (num_key_value_heads, from --set" in got[0], got
+    assert "model.layers.0.self_attn.k_proj.weight" in got[0]
+    assert kv_warnings(run(*back[:-4], "--target-mesh", "tp=2", "--json", "--overwrite",
+                           "--set", "num_key_value_heads=2")) == []  # fmt: skip
+
+
+def test_the_python_api_warns_with_set_values(tmp_path: Path) -> None:
+    from reshard.api import convert_checkpoint
+
+    src = save_hf(tmp_path / "hf", llama_hf(), {**LLAMA, "num_key_value_heads": 4})
+    (tmp_path / "noop.yaml").write_text(NOOP)
+    kw: dict[str, Any] = {"transforms": str(tmp_path / "noop.yaml"), "target_layout": "llama-tp"}
+    kw["target_mesh"] = "tp=4"
+    plain = convert_checkpoint(src, tmp_path / "a", **kw)
+    assert not [w for w in plain["warnings"] if "key/value heads" in w]
+    got = convert_checkpoint(src, tmp_path / "b", sets=["num_key_value_heads=2"], **kw)["warnings"]
+    assert [w for w in got if "the 2 key/value heads (num_key_value_heads, from --set" in w]
