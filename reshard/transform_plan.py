@@ -36,10 +36,11 @@ from .dtypes import DTYPE_SIZES
 from .errors import PlanError, UsageError
 from .heads import HEAD_KEYS, Heads, heads_from
 from .indexmap import Part, full_dims, localize, unit_segments
-from .intervals import Block, block_shape, block_volume, box_span, full_block, row_major_strides
+from .intervals import Block, Interval, block_shape, block_volume, box_span, full_block, row_major_strides
 from .io.safe import MAX_LAYOUT_BYTES, read_document
 from .plan import Copy, match_blocks
 from .transforms import (
+    Repeat,
     TransformedTensor,
     TransformSpec,
     Untie,
@@ -57,6 +58,7 @@ __all__ = [
     "resolve_transforms",
     "match_any",
     "piece_strides",
+    "file_at",
     "feeds",
     "Transforms",
     "unfused",
@@ -245,6 +247,7 @@ def resolve_transforms(
     source: Checkpoint,
     config: Mapping[str, Any] | None,
     ties: list[tuple[TransformedTensor, TransformedTensor]] | None = None,
+    repeats: list[Repeat] | None = None,
 ) -> dict[str, TransformedTensor]:
     """``apply`` the spec to the source checkpoint's tensors (shapes and dtypes checked).
 
@@ -258,6 +261,7 @@ def resolve_transforms(
         dtypes={n: t.dtype for n, t in tensors.items()},
         config=config,
         ties=ties,
+        repeats=repeats,
     )
 
 
@@ -304,6 +308,24 @@ def piece_strides(src: TensorSource, k: int) -> tuple[int, ...] | None:
     if isinstance(src, TransformedSource):
         return None if src.piece_files[k] < 0 else src.piece_strides[k]
     return row_major_strides(block_shape(src.piece_blocks[k]))
+
+
+def file_at(src: TensorSource, index: Sequence[int]) -> int | None:
+    """The file holding element ``index`` of ``src`` (index into the checkpoint's files; the
+    lowest piece holding it, a view's real piece), or None (padding zeros, out of range)."""
+    one: Block = tuple((Interval(i, i + 1),) for i in index)
+    if isinstance(src, TransformedSource):
+        for k, (i, pi, real) in enumerate(zip(src.piece_inputs, src.piece_parts, src.piece_real)):
+            if (
+                i >= 0
+                and localize(src.parts[pi], one, src.inputs[i].piece_blocks[real], src.name) is not None
+            ):
+                return src.piece_files[k]
+        return None
+    for k, blk in enumerate(src.piece_blocks):
+        if all(any(iv.start <= x < iv.stop for iv in il) for il, x in zip(blk, index, strict=True)):
+            return src.piece_files[k]
+    return None
 
 
 def _region(part: Part, ndim: int) -> list[list[int]]:
@@ -401,6 +423,13 @@ class Transforms:
             dataclasses.replace(source, tensors=target_sources(kept, source.tensors)),
             {k.name: d.name for d, k in ties},
         )
+
+    def repeats(self, source: Checkpoint) -> list[Repeat]:
+        """The copies of repeated chunks a ``split`` with ``shards`` reads once (vLLM's KV
+        heads replicated over TP ranks), for ``verify`` to compare with the copy read."""
+        out: list[Repeat] = []
+        resolve_transforms(self.spec, source, self.config, repeats=out)
+        return out
 
     def checkpoint(self, source: Checkpoint) -> Checkpoint:
         """``source`` seen through the transforms: its tensors under target names (for verify)."""

@@ -759,3 +759,53 @@ def test_the_python_api_warns_with_set_values(tmp_path: Path) -> None:
     assert not [w for w in plain["warnings"] if "key/value heads" in w]
     got = convert_checkpoint(src, tmp_path / "b", sets=["num_key_value_heads=2"], **kw)["warnings"]
     assert [w for w in got if "the 2 key/value heads (num_key_value_heads, from --set" in w]
+
+
+# -- vLLM files read back: the replicated KV copies not read are compared, as replicas --------
+
+
+def flip_bit(path: Path, tensor: str, row: int, col: int) -> None:
+    """Flip the lowest bit of element [row, col] of an F32 2-d tensor in a safetensors file."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    entry = json.loads(data[8 : 8 + n])[tensor]
+    assert entry["dtype"] == "F32"
+    data[8 + n + entry["data_offsets"][0] + (row * entry["shape"][1] + col) * 4] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_verify_compares_the_kv_copies_vllm_ranks_hold(hf: Path, tmp_path: Path) -> None:
+    """2 KV heads at TP-4: ranks 2j and 2j+1 both hold KV head j. Reading the files back takes
+    rank 2j's copy; verify compares rank 2j+1's with it and names both files when they differ."""
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    vllm = tmp_path / "vllm"
+    tp4 = ["--transforms", "hf-to-vllm", "--set", "tp=4"]
+    p = run("convert", str(hf), str(vllm), *tp4, "--target-layout", str(tmp_path / "vllm.yaml"),
+            "--to", "sharded-state")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    back = ["verify", str(vllm), str(hf), *tp4, "--inverse", "--model-config", str(hf / "config.json")]
+    p = run(*back, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    # rank 3's qkv_proj = [q_3 (8 rows); k_1 (8 rows); v_1 (8 rows)]: row 8 + 3 is k_proj row 8 + 3
+    flip_bit(vllm / "model-rank-3-part-0.safetensors", "model.layers.1.self_attn.qkv_proj.weight", 8 + 3, 5)
+    p = run(*back, "--json")
+    assert p.returncode == 1, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is False
+    (d,) = doc["differences"]
+    assert d["kind"] == "replica" and d["tensor"] == "model.layers.1.self_attn.k_proj.weight"
+    assert d["index"] == [8 + 3, 5]
+    assert Path(d["path"]).name == "model-rank-3-part-0.safetensors"
+    assert Path(d["other"]).name == "model-rank-2-part-0.safetensors"
+    assert "model-rank-3-part-0.safetensors" in d["message"] and "model-rank-2-part-0" in d["message"]
+    p = run(*back)
+    assert p.returncode == 1 and "model.layers.1.self_attn.k_proj.weight" in p.stderr, p.stderr
+    p = run(*back, "--exclude", "*.k_proj.weight")  # not selected: not compared
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run("verify", str(hf), str(vllm), *tp4)  # HF seen as vLLM files: every copy compared already
+    assert p.returncode == 1 and "qkv_proj" in p.stderr, p.stderr
+    from reshard.api import compare_checkpoints
+
+    got = compare_checkpoints(vllm, hf, transforms="hf-to-vllm", sets=["tp=4"], inverse=True,
+                              model_config=str(hf / "config.json"))  # fmt: skip
+    assert not got["equal"] and [x["kind"] for x in got["differences"]] == ["replica"]
