@@ -23,7 +23,7 @@ from .convert import convert as _convert
 from .errors import UsageError
 from .report import inspect_report, plan_report
 from .transform_plan import transforms_for
-from .verify import verify_checkpoints
+from .verify import verify_checkpoints, with_repeats
 
 __all__ = [
     "convert_checkpoint",
@@ -171,9 +171,10 @@ def compare_checkpoints(
     sets: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``reshard verify A B``: ``"equal"`` when both hold the same tensors bit for bit
-    (with ``transforms``: A seen through them).
+    (with ``transforms``: A seen through them, and the copies a split reads once compared
+    with the copy read).
 
-    Otherwise ``"differences"`` lists them (missing, extra, dtype, shape, values).
+    Otherwise ``"differences"`` lists them (missing, extra, dtype, shape, values, replica).
     """
     ca = open_source(SourceSpec(str(a), None, layout_a, None))
     cb = open_source(SourceSpec(str(b), None, layout_b, None))
@@ -185,4 +186,6 @@ def compare_checkpoints(
         allow_unused=allow_unused,
         sets=sets,
     )
-    return dict(verify_checkpoints(tf.checkpoint(ca) if tf is not None else ca, cb))
+    if tf is None:
+        return dict(verify_checkpoints(ca, cb))
+    return dict(with_repeats(verify_checkpoints(tf.checkpoint(ca), cb), ca, tf.repeats(ca)))

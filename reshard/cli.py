@@ -708,7 +708,7 @@ def verify(
       reshard verify hf-model tt-tp8 --transforms hf-to-torchtitan-llama
     """
     from .convert import SourceSpec, open_source
-    from .verify import verify_checkpoints
+    from .verify import verify_checkpoints, with_repeats
 
     with _errors(json_):
         from .select import select_pair
@@ -725,12 +725,17 @@ def verify(
             allow_unused=allow_unused,
             sets=set_ or (),
         )
+        source = ca
         if tf is not None:
             ca = tf.checkpoint(ca)
         ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or ())
         for w in unmatched:
             console().print(f"warning: {w}")
         doc = verify_checkpoints(ca, cb)
+        if tf is not None:  # the copies a split reads once (vLLM's replicated KV heads), as replicas
+            selected = include or exclude
+            repeats = [r for r in tf.repeats(source) if not selected or r.first.name in ca.tensors]
+            doc = with_repeats(doc, source, repeats)
         if json_:
             _emit({"ok": doc["equal"], "command": "verify", **doc})
         else:

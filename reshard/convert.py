@@ -29,7 +29,7 @@ from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
 from .plan import Plan, WriteOptions, make_plan, match_blocks
 from .resume import finished_files, is_journal, record_finished, source_identity, start_journal
-from .transform_plan import Transforms, layout_transforms, match_any, transforms_for
+from .transform_plan import Transforms, layout_transforms, match_any, transforms_for, unfused
 
 __all__ = [
     "SourceSpec",
@@ -382,19 +382,27 @@ def rule_warnings(cfg: LayoutConfig, names: Iterable[str]) -> list[CheckpointWar
 
 
 def _checked_rules(
-    source: Checkpoint, rules: LayoutConfig, mesh: Mesh, targets: Mapping[str, TensorSource] | None
+    source: Checkpoint,
+    rules: LayoutConfig,
+    mesh: Mesh,
+    targets: Mapping[str, TensorSource] | None,
+    tf: Transforms | None = None,
 ) -> LayoutConfig:
     """Target ``rules`` bound to the target tensor names (the source's, or ``targets`` after
-    transforms) for ``Own(...)`` assignments, their warnings (rules matching nothing, KV heads
-    split by the mesh) added to ``source``'s."""
-    from .heads import check_heads  # lazy: reads config.json only when there are target rules
+    transforms ``tf``) for ``Own(...)`` assignments, their warnings (rules matching nothing, KV
+    heads split by the mesh: with transforms, their head counts, ``--set`` ones included) added
+    to ``source``'s."""
+    from .heads import check_heads, check_tensor_heads  # lazy: reads config.json only when needed
 
     names = source.tensors if targets is None else targets
     base = source.layout  # its own rules on another mesh (--target-mesh): not the user's to fix
     reused = base is not None and rules.rules == base.rules and rules.source == base.source
     warnings = [] if reused else rule_warnings(rules, names)
     rules = rules.assign(names)
-    heads = check_heads(source, rules, mesh) if targets is None else []
+    if targets is None or tf is None:
+        heads = check_heads(source, rules, mesh)
+    else:
+        heads = check_tensor_heads(unfused(targets), rules, mesh, tf.heads)
     for w in [*warnings, *heads]:
         if w not in source.warnings:
             source.warnings.append(w)
@@ -412,7 +420,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
     tf = target.transforms
     tensors, transformed = (None, None) if tf is None else tf.plan_inputs(source)
     if rules is not None:
-        rules = _checked_rules(source, rules, target.mesh, tensors)
+        rules = _checked_rules(source, rules, target.mesh, tensors, tf)
 
     def placements_for(name: str) -> Sequence[Placement | str]:
         if rules is None:  # no target layout: every tensor whole

@@ -6,7 +6,8 @@ Nothing here imports torch unless the process runs under torchrun
 * :func:`coordinator` / :class:`Coordinator`: ``reshard convert`` under torchrun; each
   rank writes its share of the output files (balanced by bytes), rank 0 the manifest.
 * :func:`load_dtensors`: a checkpoint of any format -> DTensors on a DeviceMesh, each
-  rank reading only the slices its coordinate holds.
+  rank reading only the slices its coordinate holds (``Own(...)`` tensors: only on the
+  ranks owning them).
 * :func:`save_dtensors`: DTensors -> a self-describing per-rank checkpoint, each rank
   writing its own local shards (no gather).
 """
@@ -202,13 +203,8 @@ def _torch_placements(placements: Sequence[Placement], tensor: str) -> list[Any]
             out.append(_StridedShard(p.dim, split_factor=p.split_factor))
         elif isinstance(p, Replicate):
             out.append(TReplicate())
-        elif isinstance(p, Owned):
-            raise LayoutError(
-                f'tensor "{tensor}": {p} (whole-tensor assignment) has no DTensor form: a DTensor lives '
-                "on every rank of its mesh. Load such tensors with a layout placing them R or S(0)",
-                tensor=tensor,
-            )
         else:
+            assert not isinstance(p, Owned)  # _load_one places owned tensors on the other dims
             raise LayoutError(
                 f'tensor "{tensor}": a Partial target placement ({p}) cannot be loaded; '
                 "a loaded tensor holds the reduced value. Use R instead of P in the layout.",
@@ -269,7 +265,7 @@ def _resolve_layout(
     mesh = _reshard_mesh(device_mesh, names)
     if cfg is not None:
         try:
-            cfg = cfg.with_mesh(mesh)
+            cfg = cfg.with_mesh(mesh).assign(ckpt.tensors)  # Own(...) deals the tensors by name
         except ConfigError as e:
             raise ConfigError(
                 f"{e.message} (loading onto DeviceMesh {mesh})",
@@ -295,6 +291,13 @@ def load_dtensors(
     the raw values, ``avg`` of integers rounding down); this holds one buffer per
     partial group of the local block while reducing.
 
+    Tensors a rule places ``Own(NAME)`` on a mesh dim (whole-tensor assignment: expert
+    ``n`` on the ep rank owning it) are returned only by the ranks owning them, as the
+    per-rank files ``convert`` writes hold them: a ``DTensor`` on the sub-mesh of the other
+    dims (``mesh["fsdp"]`` for ``{ep: Own(expert), fsdp: S(0)}``; the DeviceMesh needs
+    ``mesh_dim_names``), or the whole ``torch.Tensor`` when ``Own`` is on every dim (a 1-d
+    ``ep`` mesh). ``Own(NAME, local)`` names them by their rank-local number.
+
     Args:
         path: a checkpoint of any readable format (per-rank directory, hf directory or
             ``.safetensors`` file, dcp-safetensors or sharded-state directory).
@@ -310,7 +313,7 @@ def load_dtensors(
 
     Returns:
         Tensor name -> ``DTensor`` (source dtype, global shape, contiguous strides), in
-        checkpoint order.
+        checkpoint order; owned tensors as above (this rank's only).
 
     Raises:
         ReshardError: the checkpoint, the layout or the mesh do not fit together (a tensor
@@ -326,32 +329,56 @@ def load_dtensors(
     if coord is None:
         raise UsageError(f"this rank is not part of the DeviceMesh {rmesh}; load_dtensors needs it")
     coord = tuple(int(c) for c in coord)
+    renamed = cfg.file_names(rmesh) if cfg is not None else {}  # Own(NAME, local): rank-local numbers
     sources = SourceFiles(ckpt.files)
+    out: dict[str, Any] = {}
+    subs: dict[tuple[int, ...], Any] = {(): None}  # sub-meshes of owned tensors, by their mesh dims
     try:
-        return {name: _load_one(sources, src, cfg, rmesh, mesh, coord) for name, src in ckpt.tensors.items()}
+        for name, src in ckpt.tensors.items():
+            pls = cfg.placements_for(name) if cfg is not None else ["R"] * rmesh.ndim
+            lay = TensorLayout.for_tensor(name, src.shape, rmesh, pls)
+            if lay.holds(coord):  # an Own(...) tensor another rank owns: not this rank's
+                out[renamed.get(name, name)] = _load_one(
+                    sources, src, lay, _on(name, lay, rmesh, mesh, subs), coord
+                )
+        return out
     finally:
         sources.close()
 
 
+def _on(name: str, lay: TensorLayout, rmesh: Mesh, mesh: Any, subs: dict[tuple[int, ...], Any]) -> Any:
+    """The DeviceMesh a tensor is loaded on: ``mesh``, or for an owned tensor the sub-mesh of
+    the dims not ``Own`` (None: owned on every dim, a plain tensor)."""
+    if not lay.assigned:
+        return mesh
+    dims = tuple(d for d, p in enumerate(lay.placements) if not isinstance(p, Owned))
+    if dims not in subs:
+        if _mesh_names(mesh) is None:
+            raise UsageError(
+                f'tensor "{name}" is placed {lay.placement_strs()}: an owned tensor lives on the '
+                f"sub-mesh of the other dims ({', '.join(rmesh.names[d] for d in dims)}), which needs a "
+                "DeviceMesh with mesh_dim_names (init_device_mesh(..., mesh_dim_names=...))",
+                tensor=name,
+            )
+        subs[dims] = mesh[tuple(rmesh.names[d] for d in dims)]  # no collective: the groups exist
+    return subs[dims]
+
+
 def _load_one(
-    sources: SourceFiles,
-    src: TensorSource,
-    cfg: LayoutConfig | None,
-    rmesh: Mesh,
-    mesh: Any,
-    coord: tuple[int, ...],
+    sources: SourceFiles, src: TensorSource, lay: TensorLayout, on: Any, coord: tuple[int, ...]
 ) -> Any:
-    """One tensor as a DTensor on ``mesh``: this rank's block, read from the source pieces."""
+    """One tensor as a DTensor on ``on`` (the mesh, or an owned tensor's sub-mesh; None: a plain
+    tensor, owned on every dim): this rank's block, read from the source pieces."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    pls: Sequence[Placement | str] = cfg.placements_for(src.name) if cfg is not None else ["R"] * rmesh.ndim
-    lay = TensorLayout.for_tensor(src.name, src.shape, rmesh, pls)
     local = _read_block(sources, src, lay.block(coord))
+    if on is None:
+        return local  # the whole tensor, as its owner's rank file holds it
     return DTensor.from_local(
         local,
-        mesh,
-        _torch_placements(lay.placements, src.name),
+        on,
+        _torch_placements([p for p in lay.placements if not isinstance(p, Owned)], src.name),
         run_check=False,
         shape=torch.Size(src.shape),
         stride=row_major_strides(src.shape),

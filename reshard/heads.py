@@ -13,6 +13,9 @@ Two ways a layout can be wrong for a model without any placement being malformed
   number not dividing them) splits heads across ranks, where transformers and vLLM
   replicate whole KV heads instead: a warning.
 
+With transforms the target tensors are checked, against the head counts the transforms
+use (``--set`` over the spec's ``config:`` over config.json: ``Transforms.heads``).
+
 >>> Heads(heads=4, kv_heads=1, head_dim=64, source="config.json").qkv_rows
 (256, 64, 64)
 """
@@ -20,16 +23,17 @@ Two ways a layout can be wrong for a model without any placement being malformed
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import Checkpoint, CheckpointWarning
+from .checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from .config import LayoutConfig
 from .errors import LayoutError
 from .mesh import Mesh
 from .placements import Placement, Shard, StridedShard
 
-__all__ = ["Heads", "read_heads", "check_heads"]
+__all__ = ["Heads", "HEAD_KEYS", "heads_from", "read_heads", "check_heads", "check_tensor_heads"]
 
 # Hugging Face / vLLM fused projection rows [q; k; v] (Phi-3, vLLM's qkv_proj).
 _FUSED_QKV = re.compile(r"(?:.*\.)?qkv_proj\.(weight|bias)")
@@ -45,13 +49,13 @@ _SPLIT_HINT = (
 
 @dataclass(frozen=True, slots=True)
 class Heads:
-    """Attention head counts of a model, from its ``config.json``.
+    """Attention head counts of a model, from its ``config.json`` (and ``--set`` values).
 
     Attributes:
         heads: ``num_attention_heads``.
         kv_heads: ``num_key_value_heads`` (``heads`` when absent: multi-head attention).
         head_dim: ``head_dim``, else ``hidden_size // num_attention_heads``.
-        source: the config.json path, for messages.
+        source: where they come from, for messages (the config.json path, ``--set ...``).
     """
 
     heads: int
@@ -65,9 +69,30 @@ class Heads:
         return (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
 
 
-def _positive(config: dict[str, object], key: str) -> int | None:
+#: The config.json keys :func:`heads_from` reads.
+HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim")
+
+
+def _positive(config: Mapping[str, object], key: str) -> int | None:
     v = config.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def heads_from(config: Mapping[str, object], source: str) -> Heads | None:
+    """The head counts in ``config`` (config.json's keys), or None when it has none.
+
+    >>> heads_from({"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512}, "c")
+    Heads(heads=8, kv_heads=2, head_dim=64, source='c')
+    """
+    heads = _positive(config, "num_attention_heads")
+    if heads is None:
+        return None
+    kv = _positive(config, "num_key_value_heads") or heads
+    hidden = _positive(config, "hidden_size")
+    head_dim = _positive(config, "head_dim") or (hidden // heads if hidden else None)
+    if head_dim is None:
+        return None
+    return Heads(heads, kv, head_dim, source)
 
 
 def read_heads(directory: str | Path) -> Heads | None:
@@ -81,16 +106,7 @@ def read_heads(directory: str | Path) -> Heads | None:
         return None
     from .transforms import load_hf_config  # lazy: a 1400-line module, needed only with a config.json
 
-    config = load_hf_config(path)
-    heads = _positive(config, "num_attention_heads")
-    if heads is None:
-        return None
-    kv = _positive(config, "num_key_value_heads") or heads
-    hidden = _positive(config, "hidden_size")
-    head_dim = _positive(config, "head_dim") or (hidden // heads if hidden else None)
-    if head_dim is None:
-        return None
-    return Heads(heads, kv, head_dim, str(path))
+    return heads_from(load_hf_config(path), str(path))
 
 
 def _model_dir(ckpt: Checkpoint) -> Path:
@@ -161,7 +177,7 @@ def _kv_warning(name: str, rules: LayoutConfig, mesh: Mesh, heads: Heads) -> Che
     why = "exceeds" if degree > heads.kv_heads else "does not divide"
     return CheckpointWarning(
         f'{rules.rule_location(name)} shards "{name}" {degree} ways, which {why} the '
-        f"{heads.kv_heads} key/value heads of {heads.source} (num_key_value_heads): ranks hold parts of "
+        f"{heads.kv_heads} key/value heads (num_key_value_heads, from {heads.source}): ranks hold parts of "
         "heads, where transformers and vLLM keep whole KV heads (replicated when tp > num_key_value_heads); "
         f"use a tensor-parallel degree dividing {heads.kv_heads}, or replicate k/v",
         path=rules.source,
@@ -179,16 +195,25 @@ def check_heads(source: Checkpoint, rules: LayoutConfig | None, mesh: Mesh) -> l
         LayoutError: a fused QKV tensor placed as equal strided parts that are not q, k and v.
         ConfigError: ``config.json`` exists but cannot be parsed.
     """
+    return check_tensor_heads(source.tensors, rules, mesh, lambda: read_heads(_model_dir(source)))
+
+
+def check_tensor_heads(
+    tensors: Mapping[str, TensorSource],
+    rules: LayoutConfig | None,
+    mesh: Mesh,
+    heads_of: Callable[[], Heads | None],
+) -> list[CheckpointWarning]:
+    """:func:`check_heads` on ``tensors`` (e.g. the target tensors of transforms), with the head
+    counts ``heads_of()`` gives (called only when some tensor name is a q/k/v projection)."""
     if rules is None:
         return []
     # both patterns hold "_proj.": a substring test first, regexes for the few that pass (100k names)
-    names = [
-        n for n in source.tensors if "_proj." in n and (_FUSED_QKV.fullmatch(n) or _KV_ROWS.fullmatch(n))
-    ]
+    names = [n for n in tensors if "_proj." in n and (_FUSED_QKV.fullmatch(n) or _KV_ROWS.fullmatch(n))]
     if not names:
         return []
-    heads = read_heads(_model_dir(source))
-    shapes = {n: t.shape for n, t in source.tensors.items()}
+    heads = heads_of()
+    shapes = {n: tensors[n].shape for n in names}
     for name in names:
         if _FUSED_QKV.fullmatch(name):
             _check_fused(name, shapes, rules, mesh, heads)

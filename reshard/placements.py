@@ -177,7 +177,8 @@ class Owned:
     Whole-tensor assignment: expert ``e``'s per-expert tensors held by the expert-parallel
     rank owning ``e`` (a layout's ``Own(expert)`` resolves to ``Own(owner)`` per tensor). The
     other ranks hold an empty extent along dim 0, and the per-rank writer leaves the
-    tensor out of their files. Not a torch placement: ``load_dtensors`` refuses it.
+    tensor out of their files. Not a torch placement: ``load_dtensors`` gives the tensor to
+    the owning ranks only, on the sub-mesh of the other dims.
 
     >>> [[str(iv) for iv in Owned(1).split((Interval(0, 8),), 4, r)] for r in range(3)]
     [[], ['[0:8)'], []]

@@ -34,15 +34,18 @@ from .checkpoint import Checkpoint, Signature, TensorSource
 from .config import resolve_preset
 from .dtypes import DTYPE_SIZES
 from .errors import PlanError, UsageError
+from .heads import HEAD_KEYS, Heads, heads_from
 from .indexmap import Part, full_dims, localize, unit_segments
-from .intervals import Block, block_shape, block_volume, box_span, full_block, row_major_strides
+from .intervals import Block, Interval, block_shape, block_volume, box_span, full_block, row_major_strides
 from .io.safe import MAX_LAYOUT_BYTES, read_document
 from .plan import Copy, match_blocks
 from .transforms import (
+    Repeat,
     TransformedTensor,
     TransformSpec,
     Untie,
     apply,
+    config_values,
     load_hf_config,
     load_transforms,
     parse_transforms_text,
@@ -55,8 +58,10 @@ __all__ = [
     "resolve_transforms",
     "match_any",
     "piece_strides",
+    "file_at",
     "feeds",
     "Transforms",
+    "unfused",
     "layout_transforms",
     "transforms_for",
     "parse_sets",
@@ -242,6 +247,7 @@ def resolve_transforms(
     source: Checkpoint,
     config: Mapping[str, Any] | None,
     ties: list[tuple[TransformedTensor, TransformedTensor]] | None = None,
+    repeats: list[Repeat] | None = None,
 ) -> dict[str, TransformedTensor]:
     """``apply`` the spec to the source checkpoint's tensors (shapes and dtypes checked).
 
@@ -255,6 +261,7 @@ def resolve_transforms(
         dtypes={n: t.dtype for n, t in tensors.items()},
         config=config,
         ties=ties,
+        repeats=repeats,
     )
 
 
@@ -301,6 +308,24 @@ def piece_strides(src: TensorSource, k: int) -> tuple[int, ...] | None:
     if isinstance(src, TransformedSource):
         return None if src.piece_files[k] < 0 else src.piece_strides[k]
     return row_major_strides(block_shape(src.piece_blocks[k]))
+
+
+def file_at(src: TensorSource, index: Sequence[int]) -> int | None:
+    """The file holding element ``index`` of ``src`` (index into the checkpoint's files; the
+    lowest piece holding it, a view's real piece), or None (padding zeros, out of range)."""
+    one: Block = tuple((Interval(i, i + 1),) for i in index)
+    if isinstance(src, TransformedSource):
+        for k, (i, pi, real) in enumerate(zip(src.piece_inputs, src.piece_parts, src.piece_real)):
+            if (
+                i >= 0
+                and localize(src.parts[pi], one, src.inputs[i].piece_blocks[real], src.name) is not None
+            ):
+                return src.piece_files[k]
+        return None
+    for k, blk in enumerate(src.piece_blocks):
+        if all(any(iv.start <= x < iv.stop for iv in il) for il, x in zip(blk, index, strict=True)):
+            return src.piece_files[k]
+    return None
 
 
 def _region(part: Part, ndim: int) -> list[list[int]]:
@@ -399,9 +424,28 @@ class Transforms:
             {k.name: d.name for d, k in ties},
         )
 
+    def repeats(self, source: Checkpoint) -> list[Repeat]:
+        """The copies of repeated chunks a ``split`` with ``shards`` reads once (vLLM's KV
+        heads replicated over TP ranks), for ``verify`` to compare with the copy read."""
+        out: list[Repeat] = []
+        resolve_transforms(self.spec, source, self.config, repeats=out)
+        return out
+
     def checkpoint(self, source: Checkpoint) -> Checkpoint:
         """``source`` seen through the transforms: its tensors under target names (for verify)."""
         return dataclasses.replace(source, tensors=self.sources(source))
+
+    def heads(self) -> Heads | None:
+        """The model's attention head counts as the transforms see them: ``--set`` values over
+        the spec's ``config:`` entries over config.json (for the KV-heads check of the target)."""
+        values = config_values(self.spec, self.config, HEAD_KEYS)
+        own = {k for k, _ in self.spec.config}
+        where = [f"--set {k}={values[k]}" for k in HEAD_KEYS if k in self.sets and k in values]
+        if any(k in own and k not in self.sets for k in values):
+            where.append(self.spec.source)
+        if self.config_path is not None and any(k not in own for k in values):
+            where.append(self.config_path)
+        return heads_from(values, " over ".join(where))
 
     def record(self) -> dict[str, Any]:
         """What ``reshard.json`` says about them (``inspect`` shows it)."""
@@ -412,6 +456,13 @@ class Transforms:
             **({"set": dict(self.sets)} if self.sets else {}),
             "spec": self.spec.to_json(),
         }
+
+
+def unfused(targets: Mapping[str, TensorSource]) -> dict[str, TensorSource]:
+    """The target tensors read from one source tensor each (renamed, RoPE-permuted, split out
+    of a fused one, unchanged): their rows are the model's heads in order. Tensors fused from
+    several (vLLM's per-rank ``[q_r; k_r; v_r]``, KV heads repeated) are laid out by their own rule."""
+    return {n: t for n, t in targets.items() if not isinstance(t, TransformedSource) or len(t.inputs) == 1}
 
 
 def layout_transforms(layout: str) -> TransformSpec | None:

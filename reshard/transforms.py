@@ -35,7 +35,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -65,7 +65,9 @@ __all__ = [
     "Op",
     "TransformSpec",
     "TransformedTensor",
+    "Repeat",
     "apply",
+    "config_values",
     "inverse",
     "parse_transforms_text",
     "load_transforms",
@@ -291,6 +293,29 @@ class TransformedTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class Repeat:
+    """A chunk a ``split`` with ``shards`` reads once although its source holds it in several
+    groups (vLLM's KV heads, repeated over the TP ranks): ``first`` is the split target as read
+    (each chunk from its first group), ``other`` the same target read from copy ``copy`` (1 ..
+    ``count - 1``) of every chunk; both are parts reading the source tensors, for ``verify``
+    to compare (replicas that must be equal, like a Replicate placement's).
+
+    Attributes:
+        first: the target as the split reads it (named as the split names it).
+        other: the target read from copy ``copy`` instead.
+        copy: which copy ``other`` reads (0 is ``first``'s).
+        count: how many copies the source holds of each chunk.
+        fused: the tensor split (its name at the split).
+    """
+
+    first: TransformedTensor
+    other: TransformedTensor
+    copy: int
+    count: int
+    fused: str
+
+
+@dataclass(frozen=True, slots=True)
 class _Out:
     """One output of an operation; ``parts`` read the operation's input tensors by name."""
 
@@ -307,6 +332,7 @@ class _Step:
     consumed: frozenset[str]
     used: frozenset[str] = frozenset()
     ties: tuple[tuple[TransformedTensor, TransformedTensor], ...] = ()  # untie: (dropped, kept)
+    repeats: tuple[Repeat, ...] = ()  # split with shards: the copies it does not read
 
 
 State: TypeAlias = Mapping[str, TransformedTensor]
@@ -368,13 +394,15 @@ def _group_segs(
     return tuple(Seg(g * total + off, (g // rep) * c, c) for g in range(groups))
 
 
-def _split_segs(sizes: Sequence[int], groups: int, i: int, shards: Sequence[int] | None) -> tuple[Seg, ...]:
+def _split_segs(
+    sizes: Sequence[int], groups: int, i: int, shards: Sequence[int] | None, copy: int = 0
+) -> tuple[Seg, ...]:
     """The inverse of :func:`_group_segs`: part ``i``'s index -> fused index, each repeated
-    chunk read from the first group holding it."""
+    chunk read from the first group holding it (or from its ``copy``-th)."""
     segs = _group_segs(sizes, groups, i, shards)
     if shards is not None and groups // shards[i] > 1:
         total = sum(n // k for n, k in zip(sizes, shards))
-        segs = tuple(s for s in segs if (s.dst // total) % (groups // shards[i]) == 0)
+        segs = tuple(s for s in segs if (s.dst // total) % (groups // shards[i]) == copy)
     return _invert_segs(segs)
 
 
@@ -589,7 +617,7 @@ class Split(_Base):
             self.source.check_template(t, "split target")
 
     def run(self, state: State, env: _Env) -> _Step:
-        outs, consumed = [], set()
+        outs, consumed, repeats = [], set(), []
         for name, m in _matches(self.source, state):
             t = state[name]
             d = _dim(self.dim, len(t.shape), name)
@@ -613,10 +641,20 @@ class Split(_Base):
                 )
             _check_parts([name], [t.shape], d, sizes, g, None, cuts)
             for i, tpl in enumerate(self.targets):
-                part = _remap(t.shape, d, _split_segs(sizes, g, i, cuts), name)
-                outs.append(_Out(_fill(tpl, m), _with_dim(t.shape, d, sizes[i]), t.dtype, (part,)))
+                target, shape = _fill(tpl, m), _with_dim(t.shape, d, sizes[i])
+                out = _Out(
+                    target, shape, t.dtype, (_remap(t.shape, d, _split_segs(sizes, g, i, cuts), name),)
+                )
+                outs.append(out)
+                count = 1 if cuts is None else g // cuts[i]
+                first = _composed(out, state) if count > 1 else None
+                for c in range(1, count):  # the copies not read, for verify to compare
+                    assert first is not None
+                    segs = _split_segs(sizes, g, i, cuts, c)
+                    other = _Out(target, shape, t.dtype, (_remap(t.shape, d, segs, name),))
+                    repeats.append(Repeat(first, _composed(other, state), c, count, name))
             consumed.add(name)
-        return _Step(tuple(outs), frozenset(consumed))
+        return _Step(tuple(outs), frozenset(consumed), repeats=tuple(repeats))
 
     def inverse(self) -> Op:
         if not self.source.invertible:
@@ -1120,13 +1158,18 @@ def _advance(
             t = state[o.alias]
             new[o.name] = TransformedTensor(o.name, t.shape, t.dtype, t.parts)
         else:
-            inner = {p.source: state[p.source].parts for p in o.parts if p.source is not None}
-            parts = merge_parts([c for p in o.parts for c in compose(p, inner)])
-            assert sum(part_numel(p) for p in parts) == math.prod(o.shape), o.name
-            new[o.name] = TransformedTensor(o.name, o.shape, o.dtype, parts)
+            new[o.name] = _composed(o, state)
     touched.update(made)
     touched.update(step.used)
     return new
+
+
+def _composed(o: _Out, state: State) -> TransformedTensor:
+    """Output ``o`` with its parts (reading tensors of ``state``) composed with theirs."""
+    inner = {p.source: state[p.source].parts for p in o.parts if p.source is not None}
+    parts = merge_parts([c for p in o.parts for c in compose(p, inner)])
+    assert sum(part_numel(p) for p in parts) == math.prod(o.shape), o.name
+    return TransformedTensor(o.name, o.shape, o.dtype, parts)
 
 
 def apply(
@@ -1136,6 +1179,7 @@ def apply(
     dtypes: Mapping[str, str] | None = None,
     config: Mapping[str, Any] | None = None,
     ties: list[tuple[TransformedTensor, TransformedTensor]] | None = None,
+    repeats: list[Repeat] | None = None,
 ) -> dict[str, TransformedTensor]:
     """Resolve ``spec`` on source tensors into target tensors whose parts read the sources.
 
@@ -1146,6 +1190,8 @@ def apply(
         config: values for size names (a model's config.json), after the spec's ``config:``.
         ties: when given, gets ``(dropped, kept)`` per tensor an ``untie`` drops, both as
             parts reading the sources, for the caller to compare their values.
+        repeats: when given, gets the copies of repeated chunks a ``split`` with ``shards``
+            does not read (:class:`Repeat`), for the caller to compare with those it reads.
 
     Returns:
         Target tensor name -> :class:`TransformedTensor`, sorted by name.
@@ -1173,6 +1219,8 @@ def apply(
             state = _advance(state, step, touched)
             if ties is not None:
                 ties.extend(step.ties)
+            if repeats is not None:
+                repeats.extend(step.repeats)
         except ConfigError as e:
             raise ConfigError(spec.where(i) + e.message, path=spec.source, tensor=e.tensor) from None
     left = sorted(n for n in state if n not in touched)
@@ -1186,6 +1234,30 @@ def apply(
             tensor=left[0],
         )
     return {n: state[n] for n in sorted(state)}
+
+
+def config_values(
+    spec: TransformSpec, config: Mapping[str, Any] | None, keys: Iterable[str]
+) -> dict[str, int]:
+    """The integers ``keys`` name as the spec's size expressions see them: its own ``config:``
+    entries first (``--set`` values among them), then ``config`` (config.json); keys that
+    neither gives are left out.
+
+    >>> spec = TransformSpec((), (("num_key_value_heads", 2),))
+    >>> model = {"num_key_value_heads": 8, "hidden_size": 64}
+    >>> config_values(spec, model, ["num_key_value_heads", "hidden_size"])
+    {'num_key_value_heads': 2, 'hidden_size': 64}
+
+    Raises:
+        ConfigError: a ``config:`` entry of one of ``keys`` cannot be evaluated.
+    """
+    env = _Env(dict(spec.config), config or {})
+    out: dict[str, int] = {}
+    for key in keys:
+        v = env.name(key) if key in env.own else env.external.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out[key] = v
+    return out
 
 
 def inverse(spec: TransformSpec) -> TransformSpec:

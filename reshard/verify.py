@@ -12,12 +12,18 @@ with different payloads differ, exactly when their bits do.
 Partial tensors (a checkpoint saved with ``P(...)`` placements) are reduced
 in rank order with :func:`reshard.torch_ops.cast_reduce`, as ``convert`` does,
 and the reduced values are compared.
+
+Replicas are read once, from the lowest piece (``inspect --check`` compares them);
+:func:`verify_repeats` compares the copies a transform's ``split`` reads once (vLLM's
+KV heads repeated over TP ranks) the same way, for ``verify --transforms``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypedDict
 
 from .budget import DEFAULT_MAX_BYTES
@@ -31,6 +37,7 @@ from .intervals import (
     block_volume,
     clip_box,
     coverage_holes,
+    full_block,
     global_index,
     row_major_strides,
     slabs,
@@ -38,9 +45,10 @@ from .intervals import (
 from .io.reader import WINDOW, WINDOW_SLOTS, MappedFiles, Piece, Run, Windows, read_box, uint_dtype
 from .io.views import open_piece
 from .plan import Copy, copy_boxes, match_blocks, natural_key
-from .transform_plan import TransformedSource, match_any
+from .transform_plan import TransformedSource, file_at, match_any, target_sources
+from .transforms import Repeat
 
-__all__ = ["verify_checkpoints", "Verdict", "Difference"]
+__all__ = ["verify_checkpoints", "verify_repeats", "with_repeats", "Verdict", "Difference"]
 
 
 def _prod(xs: Sequence[int]) -> int:
@@ -61,13 +69,17 @@ class _DifferenceCore(TypedDict):
 
 class Difference(_DifferenceCore, total=False):
     """One difference found, as JSON: ``dtype``/``shape`` add ``a`` and ``b``; ``values`` adds
-    ``index`` (the smallest differing global index) and ``a_bits``/``b_bits`` (hex)."""
+    ``index`` (the smallest differing global index) and ``a_bits``/``b_bits`` (hex);
+    ``replica`` (:func:`verify_repeats`) adds ``index`` and ``path``/``other``, the files
+    holding the two copies."""
 
     a: str | list[int]
     b: str | list[int]
     index: list[int]
     a_bits: str
     b_bits: str
+    path: str
+    other: str
 
 
 class Side(TypedDict):
@@ -208,10 +220,12 @@ def _self_copies(b: TensorSource, regions: tuple[Block, ...]) -> tuple[tuple[Cop
 
 
 def _match(a: TensorSource, b: TensorSource, a_path: str, b_path: str) -> _Match:
-    regions = _regions(b)
-    own = _self_copies(b, regions)
+    regions = _regions(b) if not isinstance(b, TransformedSource) else (full_block(b.shape),)
+    own = _self_copies(b, regions) if not isinstance(b, TransformedSource) else None
     if own is not None:
         b_copies, gb = own, 1
+    elif isinstance(b, TransformedSource):  # a view (verify_repeats): one region, the whole tensor
+        b_copies, gb = match_any(b, regions)
     else:
         try:
             b_copies, gb = match_blocks(b, regions)
@@ -513,6 +527,67 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
         "differences": diffs,
         "a": _describe(a),
         "b": _describe(b),
+    }
+
+
+def verify_repeats(
+    source: Checkpoint, repeats: Sequence[Repeat], *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> tuple[list[Difference], int]:
+    """Compare each copy a ``split`` with ``shards`` does not read with the copy it reads.
+
+    vLLM holds each KV head on ``tp / num_key_value_heads`` ranks; reading its files back
+    (``hf-to-vllm --inverse``) takes the first copy. Like the replicas of a Replicate
+    placement (which ``inspect --check`` compares), the others must hold the same bytes.
+
+    Returns:
+        A ``replica`` difference per copy that differs (its first index in the split target,
+        and the files holding that element of both copies), and the bytes compared.
+    """
+    if not repeats:
+        return [], 0
+    label = {f"{r.first.name} (copy {r.copy + 1} of {r.count})": r for r in repeats}
+    other = dataclasses.replace(
+        source,
+        tensors=target_sources(
+            {n: dataclasses.replace(r.other, name=n) for n, r in label.items()}, source.tensors
+        ),
+    )
+    first = dataclasses.replace(
+        source,
+        tensors=target_sources(
+            {n: dataclasses.replace(r.first, name=n) for n, r in label.items()}, source.tensors
+        ),
+    )
+    verdict = verify_checkpoints(other, first, max_bytes=max_bytes)
+    out: list[Difference] = []
+    for d in verdict["differences"]:
+        r, idx = label[d["tensor"]], d.get("index", [])
+        fo, ff = (file_at(c.tensors[d["tensor"]], idx) for c in (other, first))
+        po = source.files[fo] if fo is not None else source.path
+        pf = source.files[ff] if ff is not None else source.path
+        msg = (
+            f'tensor "{r.first.name}": the copies of its rows that "{r.fused}" holds {r.count} times '
+            f"differ: {Path(po).name} (copy {r.copy + 1}) and {Path(pf).name} (copy 1, the one read) "
+            f"hold different bytes, first at index {idx}"
+        )
+        out.append(
+            {"tensor": r.first.name, "kind": "replica", "message": msg, "index": idx, "path": po, "other": pf}
+        )
+    return out, verdict["bytes_compared"]
+
+
+def with_repeats(verdict: Verdict, source: Checkpoint, repeats: Sequence[Repeat]) -> Verdict:
+    """``verdict`` (A seen through transforms against B) with :func:`verify_repeats` of A's
+    ``source`` added: ``replica`` differences, and their bytes compared."""
+    diffs, compared = verify_repeats(source, repeats)
+    if not repeats:
+        return verdict
+    merged = sorted([*verdict["differences"], *diffs], key=lambda d: natural_key(d["tensor"]))
+    return {
+        **verdict,
+        "equal": verdict["equal"] and not diffs,
+        "bytes_compared": verdict["bytes_compared"] + compared,
+        "differences": merged,
     }
 
 

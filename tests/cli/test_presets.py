@@ -212,7 +212,7 @@ def test_kv_rows_sharded_beyond_the_kv_heads_warn(
     assert len(warnings) == 1
     assert re.search(
         rf"llama-tp\.yaml:\d+: rule .* shards \"model\.layers\.0\.self_attn\.k_proj\.weight\" {tp} ways, "
-        rf"which {why} the 2 key/value heads of .*config\.json",
+        rf"which {why} the 2 key/value heads \(num_key_value_heads, from .*config\.json\)",
         warnings[0],
     ), warnings[0]
     assert "key/value heads" in p.stderr

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -675,3 +677,135 @@ def test_the_python_api_takes_set_values(hf: Path, tmp_path: Path) -> None:
     assert {d["tensor"] for d in logical["differences"]} == {
         f"model.layers.{i}.{t}.weight" for i in range(2) for t in ("self_attn.qkv_proj", "mlp.gate_up_proj")
     }
+
+
+# -- the KV-heads warning with transforms: the head counts they use, --set included ---------
+
+NOOP = """\
+transforms:
+  - drop: {tensors: "model.layers.{i}.self_attn.rotary_emb.inv_freq", optional: true}
+allow_unused: true
+"""
+
+
+def kv_warnings(p: subprocess.CompletedProcess[str]) -> list[str]:
+    assert p.returncode == 0, p.stderr
+    return [w for w in json.loads(p.stdout)["warnings"] if "key/value heads" in w]
+
+
+@pytest.mark.parametrize(
+    ("in_config", "sets", "warned"),
+    [
+        (4, [], None),  # 4 KV heads in config.json: TP-4 keeps whole heads
+        (4, ["--set", "num_key_value_heads=2"], "--set num_key_value_heads=2"),  # --set wins
+        (2, [], "config.json"),
+        (2, ["--set", "num_key_value_heads=4"], None),
+    ],
+)
+def test_kv_heads_warning_takes_set_values_over_config_json(
+    tmp_path: Path, in_config: int, sets: list[str], warned: str | None
+) -> None:
+    """TP-4 over k/v rows warns when the KV-head count the transforms use (``--set`` over
+    config.json) is below 4, whatever config.json says."""
+    src = save_hf(tmp_path / "hf", llama_hf(), {**LLAMA, "num_key_value_heads": in_config})
+    (tmp_path / "noop.yaml").write_text(NOOP)
+    p = run("convert", str(src), str(tmp_path / "out"), "--transforms", str(tmp_path / "noop.yaml"), *sets,
+            "--target-layout", "llama-tp", "--target-mesh", "tp=4", "--json")  # fmt: skip
+    got = kv_warnings(p)
+    if warned is None:
+        assert got == []
+        return
+    assert len(got) == 1, got
+    heads = 2
+    assert re.search(
+        rf'shards "model\.layers\.0\.self_attn\.k_proj\.weight" 4 ways, which exceeds the {heads} key/value '
+        rf"heads \(num_key_value_heads, from [^)]*{re.escape(warned)}",
+        got[0],
+    ), got[0]
+    assert "key/value heads" in p.stderr
+
+
+def test_kv_heads_warning_through_vllm_files_and_back(hf: Path, tmp_path: Path) -> None:
+    """HF -> vLLM TP-4 (2 KV heads): qkv_proj fused by the transforms with whole KV heads repeated
+    per rank, no warning. vLLM -> HF k/v split back out and sharded S(0) over TP-4: a warning,
+    with the count the transforms use: --set num_key_value_heads=2 where config.json says 4."""
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    vllm = tmp_path / "vllm"
+    p = run("convert", str(hf), str(vllm), "--transforms", "hf-to-vllm", "--set", "tp=4",
+            "--target-layout", str(tmp_path / "vllm.yaml"), "--to", "sharded-state", "--json")  # fmt: skip
+    assert kv_warnings(p) == []
+    # config.json says 4 KV heads: rank files of one KV head each fit that too (4 distinct heads)
+    lying = tmp_path / "config.json"
+    lying.write_text(json.dumps({**LLAMA, "num_key_value_heads": 4}))
+    back = ["convert", str(vllm), str(tmp_path / "back"), "--transforms", "hf-to-vllm", "--inverse",
+            "--set", "tp=4", "--model-config", str(lying), "--target-layout", "llama-tp",
+            "--target-mesh", "tp=4", "--json", "--overwrite"]  # fmt: skip
+    assert kv_warnings(run(*back)) == []
+    got = kv_warnings(run(*back, "--set", "num_key_value_heads=2"))
+    assert len(got) == 1 and "the 2 key/value heads (num_key_value_heads, from --set" in got[0], got
+    assert "model.layers.0.self_attn.k_proj.weight" in got[0]
+    assert kv_warnings(run(*back[:-4], "--target-mesh", "tp=2", "--json", "--overwrite",
+                           "--set", "num_key_value_heads=2")) == []  # fmt: skip
+
+
+def test_the_python_api_warns_with_set_values(tmp_path: Path) -> None:
+    from reshard.api import convert_checkpoint
+
+    src = save_hf(tmp_path / "hf", llama_hf(), {**LLAMA, "num_key_value_heads": 4})
+    (tmp_path / "noop.yaml").write_text(NOOP)
+    kw: dict[str, Any] = {"transforms": str(tmp_path / "noop.yaml"), "target_layout": "llama-tp"}
+    kw["target_mesh"] = "tp=4"
+    plain = convert_checkpoint(src, tmp_path / "a", **kw)
+    assert not [w for w in plain["warnings"] if "key/value heads" in w]
+    got = convert_checkpoint(src, tmp_path / "b", sets=["num_key_value_heads=2"], **kw)["warnings"]
+    assert [w for w in got if "the 2 key/value heads (num_key_value_heads, from --set" in w]
+
+
+# -- vLLM files read back: the replicated KV copies not read are compared, as replicas --------
+
+
+def flip_bit(path: Path, tensor: str, row: int, col: int) -> None:
+    """Flip the lowest bit of element [row, col] of an F32 2-d tensor in a safetensors file."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    entry = json.loads(data[8 : 8 + n])[tensor]
+    assert entry["dtype"] == "F32"
+    data[8 + n + entry["data_offsets"][0] + (row * entry["shape"][1] + col) * 4] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_verify_compares_the_kv_copies_vllm_ranks_hold(hf: Path, tmp_path: Path) -> None:
+    """2 KV heads at TP-4: ranks 2j and 2j+1 both hold KV head j. Reading the files back takes
+    rank 2j's copy; verify compares rank 2j+1's with it and names both files when they differ."""
+    (tmp_path / "vllm.yaml").write_text(VLLM_TP4)
+    vllm = tmp_path / "vllm"
+    tp4 = ["--transforms", "hf-to-vllm", "--set", "tp=4"]
+    p = run("convert", str(hf), str(vllm), *tp4, "--target-layout", str(tmp_path / "vllm.yaml"),
+            "--to", "sharded-state")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    back = ["verify", str(vllm), str(hf), *tp4, "--inverse", "--model-config", str(hf / "config.json")]
+    p = run(*back, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    # rank 3's qkv_proj = [q_3 (8 rows); k_1 (8 rows); v_1 (8 rows)]: row 8 + 3 is k_proj row 8 + 3
+    flip_bit(vllm / "model-rank-3-part-0.safetensors", "model.layers.1.self_attn.qkv_proj.weight", 8 + 3, 5)
+    p = run(*back, "--json")
+    assert p.returncode == 1, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is False
+    (d,) = doc["differences"]
+    assert d["kind"] == "replica" and d["tensor"] == "model.layers.1.self_attn.k_proj.weight"
+    assert d["index"] == [8 + 3, 5]
+    assert Path(d["path"]).name == "model-rank-3-part-0.safetensors"
+    assert Path(d["other"]).name == "model-rank-2-part-0.safetensors"
+    assert "model-rank-3-part-0.safetensors" in d["message"] and "model-rank-2-part-0" in d["message"]
+    p = run(*back)
+    assert p.returncode == 1 and "model.layers.1.self_attn.k_proj.weight" in p.stderr, p.stderr
+    p = run(*back, "--exclude", "*.k_proj.weight")  # not selected: not compared
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run("verify", str(hf), str(vllm), *tp4)  # HF seen as vLLM files: every copy compared already
+    assert p.returncode == 1 and "qkv_proj" in p.stderr, p.stderr
+    from reshard.api import compare_checkpoints
+
+    got = compare_checkpoints(vllm, hf, transforms="hf-to-vllm", sets=["tp=4"], inverse=True,
+                              model_config=str(hf / "config.json"))  # fmt: skip
+    assert not got["equal"] and [x["kind"] for x in got["differences"]] == ["replica"]

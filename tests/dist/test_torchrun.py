@@ -297,3 +297,34 @@ def test_load_dtensors_reads_sharded_state(model: Path, tmp_path: Path) -> None:
         "--quiet",
     )
     torchrun(L.WORLD, SCRIPTS / "load_sharded_state.py", vllm, tmp_path / "ss", model / "tp4.yaml")
+
+
+# --------------------------------------------------------------------------- load_dtensors with Own
+
+
+def test_load_dtensors_gives_each_rank_the_tensors_it_owns(tmp_path: Path) -> None:
+    """Own(expert) layouts: each rank gets exactly its experts, bit for bit (checked in the ranks
+    against the full tensors and distribute_tensor on the fsdp sub-mesh), from a consolidated
+    file and from the per-rank files `reshard convert` writes for the same layout."""
+    from tests.dist.torchrun_scripts import load_owned as O
+
+    (tmp_path / "hf").mkdir()
+    save_file(O.full_tensors(), str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "ep.yaml").write_text(O.EP_YAML)
+    (tmp_path / "ep_fsdp.yaml").write_text(O.EP_FSDP_YAML)
+    reshard("convert", tmp_path / "hf", tmp_path / "ep4", "--target-layout", tmp_path / "ep.yaml", "--quiet")
+    # rank 1's file: experts 1 (w1) and 2, 3 (w2, as local 0, 1) only
+    assert sorted(load_file(str(tmp_path / "ep4" / rank_file(1, 4)))) == [
+        "layers.0.experts.0.w2.weight",
+        "layers.0.experts.1.w1.weight",
+        "layers.0.experts.1.w2.weight",
+        "layers.0.router.weight",
+    ]
+    torchrun(
+        O.WORLD,
+        SCRIPTS / "load_owned.py",
+        tmp_path / "hf" / "model.safetensors",
+        tmp_path / "ep4",
+        tmp_path / "ep.yaml",
+        tmp_path / "ep_fsdp.yaml",
+    )

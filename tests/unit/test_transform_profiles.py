@@ -18,7 +18,7 @@ import torch
 
 from reshard.errors import ConfigError
 from reshard.transforms import apply, inverse, list_profiles, load_transforms, resolve_profile
-from tests.transform_ref import run_spec
+from tests.transform_ref import materialise, run_spec
 
 LLAMA = {
     "num_attention_heads": 4,
@@ -306,6 +306,40 @@ def test_hf_to_vllm_with_tp_orders_rows_as_vllm_ranks_hold_them(heads: int, kv_h
             assert torch.equal(torch.chunk(gate_up, tp)[r], want), (i, r)
     back = run_spec(inverse(spec), got, cfg)  # the first copy of each replicated KV head
     assert_same(back, hf)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 2, 4), (8, 2, 8), (4, 1, 4), (4, 2, 2)])
+def test_vllm_read_back_lists_the_kv_copies_it_does_not_read(heads: int, kv_heads: int, tp: int) -> None:
+    """Each rank's copy of a replicated KV head made distinct (torch): the inverse reads the first
+    copies; ``repeats`` gives, per copy c, the target read from the ranks holding copy c."""
+    cfg = {**LLAMA, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    hf = llama_hf(cfg)
+    spec = load_transforms("hf-to-vllm").with_values({"tp": tp})
+    p = "model.layers.0.self_attn."
+    q, k, v = (hf[p + f"{x}_proj.weight"] for x in "qkv")
+    fused = torch.cat([vllm_rank_qkv(q, k + 100 * r, v - 100 * r, kv_heads, tp, r) for r in range(tp)])
+    src = run_spec(spec, numpy_of(hf), cfg)  # the vLLM tensors, layer 0's KV copies made distinct:
+    src[p + "qkv_proj.weight"] = fused.numpy()
+    repeats: list[Any] = []
+    apply(inverse(spec), {n: a.shape for n, a in src.items()}, config=cfg, repeats=repeats)
+    repeats = [r for r in repeats if r.first.name.startswith(p)]
+    rep = tp // kv_heads if tp > kv_heads else 1
+    assert sorted((r.first.name, r.copy, r.count) for r in repeats) == sorted(
+        (p + f"{x}_proj.weight", c, rep) for x in "kv" for c in range(1, rep)
+    )
+    chunks = min(tp, kv_heads)
+
+    def read(base: torch.Tensor, sign: int, copy: int) -> torch.Tensor:
+        """KV chunk j as rank j*rep + copy holds it: ``base`` shifted by that rank's 100 * rank."""
+        return torch.cat(
+            [torch.chunk(base + sign * 100 * (j * rep + copy), chunks)[j] for j in range(chunks)]
+        )
+
+    for r in repeats:
+        base, sign = (k, 1) if r.first.name.endswith("k_proj.weight") else (v, -1)
+        assert r.fused == p + "qkv_proj.weight"
+        assert torch.equal(torch.from_numpy(materialise(r.first, src)), read(base, sign, 0))
+        assert torch.equal(torch.from_numpy(materialise(r.other, src)), read(base, sign, r.copy))
 
 
 @pytest.mark.parametrize(
