@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import hashlib
 import itertools
 import json
 import operator
@@ -139,9 +140,9 @@ class Header:
 
     def __post_init__(self) -> None:
         shared = _SHARED
-        if shared is not None and shared[1] is self.entries:  # a sibling rank's identical entries
-            object.__setattr__(self, "_index", shared[2])
-            object.__setattr__(self, "_data_size", shared[3])
+        if shared is not None and shared[2] is self.entries:  # a sibling rank's identical entries
+            object.__setattr__(self, "_index", shared[3])
+            object.__setattr__(self, "_data_size", shared[4])
             return
         object.__setattr__(self, "_data_size", max((e.stop for e in self.entries), default=0))
         index = {e.name: e for e in self.entries}
@@ -478,8 +479,10 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
 def _decoded_header(raw: bytes, path: str) -> Header:
     """Decode and check the whole header (its entries are remembered for :func:`_sibling_header`)."""
     fast = None
+    text = None
     try:
-        fast = _fast_entries(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        fast = _fast_entries(text)
     except UnicodeDecodeError:
         pass
     if fast is not None:
@@ -495,55 +498,77 @@ def _decoded_header(raw: bytes, path: str) -> Header:
     global _SHARED
     _SHARED = None  # the index below is this header's own until it is shared
     header = Header(ordered, metadata, 8 + len(raw))
-    body = _entry_section(raw)
-    _SHARED = None if body is None else (body, ordered, header._index, header._data_size)
+    body = None if text is None else _section_start(raw, text)
+    if body is not None:
+        stop = len(raw.rstrip(b" "))
+        _SHARED = (stop - body, _digest(raw, body, stop), ordered, header._index, header._data_size)
     return header
 
 
-_SHARED: tuple[bytes, tuple[TensorEntry, ...], dict[str, TensorEntry], int] | None = None
-"""The entry section (the header's bytes after ``__metadata__``, without the padding) last decoded,
-its entries, index and data size.
+_SHARED: tuple[int, bytes, tuple[TensorEntry, ...], dict[str, TensorEntry], int] | None = None
+"""The entry section (the header's bytes after ``__metadata__``, without the padding) last decoded:
+its length and SHA-256, its entries, index and data size.
 
 The rank files of one checkpoint usually list the same tensors with the same local shapes
 and offsets and differ only in their metadata (rank, coordinate): their entry sections are
-byte-identical, so each sibling file costs a byte comparison and its metadata's decoding
-instead of a 100k-entry JSON parse, and every rank shares one entry per tensor."""
+byte-identical, so each sibling file costs a hash of its section and its metadata's decoding
+instead of a 100k-entry JSON parse, and every rank shares one entry per tensor. The digest,
+not the section, is kept: 200k entries are 23 MB of text."""
 
 _META_START = b'{"' + _METADATA_KEY.encode() + b'":'
 
 
-def _entry_section(raw: bytes) -> bytes | None:
-    """The header's bytes after a leading ``"__metadata__"`` object (all of them without one);
-    None when the metadata cannot be split off (the full decoding then says what is wrong)."""
-    raw = raw.rstrip(b" ")  # the padding to 8 bytes follows the metadata's length
+def _digest(raw: bytes, start: int, stop: int) -> bytes:
+    return hashlib.sha256(memoryview(raw)[start:stop]).digest()
+
+
+def _section_start(raw: bytes, text: str) -> int | None:
+    """Where the header's entry section starts in ``raw`` (its decoded ``text``): after a leading
+    ``"__metadata__"`` object, or 0 without one; None when the metadata cannot be split off."""
     if not raw.startswith(_META_START):
-        return raw
+        return 0
     try:
-        text = raw.decode("utf-8")
         _, end = json.JSONDecoder().raw_decode(text, len(_META_START))
     except (ValueError, RecursionError):
         return None
-    return text[end:].encode("utf-8")
+    return end if len(text) == len(raw) else len(text[:end].encode("utf-8"))
 
 
 def _sibling_header(raw: bytes, path: str) -> Header | None:
-    """The header from the last decoded entry section when this one is byte-identical, else None.
+    """The header from the last decoded entry section when this one ends with the same bytes, else None.
 
     The entries were checked when first decoded; what differs (``__metadata__``, and so the
-    data start) is decoded and checked here. A header that is not well formed is never a hit:
-    its section differs, or its metadata fails to split off and the full decoding reports it.
+    data start) is decoded and checked here. The bytes before the section must be a leading
+    ``"__metadata__"`` member and nothing else (``{"__metadata__":{...}`` closed by ``}`` is
+    an object of that one key), so the header is that member followed by the known section.
+    A header that is not well formed is never a hit: its section differs, or what precedes it
+    is not one metadata member and the full decoding reports it.
     """
     shared = _SHARED
-    if shared is None or not raw.rstrip(b" ").endswith(shared[0]):
+    stop = len(raw.rstrip(b" "))
+    if shared is None or shared[0] > stop:
         return None
-    section = _entry_section(raw)
-    if section != shared[0] or not raw.startswith(b"{" if section.startswith(b"{") else _META_START):
+    start = stop - shared[0]
+    if start == 0:  # a header without metadata: the whole of it, an object
+        if not raw.startswith(b"{"):
+            return None
+        prefix = b""
+    else:
+        prefix = raw[:start]
+        if not prefix.startswith(_META_START) or raw[start : start + 1] not in (b",", b"}"):
+            return None
+    if _digest(raw, start, stop) != shared[1]:
         return None
     metadata = None
-    if not section.startswith(b"{"):  # only the metadata object is decoded: small
-        obj = _header_object(raw[: len(raw.rstrip(b" ")) - len(section)] + b"}", path)
-        metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
-    return Header(shared[1], metadata, 8 + len(raw))
+    if prefix:  # only the metadata object is decoded: small
+        try:
+            obj = _header_object(prefix + b"}", path)
+        except HeaderError:
+            return None
+        if list(obj) != [_METADATA_KEY]:
+            return None
+        metadata = _parse_metadata(obj[_METADATA_KEY], path)
+    return Header(shared[2], metadata, 8 + len(raw))
 
 
 def _header_object(raw: bytes, path: str) -> dict[str, object]:

@@ -642,6 +642,26 @@ def test_sibling_with_bad_metadata_or_no_opening_brace_is_refused(tmp_path: Path
         read_header(good)  # the shared section again
 
 
+def test_sibling_with_a_member_before_the_shared_section_is_decoded_whole(tmp_path: Path) -> None:
+    """A header that ends with the last decoded section but holds another member before it is
+    not that sibling: its own entries (here a zero-size tensor ahead of the section) are all read."""
+    tensors = {"a": torch.zeros(2, dtype=torch.float32)}
+    good = _rank_file(tmp_path / "good.safetensors", 0, tensors)
+    read_header(good)
+    raw = good.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = raw[8 : 8 + n].rstrip(b" ")
+    section = head[head.index(b',"a"') :]
+    extra = b'{"__metadata__":{"rank":"1"},"zz":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}'
+    body = extra + section
+    body += b" " * (-len(body) % 8)
+    p = tmp_path / "extra.safetensors"
+    p.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+    h = read_header(p)
+    assert sorted(h.names) == ["a", "zz"]
+    assert h.metadata == {"rank": "1"}
+
+
 def test_sibling_without_metadata_after_one_with_it(tmp_path: Path) -> None:
     """Sections of files with and without metadata never match each other: both decode right."""
     tensors = {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.zeros(1, 2)}
