@@ -211,8 +211,8 @@ def _interval_at(ilist: IndexList, x: int) -> Interval:
     raise AssertionError(f"{x} not in {ilist}")
 
 
-_FAULT_AROUND = 64 << 10
-"""Bytes the kernel maps around a faulting page of a file map (Linux ``fault_around_bytes``)."""
+_SMALL_READ = 1 << 20
+"""Reads up to this size are copied by ``pread`` rather than mapped (:meth:`_Data.raw`)."""
 
 
 class _Data:
@@ -228,13 +228,16 @@ class _Data:
         self.files.close()
 
     def raw(self, fi: int, offset: int, n: int) -> Any:
-        """``n`` bytes of file ``fi`` through its map, counting the pages the kernel maps around
-        a fault (:data:`_FAULT_AROUND`): small reads far apart (the replicas of 100k small
-        tensors, in name order) map far more than they read, and the window must release them."""
-        arr = self.files.raw(fi, offset, n)
-        if n < _FAULT_AROUND:
-            self.files.touch_range(fi, offset, offset + _FAULT_AROUND - n)
-        return arr
+        """``n`` bytes of file ``fi``: a small read by ``pread`` (through a map, the kernel maps
+        whole folios around it: 200k small replicas held 100 MiB of mapped pages), a large one
+        through the map (released as the window fills)."""
+        if n > _SMALL_READ:
+            return self.files.raw(fi, offset, n)
+        import numpy as np
+
+        buf = bytearray(n)
+        self.files.sources.pread(fi, memoryview(buf), offset)
+        return np.frombuffer(buf, np.uint8)
 
     def replica(self, t: TensorSource, r: int, k: int, nbytes: int) -> list[int] | None:
         """First differing global index of two pieces holding the same block, or None."""

@@ -56,7 +56,7 @@ class SafetensorsFile(OutFile):
         if last is None or last[0] != texts:  # siblings with equal local shapes share one section
             heads = [entry_head(dtype, shape) for (_, dtype), (shape, _) in zip(sec.geometries, texts)]
             sizes = array("q", map([n for _, n in texts].__getitem__, sec.geometry))
-            text, offsets = joined_entries(sec.quoted, list(map(heads.__getitem__, sec.geometry)), sizes)
+            text, offsets = joined_entries(sec.quoted(), list(map(heads.__getitem__, sec.geometry)), sizes)
             last = sec.last = (texts, text, array("q", offsets), sizes)
         _, text, starts, sizes = last
         head, body, tail = prefix_parts(text, self._meta)
@@ -67,14 +67,14 @@ class SafetensorsFile(OutFile):
 
 
 class _Section:
-    """What the files of one tensor list share: quoted names, each tensor's geometry, and the
-    entries text and offsets last laid out (siblings laid out in turn reuse them)."""
+    """What the files of one tensor list share: each tensor's geometry, and the entries text
+    and offsets last laid out (siblings laid out in turn reuse them)."""
 
-    __slots__ = ("tensors", "quoted", "geometries", "geometry", "last", "__weakref__")
+    __slots__ = ("tensors", "names", "geometries", "geometry", "last", "__weakref__")
 
     def __init__(self, tensors: Sequence[TargetTensor], names: Sequence[str] | None) -> None:
         self.tensors = tensors  # keeps the list's id its own while the section lives
-        self.quoted = _quoted_names(list(names) if names is not None else [t.name for t in tensors])
+        self.names = names
         index: dict[tuple[int, str], int] = {}
         self.geometries: list[tuple[TensorLayout, str]] = []
         self.geometry: list[int] = []
@@ -85,6 +85,11 @@ class _Section:
                 self.geometries.append((t.layout, t.dtype))
             self.geometry.append(g)
         self.last: tuple[tuple[tuple[str, int], ...], bytes, array[int], array[int]] | None = None
+
+    def quoted(self) -> list[str]:
+        """The entries' names as JSON text, made when an entries text is (not kept: 200k names
+        are 20 MB, and the files of a tensor list mostly share one entries text)."""
+        return _quoted_names(list(self.names) if self.names is not None else [t.name for t in self.tensors])
 
 
 _SECTIONS: weakref.WeakValueDictionary[int, _Section] = weakref.WeakValueDictionary()

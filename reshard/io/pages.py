@@ -164,10 +164,15 @@ class PageWindow:
         self.touch_range(fi, base + first * isz, base + stop * isz)
 
     def touch_range(self, fi: int, lo: int, hi: int) -> None:
-        """Record that bytes ``[lo, hi)`` of file ``fi`` were read through its map."""
+        """Record that bytes ``[lo, hi)`` of file ``fi`` were read through its map.
+
+        A read counts at least :data:`FAULT_AROUND` bytes: the kernel maps that much around
+        a faulting page, so small reads far apart (the pieces of 200k small tensors) map far
+        more than they read (measured: 100 MiB of a file in RSS for a 16 MiB window).
+        """
         self.sources.check(fi)
         self._touched.add(fi)
-        self._touched_bytes += hi - lo
+        self._touched_bytes += max(hi - lo, FAULT_AROUND)
         if self._touched_bytes >= self.every:
             self.release()
 
@@ -177,6 +182,10 @@ class PageWindow:
             self.sources.release(fi)
         self._touched.clear()
         self._touched_bytes = 0
+
+
+FAULT_AROUND = 64 << 10
+"""Bytes the kernel maps around a faulting page of a file map (Linux ``fault_around_bytes``)."""
 
 
 _SCRATCH: list[str] = []

@@ -547,3 +547,11 @@ def test_natural_sorted_is_the_natural_key_order(names, seed):
     rng.shuffle(many)
     assert natural_sorted(many) == sorted(many, key=natural_key)
     assert natural_sorted(names) == sorted(names, key=natural_key)
+    import reshard.plan as plan_module
+
+    chunk = plan_module._KEY_CHUNK
+    plan_module._KEY_CHUNK = rng.randint(1, 900)  # keyed in chunks: every key padded to the widest run of all
+    try:
+        assert natural_sorted(many) == sorted(many, key=natural_key)
+    finally:
+        plan_module._KEY_CHUNK = chunk
