@@ -293,49 +293,47 @@ def _no_json_show(show: str | None, json_: bool) -> None:
 
 
 def _emit(doc: dict[str, Any]) -> None:
-    # indented for people; a large document (100k tensors) compact, so a C encoder writes it
-    large = sum(len(v) for v in doc.values() if isinstance(v, list)) > _COMPACT_JSON_ITEMS
+    from . import jsonout
+
     full = {"schema": 1, **doc}
-    raw = _orjson_text(full) if large else None
-    out = getattr(sys.stdout, "buffer", None)
-    if raw is not None and out is not None:  # the bytes as they are: no str copy of 20 MB
+    if jsonout.items(full) <= _COMPACT_JSON_ITEMS:  # indented for people
+        sys.stdout.write(json.dumps(jsonout.materialized(full), indent=2))
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        out.write(raw)
+        return
+    # a large document (100k tensors) compact, written as it is made: orjson's bytes as they
+    # are (no str copy), the rows of inspect made batch by batch
+    out = getattr(sys.stdout, "buffer", None)
+    sys.stdout.flush()
+    _STDOUT.started = True
+    if out is not None:
+        jsonout.write_compact(full, out.write)
         out.write(b"\n")
         out.flush()
         return
-    if raw is not None:
-        text = raw.decode()
-    else:
-        text = json.dumps(full, separators=(",", ":")) if large else json.dumps(full, indent=2)
-    sys.stdout.write(text)
+    jsonout.write_compact(full, lambda raw: sys.stdout.write(bytes(raw).decode("ascii")))
     sys.stdout.write("\n")
     sys.stdout.flush()
 
 
-def _orjson_text(doc: dict[str, Any]) -> bytes | None:
-    """``json.dumps(doc, separators=(",", ":"))``'s text as bytes, by orjson (100k tensors: a
-    tenth of the time) when it gives the same: an ASCII document (the stdlib escapes other
-    characters). None without orjson, or for a value it does not take (an int over 64 bits)."""
-    try:
-        import orjson
+class _STDOUT:
+    """Whether this command began writing a JSON document: an error after that cannot add a
+    second one (stdout carries exactly one)."""
 
-        raw = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)
-    except (ImportError, TypeError):
-        return None
-    return raw if raw.isascii() else None
+    started = False
 
 
 @contextmanager
 def _errors(as_json: bool) -> Iterator[None]:
     """The one table from exceptions to messages and exit codes."""
+    _STDOUT.started = False
     try:
         yield
     except ReshardError as e:
         if os.environ.get("RESHARD_DEBUG"):
             traceback.print_exc()
         code = e.exit_code
-        if as_json:
+        if as_json and not _STDOUT.started:  # else the message on stderr only
             _emit({"ok": False, "error": e.to_json(), "exit_code": code})
         _say("[bold red]error:[/] ", e.message)
         if e.hint:
@@ -565,7 +563,7 @@ def inspect(
                 _say("warning: ", w)
             if not check:
                 return
-        doc = inspect_report(ck)
+        doc = inspect_report(ck, lazy=json_)  # --json: rows made as they are written
         problems: list[Problem] = []
         if check:
             from .check import check_checkpoint, checks_made

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint
 from .dtypes import DTYPE_SIZES
 from .intervals import Block, block_shape, box_span, format_box
+from .jsonout import Rows
 from .plan import Plan, copy_boxes, natural_sorted
 from .text import markup_safe, shown
 from .transform_plan import feeds, piece_strides
@@ -41,9 +46,17 @@ def human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def inspect_report(ck: Checkpoint) -> dict[str, Any]:
-    """Format, mesh, files and per-tensor facts, from headers only."""
-    tensors, total, params = _tensor_rows(ck)
+def inspect_report(ck: Checkpoint, *, lazy: bool = False) -> dict[str, Any]:
+    """Format, mesh, files and per-tensor facts, from headers only.
+
+    With ``lazy``, ``"tensors"`` is a :class:`~reshard.jsonout.Rows` making each row as it is
+    iterated (``--json`` writes 200k rows a batch at a time), else a list.
+    """
+    order = natural_sorted(ck.tensors)
+    tensors: Rows | list[dict[str, Any]] = Rows(len(order), functools.partial(_tensor_rows, ck, order))
+    if not lazy:
+        tensors = list(tensors)
+    total, params = _totals(ck)
     doc: dict[str, Any] = {
         "path": ck.path,
         "format": ck.format,
@@ -70,11 +83,18 @@ def inspect_report(ck: Checkpoint) -> dict[str, Any]:
     return doc
 
 
-def _tensor_rows(ck: Checkpoint) -> tuple[list[dict[str, Any]], int, int]:
-    """The report's row of each tensor in natural name order, the total bytes and elements."""
-    tensors = []
-    total = 0
-    params = 0
+def _totals(ck: Checkpoint) -> tuple[int, int]:
+    """The tensors' bytes and elements, summed per (shape, dtype) (a few per MoE checkpoint)."""
+    total = params = 0
+    for (shape, dtype), n in Counter(map(attrgetter("shape", "dtype"), ck.tensors.values())).items():
+        numel = math.prod(shape)
+        total += n * numel * DTYPE_SIZES[dtype]
+        params += n * numel
+    return total, params
+
+
+def _tensor_rows(ck: Checkpoint, order: Sequence[str]) -> Iterator[dict[str, Any]]:
+    """The report's row of each tensor of ``order`` (natural name order); no floats (jsonout)."""
     shapes: dict[int, tuple[list[list[int]], bool]] = {}
     # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
     lists: dict[int, tuple[object, list[Any] | None]] = {}
@@ -89,14 +109,11 @@ def _tensor_rows(ck: Checkpoint) -> tuple[list[dict[str, Any]], int, int]:
 
     by_shape: dict[int, tuple[tuple[int, ...], list[int], int]] = {}  # shape, as a list, numel
     dcp = ck.format == "dcp"
-    for name in natural_sorted(ck.tensors):
+    for name in order:
         t = ck.tensors[name]
         shape = by_shape.get(id(t.shape))
         if shape is None or shape[0] is not t.shape:  # shapes are shared by the reader's tensors
             shape = by_shape[id(t.shape)] = (t.shape, list(t.shape), t.numel)
-        nbytes = shape[2] * DTYPE_SIZES[t.dtype]
-        total += nbytes
-        params += shape[2]
         geo = shapes.get(id(t.piece_blocks))
         if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
             locals_ = [list(block_shape(b)) for b in t.piece_blocks]
@@ -109,7 +126,7 @@ def _tensor_rows(ck: Checkpoint) -> tuple[list[dict[str, Any]], int, int]:
             "local_shapes": geo[0],
             "uniform": geo[1],
             "pieces": len(t.piece_blocks),
-            "bytes": nbytes,
+            "bytes": shape[2] * DTYPE_SIZES[t.dtype],
         }
         if dcp:
             chunks = [
@@ -117,8 +134,7 @@ def _tensor_rows(ck: Checkpoint) -> tuple[list[dict[str, Any]], int, int]:
                 for fi, b in zip(t.piece_files, t.piece_blocks, strict=True)
             ]
             row = {"chunks": chunks, **row}
-        tensors.append(row)
-    return tensors, total, params
+        yield row
 
 
 _DCP_NOTE = "DCP stores no placements: each tensor is shown as the boxes of its stored chunks"
