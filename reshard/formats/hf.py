@@ -33,8 +33,18 @@ def _tensor(name: str, header: Header, file_index: int, e: TensorEntry | None = 
     blocks, signature = _geometry(e.shape)
     # positional: a 100k-tensor checkpoint builds 100k of these, and keywords cost a third more
     return TensorSource(
-        name, e.dtype, e.shape, (file_index,), (header.data_start + e.start,), blocks, signature
+        name,
+        e.dtype,
+        e.shape,
+        _FILES[file_index] if file_index < len(_FILES) else (file_index,),
+        (header.data_start + e.start,),
+        blocks,
+        signature,
     )
+
+
+_FILES = tuple((i,) for i in range(4096))
+"""``(i,)`` for each file index, one object each (not one per tensor: 200k tensors, 10 MB)."""
 
 
 @lru_cache(maxsize=65536)
