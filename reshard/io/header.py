@@ -362,15 +362,9 @@ def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
     return entry
 
 
-class _Entry(tuple[str, tuple[int, ...], int, int]):
-    """An entry object the decoder found well formed: (dtype, shape, start, stop)."""
-
-    __slots__ = ()
-
-
 def _entry_hook(pairs: list[tuple[str, Any]]) -> Any:
     """The decoder's object hook: an entry object that passes :func:`_parse_entry`'s checks
-    becomes an :class:`_Entry` as it is decoded (a 100k-tensor header never holds 100k dicts
+    becomes a :class:`TensorEntry` (its name set by :func:`_fast_entries`) as it is decoded (a 100k-tensor header never holds 100k dicts
     and 200k lists at once); anything else becomes a dict, duplicate keys refused."""
     if len(pairs) == 3:
         (kd, dtype), (ks, shape), (ko, offs) = pairs
@@ -393,7 +387,7 @@ def _entry_hook(pairs: list[tuple[str, Any]]) -> Any:
                             shared = t
                             if len(_SHAPES) < 4096:
                                 _SHAPES[t] = t
-                        return _Entry((_DTYPE_NAMES[dtype], shared, a, b))
+                        return TensorEntry("", _DTYPE_NAMES[dtype], shared, a, b)  # named below
     return _pairs_hook(pairs)
 
 
@@ -419,11 +413,12 @@ def _fast_entries(text: str) -> tuple[dict[str, str] | None, list[TensorEntry]] 
     meta = obj.pop(_METADATA_KEY, None)
     if meta is not None and (type(meta) is not dict or any(type(v) is not str for v in meta.values())):
         return None
-    entries = []
-    for name, v in obj.items():
-        if type(v) is not _Entry:
+    entries = list(obj.values())
+    set_name = object.__setattr__
+    for name, v in zip(obj, entries):
+        if type(v) is not TensorEntry or v.name:
             return None
-        entries.append(TensorEntry(name, *v))
+        set_name(v, "name", name)  # made by the decoder's hook, not yet seen by anyone
     return meta, entries
 
 
@@ -468,10 +463,18 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
         HeaderError: the header is not valid safetensors; the message names the
             path, the tensor when relevant, and what is wrong.
     """
-    raw = bytes(raw)
-    header = _sibling_header(raw, path)
+    box = [bytes(raw)]
+    del raw  # the box holds the only reference: decoding drops it once the text is made
+    return _decode(box, path, file_size)
+
+
+def _decode(box: list[bytes], path: str, file_size: int | None) -> Header:
+    """:func:`decode_header` of the bytes in ``box``, which it empties as soon as it can (a
+    200k-tensor header is 23 MB of bytes besides its 23 MB of text)."""
+    header = _sibling_header(box[0], path)
     if header is None:
-        header = _decoded_header(raw, path)
+        header = _decoded_header(box, path)
+    box.clear()
     if file_size is not None:
         have = file_size - header.data_start
         if have < header.data_size:
@@ -489,19 +492,29 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
     return header
 
 
-def _decoded_header(raw: bytes, path: str) -> Header:
-    """Decode and check the whole header (its entries are remembered for :func:`_sibling_header`)."""
+def _decoded_header(box: list[bytes], path: str) -> Header:
+    """Decode and check the whole header in ``box`` (its entries are remembered for
+    :func:`_sibling_header`); the bytes are dropped from the box once decoded to text."""
+    raw = box[0]
+    size = len(raw)
     fast = None
-    text = None
+    shared = None
     try:
         text = raw.decode("utf-8")
-        fast = _fast_entries(text)
     except UnicodeDecodeError:
-        pass
+        text = None
+    if text is not None:
+        body = _section_start(raw, text)
+        if body is not None:
+            stop = _unpadded(raw)
+            shared = (stop - body, _digest(raw, body, stop))
+        box.clear()
+        del raw  # the text is all the decoding needs
+        fast = _fast_entries(text)
     if fast is not None:
         metadata, entries = fast
     else:  # something is wrong: the strict decoding and the per-entry checks say what
-        obj = _header_object(raw, path)
+        obj = _header_object(box[0] if box else text.encode("utf-8") if text is not None else b"", path)
         metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
         entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
     if any(a.start >= b.start for a, b in zip(entries, entries[1:])):
@@ -510,12 +523,18 @@ def _decoded_header(raw: bytes, path: str) -> Header:
     ordered = tuple(entries)
     global _SHARED
     _SHARED = None  # the index below is this header's own until it is shared
-    header = Header(ordered, metadata, 8 + len(raw))
-    body = None if text is None else _section_start(raw, text)
-    if body is not None:
-        stop = len(raw.rstrip(b" "))
-        _SHARED = (stop - body, _digest(raw, body, stop), ordered, header._index, header._data_size)
+    header = Header(ordered, metadata, 8 + size)
+    if shared is not None:
+        _SHARED = (*shared, ordered, header._index, header._data_size)
     return header
+
+
+def _unpadded(raw: bytes) -> int:
+    """The length of ``raw`` without its trailing spaces (no copy of a long header)."""
+    tail = raw[-64:]
+    if tail.strip(b" "):
+        return len(raw) - len(tail) + len(tail.rstrip(b" "))
+    return len(raw.rstrip(b" "))
 
 
 _SHARED: tuple[int, bytes, tuple[TensorEntry, ...], dict[str, TensorEntry], int] | None = None
@@ -558,7 +577,7 @@ def _sibling_header(raw: bytes, path: str) -> Header | None:
     is not one metadata member and the full decoding reports it.
     """
     shared = _SHARED
-    stop = len(raw.rstrip(b" "))
+    stop = _unpadded(raw)
     if shared is None or shared[0] > stop:
         return None
     start = stop - shared[0]
@@ -645,7 +664,9 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             f"{name}: file is truncated: header length is {n} but only {len(raw)} bytes could be read",
             path=name,
         )
-    return decode_header(raw, path=name, file_size=size)
+    box = [raw]
+    del raw
+    return _decode(box, name, size)
 
 
 # --------------------------------------------------------------------------- encode
