@@ -364,8 +364,9 @@ def _parse_entry(name: str, value: object, path: str) -> TensorEntry:
 
 def _entry_hook(pairs: list[tuple[str, Any]]) -> Any:
     """The decoder's object hook: an entry object that passes :func:`_parse_entry`'s checks
-    becomes a :class:`TensorEntry` (its name set by :func:`_fast_entries`) as it is decoded (a 100k-tensor header never holds 100k dicts
-    and 200k lists at once); anything else becomes a dict, duplicate keys refused."""
+    becomes a :class:`TensorEntry` (its name set by :func:`_fast_entries`) as it is decoded
+    (a 100k-tensor header never holds 100k dicts and 200k lists at once); anything else
+    becomes a dict, duplicate keys refused."""
     if len(pairs) == 3:
         (kd, dtype), (ks, shape), (ko, offs) = pairs
         if kd == "dtype" and ks == "shape" and ko == "data_offsets" and type(dtype) is str:
