@@ -758,6 +758,25 @@ def _human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def _fixed_mmap_threshold() -> None:
+    """Keep glibc's mmap threshold at its default 128 KiB instead of letting it grow.
+
+    glibc raises the threshold each time a mapped block is freed (up to 32 MiB); after that,
+    big short-lived blocks (a 200k-tensor header's 23 MB of text, its 14 MB entries text)
+    come from the heap, and the heap's high-water stays in RSS. Set explicitly, the threshold
+    stays put and such blocks are mapped and handed back when freed (200k tensors: peak RSS
+    269-284 -> 246-269 MiB per command; the same time). Other C libraries: nothing done.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
     """Console-script entry point."""
     # reshard makes no BLAS calls; numpy's OpenBLAS would start a thread per core that spins
@@ -769,6 +788,7 @@ def main() -> None:
     # decoding 2x slower). A command is short-lived and makes no cycles worth collecting.
     if os.environ.get("RESHARD_GC") != "1":
         gc.disable()
+    _fixed_mmap_threshold()
     try:
         app()
     except SystemExit as e:
