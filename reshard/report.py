@@ -289,7 +289,11 @@ class _Geometry:
 
         srcs = [t.src for t in self.members]
         self.offsets = np.array([s.piece_offsets for s in srcs], dtype=np.int64)
-        self.files = np.array([s.piece_files for s in srcs], dtype=np.int64)
+        files = srcs[0].piece_files
+        if all(s.piece_files is files for s in srcs):  # a reader's tuple per geometry: one row
+            self.files = np.broadcast_to(np.array([files], dtype=np.int64), self.offsets.shape)
+        else:
+            self.files = np.array([s.piece_files for s in srcs], dtype=np.int64)
         self.members = []
 
 

@@ -135,24 +135,24 @@ class Header:
     entries: tuple[TensorEntry, ...]
     metadata: dict[str, str] | None = field(hash=False)
     data_start: int
-    _index: dict[str, TensorEntry] = field(init=False, repr=False, compare=False, hash=False)
+    _index: dict[str, TensorEntry] | None = field(init=False, repr=False, compare=False, hash=False)
+    """Made when a name is first looked up (readers that walk the entries never need it:
+    200k tensors, 7 MB)."""
     _data_size: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         shared = _SHARED
+        object.__setattr__(self, "_index", None)
         if shared is not None and shared[2] is self.entries:  # a sibling rank's identical entries
-            object.__setattr__(self, "_index", shared[3])
-            object.__setattr__(self, "_data_size", shared[4])
+            object.__setattr__(self, "_data_size", shared[3])
             return
         object.__setattr__(self, "_data_size", max((e.stop for e in self.entries), default=0))
-        index = {e.name: e for e in self.entries}
-        if len(index) != len(self.entries):
+        if len({e.name for e in self.entries}) != len(self.entries):
             seen: set[str] = set()
             for e in self.entries:
                 if e.name in seen:
                     raise HeaderError(f"duplicate tensor name {_q(e.name)}", tensor=e.name)
                 seen.add(e.name)
-        object.__setattr__(self, "_index", index)
 
     @property
     def data_size(self) -> int:
@@ -176,10 +176,14 @@ class Header:
         Raises:
             TensorNotFoundError: no tensor of that name is in the header.
         """
+        index = self._index
+        if index is None:
+            index = {e.name: e for e in self.entries}
+            object.__setattr__(self, "_index", index)
         try:
-            return self._index[name]
+            return index[name]
         except KeyError:
-            close = difflib.get_close_matches(name, list(self._index), n=3)
+            close = difflib.get_close_matches(name, list(index), n=3)
             hint = ("did you mean " + ", ".join(_q(c) for c in close) + "?") if close else None
             raise TensorNotFoundError(
                 f"tensor {_q(name)} is not in this file", tensor=name, hint=hint
@@ -526,7 +530,7 @@ def _decoded_header(box: list[bytes], path: str) -> Header:
     _SHARED = None  # the index below is this header's own until it is shared
     header = Header(ordered, metadata, 8 + size)
     if shared is not None:
-        _SHARED = (*shared, ordered, header._index, header._data_size)
+        _SHARED = (*shared, ordered, header._data_size)
     return header
 
 
@@ -538,9 +542,9 @@ def _unpadded(raw: bytes) -> int:
     return len(raw.rstrip(b" "))
 
 
-_SHARED: tuple[int, bytes, tuple[TensorEntry, ...], dict[str, TensorEntry], int] | None = None
+_SHARED: tuple[int, bytes, tuple[TensorEntry, ...], int] | None = None
 """The entry section (the header's bytes after ``__metadata__``, without the padding) last decoded:
-its length and SHA-256, its entries, index and data size.
+its length and SHA-256, its entries and data size.
 
 The rank files of one checkpoint usually list the same tensors with the same local shapes
 and offsets and differ only in their metadata (rank, coordinate): their entry sections are
