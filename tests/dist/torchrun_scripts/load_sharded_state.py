@@ -47,7 +47,6 @@ def main(vllm: str, resharded: str, layout: str) -> int:
     from reshard.errors import ReshardError
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     problems = _compare(load_dtensors(vllm, mesh, layout, source_layout=layout), mesh, "vllm")
     problems += _compare(load_dtensors(resharded, mesh), mesh, "reshard")
@@ -58,10 +57,9 @@ def main(vllm: str, resharded: str, layout: str) -> int:
             problems.append(f"unclear error: {e.message}")
     else:
         problems.append("vLLM files loaded without a source layout")
-    for p in problems:
-        sys.stderr.write(f"rank {rank}: {p}\n")
-    dist.destroy_process_group()
-    return 1 if problems else 0
+    from save_world import finish  # the script's directory is on sys.path
+
+    return finish(problems)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,13 @@ def main(out: Path) -> int:
     state["step"] = full["step"]
     save_dtensors(state, out / "ckpt")
     problems = check_round_trip(out / "ckpt", mesh, state)
+    return finish(problems)
+
+
+def finish(problems: list[str]) -> int:
+    """Report this rank's problems on stderr, leave the process group; the exit code (1 if any)."""
+    import torch.distributed as dist
+
     for p in problems:
         sys.stderr.write(f"rank {dist.get_rank()}: {p}\n")
     dist.destroy_process_group()
