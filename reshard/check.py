@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
@@ -211,10 +211,6 @@ def _interval_at(ilist: IndexList, x: int) -> Interval:
     raise AssertionError(f"{x} not in {ilist}")
 
 
-_SMALL_READ = 1 << 20
-"""Reads up to this size are copied by ``pread`` rather than mapped (:meth:`_Data.raw`)."""
-
-
 class _Data:
     """Byte-for-byte comparisons of pieces through memory maps, in bounded chunks."""
 
@@ -227,18 +223,6 @@ class _Data:
     def close(self) -> None:
         self.files.close()
 
-    def raw(self, fi: int, offset: int, n: int) -> Any:
-        """``n`` bytes of file ``fi``: a small read by ``pread`` (through a map, the kernel maps
-        whole folios around it: 200k small replicas held 100 MiB of mapped pages), a large one
-        through the map (released as the window fills)."""
-        if n > _SMALL_READ:
-            return self.files.raw(fi, offset, n)
-        import numpy as np
-
-        buf = bytearray(n)
-        self.files.sources.pread(fi, memoryview(buf), offset)
-        return np.frombuffer(buf, np.uint8)
-
     def replica(self, t: TensorSource, r: int, k: int, nbytes: int) -> list[int] | None:
         """First differing global index of two pieces holding the same block, or None."""
         import numpy as np
@@ -249,8 +233,8 @@ class _Data:
         # touched pages are released every `release_every` bytes (MappedFiles.touch_range)
         while pos < nbytes:
             n = min(self.chunk, nbytes - pos)
-            a = self.raw(fr, orr + pos, n)
-            b = self.raw(fk, ok + pos, n)
+            a = self.files.raw(fr, orr + pos, n)
+            b = self.files.raw(fk, ok + pos, n)
             neq = np.not_equal(a, b)
             if neq.any():
                 byte = pos + int(np.argmax(neq))
@@ -266,7 +250,7 @@ class _Data:
         """CRC32 of ``nbytes`` of file ``fi`` at ``offset``, read in bounded chunks."""
         crc = 0
         for pos in range(offset, offset + nbytes, self.chunk):
-            crc = zlib.crc32(self.raw(fi, pos, min(self.chunk, offset + nbytes - pos)).data, crc)
+            crc = zlib.crc32(self.files.raw(fi, pos, min(self.chunk, offset + nbytes - pos)).data, crc)
         return crc
 
     def overlap(

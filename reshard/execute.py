@@ -518,7 +518,6 @@ def _split_items(
     out: list[list[int]] = [[0, 0, -1]]
     acc = 0
     pending: tuple[int, int] | None = None  # the first fixed run since the last entry: offset, position
-    n = 0
     for n, (i, it) in enumerate(items):
         if not isinstance(it, OutEntry):
             if pending is None:

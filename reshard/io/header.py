@@ -519,7 +519,8 @@ def _decoded_header(box: list[bytes], path: str) -> Header:
     if fast is not None:
         metadata, entries = fast
     else:  # something is wrong: the strict decoding and the per-entry checks say what
-        obj = _header_object(box[0] if box else text.encode("utf-8") if text is not None else b"", path)
+        # the box was emptied when the text was made
+        obj = _header_object(text.encode("utf-8") if text is not None else box[0], path)
         metadata = _parse_metadata(obj.get(_METADATA_KEY), path)
         entries = [_parse_entry(name, value, path) for name, value in obj.items() if name != _METADATA_KEY]
     if any(a.start >= b.start for a, b in zip(entries, entries[1:])):

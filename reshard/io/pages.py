@@ -147,6 +147,10 @@ class SourceFiles:
         self._fds.clear()
 
 
+FAULT_AROUND = 64 << 10
+"""Bytes the kernel maps around a faulting page of a file map (Linux ``fault_around_bytes``)."""
+
+
 class PageWindow:
     """Source pages read through the maps, released (whole mappings) every ``every`` bytes."""
 
@@ -182,10 +186,6 @@ class PageWindow:
             self.sources.release(fi)
         self._touched.clear()
         self._touched_bytes = 0
-
-
-FAULT_AROUND = 64 << 10
-"""Bytes the kernel maps around a faulting page of a file map (Linux ``fault_around_bytes``)."""
 
 
 _SCRATCH: list[str] = []

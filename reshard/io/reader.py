@@ -272,6 +272,10 @@ def _row_elems(shape: Sequence[int], strides: Sequence[int], sizes: Sequence[int
     return strides[j - 1] if j >= 1 else 1
 
 
+SMALL_READ = 1 << 20
+""":meth:`MappedFiles.raw` copies reads up to this size by ``pread`` rather than mapping them."""
+
+
 class MappedFiles(PageWindow):
     """Read-only maps of a checkpoint's files whose touched pages are released as we go.
 
@@ -288,9 +292,16 @@ class MappedFiles(PageWindow):
         return Piece.of(self.sources, src, k, shape)
 
     def raw(self, fi: int, offset: int, count: int) -> Items:
-        """``count`` bytes of file ``fi`` at ``offset`` as a read-only uint8 numpy array."""
+        """``count`` bytes of file ``fi`` at ``offset`` as a read-only uint8 numpy array: a
+        small read copied by ``pread`` (through the map, the kernel maps whole folios around
+        it: the replicas of 200k small tensors held 100 MiB of mapped pages), a large one a
+        view of the map (its pages released as the window fills)."""
         import numpy as np
 
+        if count <= SMALL_READ:
+            buf = bytearray(count)
+            self.sources.pread(fi, memoryview(buf), offset)
+            return np.frombuffer(buf, np.uint8)
         arr = np.frombuffer(self.sources.map(fi), dtype=np.uint8, count=count, offset=offset)
         self.touch_range(fi, offset, offset + count)
         return arr
