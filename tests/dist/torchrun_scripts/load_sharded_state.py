@@ -50,14 +50,14 @@ def main(vllm: str, resharded: str, layout: str) -> int:
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     problems = _compare(load_dtensors(vllm, mesh, layout, source_layout=layout), mesh, "vllm")
     problems += _compare(load_dtensors(resharded, mesh), mesh, "reshard")
-    try:
-        load_dtensors(vllm, mesh, layout)
-    except ReshardError as e:
-        if "--source-layout" not in e.message:
-            problems.append(f"unclear error: {e.message}")
-    else:
-        problems.append("vLLM files loaded without a source layout")
-    from save_world import finish  # the script's directory is on sys.path
+    from save_world import expect_error, finish  # the script's directory is on sys.path
+
+    problems += expect_error(
+        lambda: load_dtensors(vllm, mesh, layout),
+        ReshardError,
+        "--source-layout",
+        "vLLM files loaded without a source layout",
+    )
 
     return finish(problems)
 

@@ -147,6 +147,17 @@ def main(out: Path) -> int:
     return finish(problems)
 
 
+def expect_error(call: Any, error: type[BaseException], words: str, absent: str) -> list[str]:
+    """``call()`` must raise ``error`` with ``words`` in its message: the problems found
+    (``absent`` when it raises nothing)."""
+    try:
+        call()
+    except error as e:
+        message = getattr(e, "message", str(e))
+        return [] if words in message else [f"unclear error: {message}"]
+    return [absent]
+
+
 def finish(problems: list[str]) -> int:
     """Report this rank's problems on stderr, leave the process group; the exit code (1 if any)."""
     import torch.distributed as dist
