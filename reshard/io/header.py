@@ -557,7 +557,7 @@ class _Scan:
         self.names: list[str] = []
         self.stop, self.stop_text = 0, "0"  # where the last entry stops
         self.contiguous = True  # each entry starts where the one before stops, from 0
-        self.empty = False  # a tensor of no bytes: its start may equal the next one's (sorted by name then)
+        self.empty = False  # a tensor of no bytes: it may start where the next one does (then sorted)
 
     def add(self, chunk: str, last: bool) -> bool:
         """Add the entries of ``chunk`` (ending the header when ``last``); False unless it is
