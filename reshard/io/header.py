@@ -36,7 +36,7 @@ import operator
 import os
 import re
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -591,8 +591,8 @@ class _Scan:
             return False
         made = list(map(_new, itertools.repeat(TensorEntry, k)))
         names = parts[1 :: _GROUPS + 1]
-        dtypes = map(self.dtype_of.__getitem__, heads)
-        columns = (names, dtypes, map(self.shape_of.__getitem__, heads), starts, stops)
+        dtypes, shapes = map(self.dtype_of.__getitem__, heads), map(self.shape_of.__getitem__, heads)
+        columns: tuple[Iterable[Any], ...] = (names, dtypes, shapes, starts, stops)
         for setter, column in zip(_ENTRY_SETTERS, columns):  # a frozen dataclass's __init__, by field
             any(map(setter, made, column))
         self.entries += made
