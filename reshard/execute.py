@@ -4,11 +4,14 @@ Two ways bytes move:
 
 * a box contiguous in both the source piece and the target tensor (row-sharded
   pieces, whole tensors), or small and strided along one dim (column shards of
-  small tensors), is queued as runs: entries that land back to back in the file
-  fill one reused buffer, grouped by geometry, and
-  :meth:`reshard.io.reader.Windows.gather_entries` moves each group's pieces with a
-  few strided numpy copies from windows of the source files (one ``pwrite`` per
-  buffer, hashed on the way); a run larger than the buffer is copied through it;
+  small tensors), is a run of rows. Files whose entries come as columns (safetensors:
+  arrays of offsets and sizes) are written a buffer of back-to-back entries at a time,
+  each geometry's runs in it moved by :meth:`reshard.io.reader.Windows.gather_arrays`
+  with one numpy copy per window of a source file (:mod:`reshard.bulk` groups the
+  tensors by geometry); other files queue runs that land back to back in the file,
+  grouped by geometry, for :meth:`~reshard.io.reader.Windows.gather_groups` (one
+  ``pwrite`` per buffer, hashed on the way); a run larger than the buffer is copied
+  through it;
 * everything else (column slices, strided shards, casts, Partial reductions)
   is gathered slab by slab into that buffer with :func:`reshard.io.reader.read_box`
   and written with one ``pwrite`` per slab.
@@ -32,14 +35,27 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY
+from .bulk import Geometries
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, Seen, SourceFiles
-from .io.reader import DENSE, WINDOW, RowCache, Run, Span, Windows, read_box, slab_items, uint_dtype
+from .io.reader import (
+    DENSE,
+    WIDE_SLOTS,
+    WIDE_WINDOW,
+    WINDOW,
+    RowCache,
+    Run,
+    Span,
+    Windows,
+    read_box,
+    slab_items,
+    uint_dtype,
+)
 from .io.views import open_piece
 from .io.writer import FileResult, Sink, TmpFile
-from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
+from .plan import Copy, OutEntry, OutFile, Plan, TargetTensor, copy_boxes
 from .transform_plan import piece_strides
 
 __all__ = [
@@ -72,6 +88,15 @@ class _Buffers:
         self.rows = RowCache(DENSE * budget + 64)  # source spans read whole (<= DENSE x used)
         self.pages = PageWindow(sources, window)  # one for all its writers, so bounded
         self.windows = Windows(sources, _WINDOW)  # short reads, shared by its writers too
+        self.sources = sources
+        self._wide: Windows | None = None
+
+    @property
+    def wide(self) -> Windows:
+        """The column path's windows (made when first used: files of large tensors never do)."""
+        if self._wide is None:
+            self._wide = Windows(self.sources, WIDE_WINDOW, WIDE_SLOTS, own=True)
+        return self._wide
 
     def slab_buffers(self, groups: int) -> list[bytearray]:
         """One slab buffer per Partial group; group 0 gathers straight into the write buffer."""
@@ -261,9 +286,6 @@ class _Writer:
     ) -> Iterator[None]:
         """Write ``items`` (fixed bytes and entries, in file order), yielding after each slab."""
         crc = f.needs_crc32
-        if not crc:
-            yield from self._plain_steps(items)
-            return
         for i, item in items:
             _check(self.stop)
             if isinstance(item, bytes):
@@ -273,12 +295,6 @@ class _Writer:
             if crc:
                 self._flush()
                 self.sink.start_crc(f.head_bytes)
-            else:
-                runs = self._runs(item)
-                if runs is not None:  # the common case inline: no generator per entry
-                    if self._queue(item.start, item.tensor.src, runs):
-                        yield
-                    continue
             yield from self.entry_steps(item)
             if crc:
                 self._flush()
@@ -288,42 +304,93 @@ class _Writer:
                     self.sink.submit(tail, item.start + item.nbytes)
         self._flush()
 
-    def _plain_steps(self, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]) -> Iterator[None]:
-        """:meth:`file_steps` without CRC32s: the loop of 100k-tensor files, so tensors of one
-        geometry (same copies, piece blocks and dtypes) share one lookup of their runs and a
-        run that extends the queue costs an append."""
-        stop = self.stop
+    def column_steps(self, f: OutFile, geos: Geometries, first: int = 0, stop: int = -1) -> Iterator[None]:
+        """:meth:`file_steps` for a file whose entries come as columns and whose fixed bytes all
+        precede them (safetensors): items ``first`` to ``stop`` (-1: the end) of
+        :func:`_in_file_order`, a buffer of back-to-back entries at a time, each geometry's
+        entries in it moved with a few numpy copies (:meth:`Windows.gather_arrays`);
+        entries that are not plain runs, or larger than the buffer, go the per-entry way."""
+        import numpy as np
+
+        lay = f.layout
+        fixed = lay.fixed
+        tensors, rank, base, starts, sizes = lay.entries.columns()  # type: ignore[attr-defined]
+        count = len(sizes)
+        stop = len(fixed) + count if stop < 0 else stop
+        for i in range(first, min(stop, len(fixed))):
+            self.sink.submit(fixed[i][1], fixed[i][0])
+        lo, hi = max(0, first - len(fixed)), max(0, stop - len(fixed))
+        if hi <= lo:
+            return
         cap = self.bufs.budget
-        groups = self._groups
-        memo: dict[tuple[object, ...], tuple[tuple[Run, ...], bool] | None] = {}  # the plan holds the keys
-        for _, item in items:
-            if stop.is_set():
-                raise _Stopped
-            if type(item) is bytes:
-                self._flush()
-                self.sink.submit(item, _)
+        st = np.frombuffer(starts, dtype=np.int64, count=count) + base
+        sz = np.frombuffer(sizes, dtype=np.int64, count=count)
+        en = st + sz
+        ok_group = np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
+        ok = ok_group[geos.group] & (sz <= cap) if count else np.zeros(0, dtype=bool)
+        # where a buffer must end: before an entry that is not bulk, or after a gap
+        breaks = ~ok
+        breaks[1:] |= st[1:] != en[:-1]
+        ends = np.flatnonzero(breaks)
+        i = lo
+        while i < hi:
+            _check(self.stop)
+            if not ok[i]:
+                if sz[i]:
+                    yield from self.entry_steps(OutEntry(tensors[i], rank, int(st[i]), int(sz[i])))
+                i += 1
                 continue
-            t = item.tensor  # type: ignore[union-attr]
-            src = t.src
-            key = (id(t.copies), item.rank, id(src.piece_blocks), t.dtype, src.dtype)  # type: ignore[union-attr]
-            hit = memo.get(key, _NOT_YET)
-            if hit is _NOT_YET:
-                runs = self._runs(item)  # type: ignore[arg-type]
-                hit = memo[key] = None if runs is None else (runs, interleaved(runs))
-            start, nbytes = item.start, item.nbytes  # type: ignore[union-attr]
-            if hit is None or (hit[1] and nbytes > cap):
-                yield from self.entry_steps(item)  # type: ignore[arg-type]
-                continue
-            if start == self._q_end and start + nbytes - self._q_start <= cap:  # extends the queue
-                g = groups.get(id(hit[0]))
-                if g is None:
-                    g = groups[id(hit[0])] = [hit[0], [], []]
-                g[1].append(start - self._q_start)
-                g[2].append(src)
-                self._q_end = start + nbytes
-            elif self._queue(start, src, hit[0], nbytes):
-                yield
+            j = int(np.searchsorted(en, st[i] + cap, "right"))
+            k = int(np.searchsorted(ends, i, "right"))
+            j = max(i + 1, min(j, hi, int(ends[k]) if k < len(ends) else hi))
+            self._flush()
+            self._copy_columns(geos, rank, st, i, j, int(en[j - 1] - st[i]))
+            yield
+            i = j
         self._flush()
+
+    def _copy_columns(self, geos: Geometries, rank: int, st: Any, i: int, j: int, size: int) -> None:
+        """Write entries ``i`` to ``j`` (back to back, plain runs, ``size`` bytes in all) through
+        the write buffer: per geometry and run, the pieces of each source file in one call."""
+        import numpy as np
+
+        buf = self.bufs.write
+        q0 = int(st[i])
+        gs = geos.group[i:j]
+        if gs.min() == gs.max():
+            parts = [(int(gs[0]), np.arange(i, j))]
+        else:
+            order = np.argsort(gs, kind="stable")
+            cuts = np.flatnonzero(np.diff(gs[order])) + 1
+            parts = [(int(gs[p[0]]), p + i) for p in np.split(order, cuts)]
+        jobs = []
+        for g, idx in parts:
+            runs = geos.runs(g, rank)
+            assert runs is not None
+            rows_of = geos.row[idx]
+            at = st[idx] - q0
+            for d, k, s, n, rows, ss, ds in runs:
+                fi, offs = geos.column(g, k)
+                lo = offs[rows_of] + s
+                pos = at + d
+                if isinstance(fi, int):
+                    jobs.append((fi, lo, pos, n, rows, ss, ds))
+                else:
+                    files = fi[rows_of]
+                    for one in np.unique(files).tolist():
+                        sel = files == one
+                        jobs.append((one, lo[sel], pos[sel], n, rows, ss, ds))
+        jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all before the next
+        windows = self.bufs.wide
+        for fi_, lo_, pos_, n, rows, ss, ds in jobs:
+            if len(lo_) > 1 and not (lo_[1:] >= lo_[:-1]).all():
+                o = np.argsort(lo_, kind="stable")
+                lo_, pos_ = lo_[o], pos_[o]
+            windows.gather_arrays(fi_, lo_, pos_, n, rows, ss, ds, buf)
+        self.sink.submit(memoryview(buf)[:size], q0)
+        self.bytes_read += size
+        if self.progress:
+            self.progress(size)
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
         """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""
@@ -532,6 +599,40 @@ def _split_items(
     return [(lo, a, b) for lo, a, b in out]
 
 
+class _GeometriesOf:
+    """The :class:`~reshard.bulk.Geometries` of each tensor list whose files are written by
+    columns, made once for the sibling files that share the list (held for the run)."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Sequence[TargetTensor], Geometries]] = {}
+        self._lock = threading.Lock()
+
+    def of(self, f: OutFile) -> Geometries | None:
+        """The geometries of ``f``'s tensor list, or None when ``f`` is not written by columns
+        (no columns, CRC32s to compute, or fixed bytes between its entries)."""
+        lay = f.layout
+        columns = getattr(lay.entries, "columns", None)
+        if columns is None or f.needs_crc32:
+            return None
+        tensors, _, base, starts, _ = columns()
+        if starts and any(off + len(b) > base + starts[0] for off, b in lay.fixed):
+            return None
+        with self._lock:
+            hit = self._made.get(id(tensors))
+            if hit is None or hit[0] is not tensors:
+                hit = self._made[id(tensors)] = (tensors, Geometries(tensors, entry_runs))
+            return hit[1]
+
+
+def _steps(w: _Writer, f: OutFile, geos: _GeometriesOf, first: int = 0, stop: int = -1) -> Iterator[None]:
+    """Writer ``w``'s steps for items ``first`` to ``stop`` (-1: the end) of file ``f``: by columns
+    where it can, else entry by entry."""
+    g = geos.of(f)
+    if g is not None:
+        return w.column_steps(f, g, first, stop)
+    return w.file_steps(f, _items_of(f, first, stop))
+
+
 def _items_of(f: OutFile, first: int, stop: int) -> Iterator[tuple[int, bytes] | tuple[int, OutEntry]]:
     """Items ``first`` to ``stop`` (-1: the end) of :func:`_in_file_order`, made as consumed."""
     return itertools.islice(_in_file_order(f), first, None if stop < 0 else stop)
@@ -545,6 +646,7 @@ def _write_group(
     window: int,
     progress: ProgressFn | None,
     stop: threading.Event,
+    geos: _GeometriesOf,
 ) -> list[FileResult]:
     """Write each file in this thread, the files in lockstep.
 
@@ -559,7 +661,7 @@ def _write_group(
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
         writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
-        active = [w.file_steps(f, _in_file_order(f)) for w, f in zip(writers, files)]
+        active = [_steps(w, f, geos) for w, f in zip(writers, files)]
         while active:
             active = [g for g in active if next(g, _END) is not _END]
         done = [(w.sink.close(f.size), w.crc32s, w.bytes_read) for w, f in zip(writers, files)]
@@ -577,7 +679,6 @@ def _write_group(
 
 
 _END = object()
-_NOT_YET: Any = object()  # a geometry's runs not looked up yet (None: its entries are gathered)
 
 
 class _Stopped(Exception):
@@ -615,23 +716,23 @@ def _write_split(
     progress: ProgressFn | None,
     parts: int,
     stop: threading.Event,
+    geos: _GeometriesOf,
 ) -> FileResult:
     """Write one file with ``parts`` threads, each a consecutive run of its entries."""
     tmp = TmpFile(dst, f.name, f.size)
 
-    def run(
-        lo: int, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]
-    ) -> tuple[dict[int, bytes], dict[int, int], int]:
-        """Write a run of items; returns its digests, CRC32s and bytes read (its buffers are freed)."""
+    def run(lo: int, first: int, stop_at: int) -> tuple[dict[int, bytes], dict[int, int], int]:
+        """Write items ``first`` to ``stop_at``; returns their digests, CRC32s and bytes read (its
+        buffers are freed)."""
         w = _Writer(sources, tmp.fd, _Buffers(buffer_size, sources, window), progress, stop, lo)
-        for _ in w.file_steps(f, items):
+        for _ in _steps(w, f, geos, first, stop_at):
             pass
         return w.sink.close(f.size), w.crc32s, w.bytes_read
 
     try:
         total = sum(e.nbytes for e in f.entries)
         runs = _split_items(_in_file_order(f), total, parts)
-        parts_done = _run_all([functools.partial(run, lo, _items_of(f, a, b)) for lo, a, b in runs], stop)
+        parts_done = _run_all([functools.partial(run, lo, a, b) for lo, a, b in runs], stop)
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}
         for d, c, _ in parts_done:
@@ -692,8 +793,10 @@ def execute_plan(
                 on_file_done(r)
             results_by_name[r.name] = r
 
+    geos = _GeometriesOf()
+
     def group(fs: list[OutFile]) -> None:
-        for r in _write_group(fs, dst, sources, buffer_size, window, prog, stop):
+        for r in _write_group(fs, dst, sources, buffer_size, window, prog, stop, geos):
             done(r)
 
     # fewer files than workers: the spare workers split the files' entries between them
@@ -701,7 +804,7 @@ def execute_plan(
     try:
         if parts > 1:
             for f in todo:
-                done(_write_split(f, dst, sources, buffer_size, window, prog, parts, stop))
+                done(_write_split(f, dst, sources, buffer_size, window, prog, parts, stop, geos))
         else:
             # lockstep files hold the same tensors cut differently: siblings share reads. Others
             # (hf shards) hold different tensors: one at a time, so each finishes (and is journaled) sooner
