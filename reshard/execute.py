@@ -42,12 +42,12 @@ from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, Seen, SourceFiles
 from .io.reader import (
     DENSE,
-    WIDE_SLOTS,
-    WIDE_WINDOW,
+    SPAN_SLOTS,
     WINDOW,
     RowCache,
     Run,
     Span,
+    Spans,
     Windows,
     read_box,
     slab_items,
@@ -85,18 +85,26 @@ class _Buffers:
         self.budget = budget
         self.write = bytearray(budget)
         self.partials: list[bytearray] = []  # slabs of Partial groups 1.. (group 0: the write buffer)
-        self.rows = RowCache(DENSE * budget + 64)  # source spans read whole (<= DENSE x used)
+        self._rows: RowCache | None = None
         self.pages = PageWindow(sources, window)  # one for all its writers, so bounded
         self.windows = Windows(sources, _WINDOW)  # short reads, shared by its writers too
-        self.sources = sources
-        self._wide: Windows | None = None
+        self.spans = Spans(sources)  # the column path's reads (its scratch made when first used)
+        self.siblings = 1  # files written in lockstep with these buffers
+        self._columns = bytearray(0)
 
     @property
-    def wide(self) -> Windows:
-        """The column path's windows (made when first used: files of large tensors never do)."""
-        if self._wide is None:
-            self._wide = Windows(self.sources, WIDE_WINDOW, WIDE_SLOTS, own=True)
-        return self._wide
+    def rows(self) -> RowCache:
+        """Source spans read whole (at most DENSE times what a slab uses; made when first used)."""
+        if self._rows is None:
+            self._rows = RowCache(DENSE * self.budget + 64)
+        return self._rows
+
+    @property
+    def columns(self) -> bytearray:
+        """The column path's buffer: :data:`COLUMN_WRITES` write buffers (made when first used)."""
+        if not self._columns:
+            self._columns = bytearray(COLUMN_WRITES * self.budget)
+        return self._columns
 
     def slab_buffers(self, groups: int) -> list[bytearray]:
         """One slab buffer per Partial group; group 0 gathers straight into the write buffer."""
@@ -116,6 +124,10 @@ def _contiguous(shape: Sequence[int], starts: Sequence[int], sizes: Sequence[int
 def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
+
+COLUMN_WRITES = 4
+"""The column path gathers this many write buffers of entries at a time (fewer numpy calls per
+byte) and writes them a buffer per ``pwrite`` (larger writes were slower here)."""
 
 _STRIDED_MAX = 65536
 """Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
@@ -308,7 +320,7 @@ class _Writer:
         """:meth:`file_steps` for a file whose entries come as columns and whose fixed bytes all
         precede them (safetensors): items ``first`` to ``stop`` (-1: the end) of
         :func:`_in_file_order`, a buffer of back-to-back entries at a time, each geometry's
-        entries in it moved with a few numpy copies (:meth:`Windows.gather_arrays`);
+        entries in it moved with a few numpy copies (:meth:`Spans.gather`);
         entries that are not plain runs, or larger than the buffer, go the per-entry way."""
         import numpy as np
 
@@ -323,39 +335,51 @@ class _Writer:
         if hi <= lo:
             return
         cap = self.bufs.budget
-        st = np.frombuffer(starts, dtype=np.int64, count=count) + base
+        most = COLUMN_WRITES * cap
+        st = np.frombuffer(starts, dtype=np.int64, count=count)  # views: nothing per entry is kept
         sz = np.frombuffer(sizes, dtype=np.int64, count=count)
-        en = st + sz
-        ok_group = np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
-        ok = ok_group[geos.group] & (sz <= cap) if count else np.zeros(0, dtype=bool)
-        # where a buffer must end: before an entry that is not bulk, or after a gap
-        breaks = ~ok
-        breaks[1:] |= st[1:] != en[:-1]
-        ends = np.flatnonzero(breaks)
+        plain = np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
+        bad = np.flatnonzero(~plain[geos.group] | (sz > cap))  # entries that go the per-entry way
+        gaps = np.flatnonzero(st[1:] != st[:-1] + sz[:-1]) + 1  # entries not right after the previous
+        ends = np.union1d(bad, gaps)  # where a buffer must end
         i = lo
         while i < hi:
             _check(self.stop)
-            if not ok[i]:
+            b = int(np.searchsorted(bad, i))
+            if b < len(bad) and bad[b] == i:
                 if sz[i]:
-                    yield from self.entry_steps(OutEntry(tensors[i], rank, int(st[i]), int(sz[i])))
+                    yield from self.entry_steps(OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i])))
                 i += 1
                 continue
-            j = int(np.searchsorted(en, st[i] + cap, "right"))
+            limit = int(st[i]) + most
+            j = int(np.searchsorted(st, limit, "right"))
+            if st[j - 1] + sz[j - 1] > limit:
+                j -= 1
             k = int(np.searchsorted(ends, i, "right"))
             j = max(i + 1, min(j, hi, int(ends[k]) if k < len(ends) else hi))
             self._flush()
-            self._copy_columns(geos, rank, st, i, j, int(en[j - 1] - st[i]))
+            while not self._copy_columns(geos, rank, st, base, i, j, int(st[j - 1] + sz[j - 1] - st[i])):
+                j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer entries
             yield
             i = j
         self._flush()
 
-    def _copy_columns(self, geos: Geometries, rank: int, st: Any, i: int, j: int, size: int) -> None:
-        """Write entries ``i`` to ``j`` (back to back, plain runs, ``size`` bytes in all) through
-        the write buffer: per geometry and run, the pieces of each source file in one call."""
+    def _copy_columns(
+        self, geos: Geometries, rank: int, st: Any, base: int, i: int, j: int, size: int
+    ) -> bool:
+        """Write entries ``i`` to ``j`` (at ``base + st[...]``, back to back, plain runs, ``size``
+        bytes in all) through the column buffer: per geometry and run, the pieces of each
+        source file in one call.
+
+        False (nothing written) when the spans they read would not all stay for the sibling
+        files written next in lockstep (more than the slots), and there are entries to spare.
+        """
         import numpy as np
 
-        buf = self.bufs.write
-        q0 = int(st[i])
+        bufs = self.bufs
+        buf = bufs.columns
+        s0 = int(st[i])
+        q0 = base + s0
         gs = geos.group[i:j]
         if gs.min() == gs.max():
             parts = [(int(gs[0]), np.arange(i, j))]
@@ -368,7 +392,7 @@ class _Writer:
             runs = geos.runs(g, rank)
             assert runs is not None
             rows_of = geos.row[idx]
-            at = st[idx] - q0
+            at = st[idx] - s0
             for d, k, s, n, rows, ss, ds in runs:
                 fi, offs = geos.column(g, k)
                 lo = offs[rows_of] + s
@@ -380,17 +404,23 @@ class _Writer:
                     for one in np.unique(files).tolist():
                         sel = files == one
                         jobs.append((one, lo[sel], pos[sel], n, rows, ss, ds))
-        jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all before the next
-        windows = self.bufs.wide
-        for fi_, lo_, pos_, n, rows, ss, ds in jobs:
-            if len(lo_) > 1 and not (lo_[1:] >= lo_[:-1]).all():
-                o = np.argsort(lo_, kind="stable")
-                lo_, pos_ = lo_[o], pos_[o]
-            windows.gather_arrays(fi_, lo_, pos_, n, rows, ss, ds, buf)
-        self.sink.submit(memoryview(buf)[:size], q0)
+        if j - i > 1 and bufs.siblings > 1:
+            reach: dict[int, tuple[int, int]] = {}  # per source file: the bytes read from it
+            for fi_, lo_, _, n, rows, ss, _ in jobs:
+                a, b = reach.get(fi_, (int(lo_.min()), 0))
+                reach[fi_] = (min(a, int(lo_.min())), max(b, int(lo_.max()) + (rows - 1) * ss + n))
+            span = bufs.spans.span
+            if sum((b - a) // span + 2 for a, b in reach.values()) > SPAN_SLOTS:
+                return False
+        bufs.spans.gather(jobs, buf)
+        out = memoryview(buf)
+        step = bufs.budget
+        for a in range(0, size, step):
+            self.sink.submit(out[a : min(size, a + step)], q0 + a)
         self.bytes_read += size
         if self.progress:
             self.progress(size)
+        return True
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
         """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""
@@ -661,6 +691,7 @@ def _write_group(
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
         writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
+        bufs.siblings = len(writers)
         active = [_steps(w, f, geos) for w, f in zip(writers, files)]
         while active:
             active = [g for g in active if next(g, _END) is not _END]
