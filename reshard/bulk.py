@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import TensorSource
@@ -31,6 +32,8 @@ else:
 __all__ = ["Geometries", "Column"]
 
 EntryRuns = Callable[[TensorSource, tuple[Copy, ...], int], "tuple[Run, ...] | None"]
+
+_SRC, _OFFSETS, _FILES = attrgetter("src"), attrgetter("piece_offsets"), attrgetter("piece_files")
 
 Column = tuple[int | Ints, Ints]
 """One source piece of every tensor of a geometry: its file (one for all, or per tensor) and offset."""
@@ -95,10 +98,10 @@ class Geometries:
             return hit
         import numpy as np
 
-        ts = self.tensors
         m = self.members[g].tolist()
-        offsets = np.fromiter((ts[i].src.piece_offsets[k] for i in m), dtype=np.int64, count=len(m))
-        files = np.fromiter((ts[i].src.piece_files[k] for i in m), dtype=np.int64, count=len(m))
+        srcs = list(map(_SRC, map(self.tensors.__getitem__, m)))
+        offsets = np.fromiter(map(itemgetter(k), map(_OFFSETS, srcs)), dtype=np.int64, count=len(m))
+        files = np.fromiter(map(itemgetter(k), map(_FILES, srcs)), dtype=np.int64, count=len(m))
         fi: int | Ints = int(files[0]) if len(m) and (files == files[0]).all() else files
         with self._lock:
             return self._columns.setdefault((g, k), (fi, offsets))

@@ -42,6 +42,7 @@ from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, Seen, SourceFiles
 from .io.reader import (
     DENSE,
+    SPAN,
     SPAN_SLOTS,
     WINDOW,
     RowCache,
@@ -88,8 +89,7 @@ class _Buffers:
         self._rows: RowCache | None = None
         self.pages = PageWindow(sources, window)  # one for all its writers, so bounded
         self.windows = Windows(sources, _WINDOW)  # short reads, shared by its writers too
-        self.spans = Spans(sources)  # the column path's reads (its scratch made when first used)
-        self.siblings = 1  # files written in lockstep with these buffers
+        self.spans = Spans(sources, _SPAN)  # the column path's reads (its scratch made when first used)
         self._columns = bytearray(0)
 
     @property
@@ -262,7 +262,8 @@ def _box_run(
     return d_off, s_off, src[0], src[1], src[2], dst[2]
 
 
-_WINDOW = WINDOW  # a module name, so tests can change it
+_WINDOW = WINDOW  # module names, so tests can change them
+_SPAN = SPAN
 
 
 class _Writer:
@@ -404,7 +405,7 @@ class _Writer:
                     for one in np.unique(files).tolist():
                         sel = files == one
                         jobs.append((one, lo[sel], pos[sel], n, rows, ss, ds))
-        if j - i > 1 and bufs.siblings > 1:
+        if j - i > 1 and bufs.spans.shared:
             reach: dict[int, tuple[int, int]] = {}  # per source file: the bytes read from it
             for fi_, lo_, _, n, rows, ss, _ in jobs:
                 a, b = reach.get(fi_, (int(lo_.min()), 0))
@@ -663,6 +664,26 @@ def _steps(w: _Writer, f: OutFile, geos: _GeometriesOf, first: int = 0, stop: in
     return w.file_steps(f, _items_of(f, first, stop))
 
 
+def _split_columns(f: OutFile, parts: int) -> list[tuple[int, int, int]]:
+    """:func:`_split_items` of a file written by columns (its fixed bytes all first): split where
+    the entries before hold about ``k / parts`` of its entry bytes, found by a search."""
+    import numpy as np
+
+    lay = f.layout
+    _, _, base, starts, sizes = lay.entries.columns()  # type: ignore[attr-defined]
+    sz = np.frombuffer(sizes, dtype=np.int64, count=len(sizes))
+    before = np.cumsum(sz) - sz  # entry bytes before each entry
+    total = int(before[-1] + sz[-1]) if len(sz) else 0
+    out: list[list[int]] = [[0, 0, -1]]
+    for k in range(1, parts if total else 1):
+        m = int(np.searchsorted(before, total * k / parts, "left"))
+        at = len(lay.fixed) + m
+        if m < len(sz) and at > out[-1][1]:
+            out[-1][2] = at
+            out.append([base + starts[m], at, -1])
+    return [(lo, a, b) for lo, a, b in out]
+
+
 def _items_of(f: OutFile, first: int, stop: int) -> Iterator[tuple[int, bytes] | tuple[int, OutEntry]]:
     """Items ``first`` to ``stop`` (-1: the end) of :func:`_in_file_order`, made as consumed."""
     return itertools.islice(_in_file_order(f), first, None if stop < 0 else stop)
@@ -691,7 +712,7 @@ def _write_group(
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
         writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
-        bufs.siblings = len(writers)
+        bufs.spans.shared = len(writers) > 1  # files in lockstep: they read the same spans
         active = [_steps(w, f, geos) for w, f in zip(writers, files)]
         while active:
             active = [g for g in active if next(g, _END) is not _END]
@@ -761,8 +782,10 @@ def _write_split(
         return w.sink.close(f.size), w.crc32s, w.bytes_read
 
     try:
-        total = sum(e.nbytes for e in f.entries)
-        runs = _split_items(_in_file_order(f), total, parts)
+        if geos.of(f) is not None:
+            runs = _split_columns(f, parts)
+        else:
+            runs = _split_items(_in_file_order(f), sum(e.nbytes for e in f.entries), parts)
         parts_done = _run_all([functools.partial(run, lo, a, b) for lo, a, b in runs], stop)
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}

@@ -590,6 +590,7 @@ class Spans:
         self.used = [0] * len(self.slots)
         self.clock = 0
         self.scratch = bytearray(0)
+        self.shared = False  # sibling files read through these spans too: read whole windows
         self.reads = 0  # spans read (tests: siblings share them)
 
     def locate(self, fi: int, lo: int, hi: int) -> int:
@@ -638,18 +639,23 @@ class Spans:
                 job = (fi, lo[o], pos[o], n, rows, ss, ds)
             sorted_jobs.append(job)
         sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
+        reach: dict[int, tuple[int, int]] = {}  # per file: the bytes the jobs want from it
+        for fi, lo, _, n, rows, ss, _ in sorted_jobs:
+            a, b = reach.get(fi, (int(lo[0]), 0))
+            reach[fi] = (min(a, int(lo[0])), max(b, int(lo[-1]) + (rows - 1) * ss + n))
         for job in sorted_jobs:
             fi, lo, _, n, rows, ss, _ = job
             extent = (rows - 1) * ss + n
-            size = self.sources.size(fi)
+            # whole windows when siblings will want the rest; else only the bytes wanted
+            first, size = (0, self.sources.size(fi)) if self.shared else reach[fi]
             i, count = 0, len(lo)
             while i < count:
                 g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
                 stop = g + w
                 j = int(np.searchsorted(lo, stop - extent, "right"))  # the pieces it holds whole
                 if j > i:
-                    at = self.locate(fi, g, max(min(stop, size), int(lo[j - 1]) + extent))
-                    self._copy(job, i, j, at - g, buf)
+                    at = self.locate(fi, max(g, first), max(min(stop, size), int(lo[j - 1]) + extent))
+                    self._copy(job, i, j, at - max(g, first), buf)
                     i = j
                 k = int(np.searchsorted(lo, stop, "left"))  # those across the grid line
                 if k > i:

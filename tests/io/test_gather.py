@@ -126,9 +126,14 @@ def test_gather_entries_equal_the_reference(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lay=_layouts(), span=st.sampled_from([0, 16, 64, 256, 4096]), slots=st.sampled_from([1, 2, 8]))
+@given(
+    lay=_layouts(),
+    span=st.sampled_from([0, 16, 64, 256, 4096]),
+    slots=st.sampled_from([1, 2, 8]),
+    shared=st.booleans(),
+)
 def test_spans_gather_equals_the_reference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lay: dict[str, Any], span: int, slots: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lay: dict[str, Any], span: int, slots: int, shared: bool
 ) -> None:
     """The column path's copy (one call per run and source file, pieces in file order) moves
     the same bytes as the reference, whatever the windows."""
@@ -140,6 +145,7 @@ def test_spans_gather_equals_the_reference(
     try:
         buf = bytearray(lay["size"])
         w = Spans(sources, span, slots)
+        w.shared = shared  # whole windows (siblings read them too) or only the bytes wanted
         at = np.array(lay["at"], dtype=np.int64)
         jobs = []
         for d, k, s, n, rows, ss, ds in lay["runs"]:
