@@ -4,11 +4,14 @@ Two ways bytes move:
 
 * a box contiguous in both the source piece and the target tensor (row-sharded
   pieces, whole tensors), or small and strided along one dim (column shards of
-  small tensors), is queued as runs: entries that land back to back in the file
-  fill one reused buffer, grouped by geometry, and
-  :meth:`reshard.io.reader.Windows.gather_entries` moves each group's pieces with a
-  few strided numpy copies from windows of the source files (one ``pwrite`` per
-  buffer, hashed on the way); a run larger than the buffer is copied through it;
+  small tensors), is a run of rows. Files whose entries come as columns (safetensors:
+  arrays of offsets and sizes) are written a buffer of back-to-back entries at a time,
+  each geometry's runs in it moved by :meth:`reshard.io.reader.Windows.gather_arrays`
+  with one numpy copy per window of a source file (:mod:`reshard.bulk` groups the
+  tensors by geometry); other files queue runs that land back to back in the file,
+  grouped by geometry, for :meth:`~reshard.io.reader.Windows.gather_groups` (one
+  ``pwrite`` per buffer, hashed on the way); a run larger than the buffer is copied
+  through it;
 * everything else (column slices, strided shards, casts, Partial reductions)
   is gathered slab by slab into that buffer with :func:`reshard.io.reader.read_box`
   and written with one ``pwrite`` per slab.
@@ -32,14 +35,28 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY
+from .bulk import Geometries
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
 from .io.pages import PageWindow, Seen, SourceFiles
-from .io.reader import DENSE, WINDOW, RowCache, Run, Span, Windows, read_box, slab_items, uint_dtype
+from .io.reader import (
+    DENSE,
+    SPAN,
+    SPAN_SLOTS,
+    WINDOW,
+    RowCache,
+    Run,
+    Span,
+    Spans,
+    Windows,
+    read_box,
+    slab_items,
+    uint_dtype,
+)
 from .io.views import open_piece
 from .io.writer import FileResult, Sink, TmpFile
-from .plan import Copy, OutEntry, OutFile, Plan, copy_boxes
+from .plan import Copy, OutEntry, OutFile, Plan, TargetTensor, copy_boxes
 from .transform_plan import piece_strides
 
 __all__ = [
@@ -69,9 +86,25 @@ class _Buffers:
         self.budget = budget
         self.write = bytearray(budget)
         self.partials: list[bytearray] = []  # slabs of Partial groups 1.. (group 0: the write buffer)
-        self.rows = RowCache(DENSE * budget + 64)  # source spans read whole (<= DENSE x used)
+        self._rows: RowCache | None = None
         self.pages = PageWindow(sources, window)  # one for all its writers, so bounded
         self.windows = Windows(sources, _WINDOW)  # short reads, shared by its writers too
+        self.spans = Spans(sources, _SPAN)  # the column path's reads (its scratch made when first used)
+        self._columns = bytearray(0)
+
+    @property
+    def rows(self) -> RowCache:
+        """Source spans read whole (at most DENSE times what a slab uses; made when first used)."""
+        if self._rows is None:
+            self._rows = RowCache(DENSE * self.budget + 64)
+        return self._rows
+
+    @property
+    def columns(self) -> bytearray:
+        """The column path's buffer: :data:`COLUMN_WRITES` write buffers (made when first used)."""
+        if not self._columns:
+            self._columns = bytearray(COLUMN_WRITES * self.budget)
+        return self._columns
 
     def slab_buffers(self, groups: int) -> list[bytearray]:
         """One slab buffer per Partial group; group 0 gathers straight into the write buffer."""
@@ -91,6 +124,10 @@ def _contiguous(shape: Sequence[int], starts: Sequence[int], sizes: Sequence[int
 def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
+
+COLUMN_WRITES = 4
+"""The column path gathers this many write buffers of entries at a time (fewer numpy calls per
+byte) and writes them a buffer per ``pwrite`` (larger writes were slower here)."""
 
 _STRIDED_MAX = 65536
 """Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
@@ -225,7 +262,8 @@ def _box_run(
     return d_off, s_off, src[0], src[1], src[2], dst[2]
 
 
-_WINDOW = WINDOW  # a module name, so tests can change it
+_WINDOW = WINDOW  # module names, so tests can change them
+_SPAN = SPAN
 
 
 class _Writer:
@@ -261,9 +299,6 @@ class _Writer:
     ) -> Iterator[None]:
         """Write ``items`` (fixed bytes and entries, in file order), yielding after each slab."""
         crc = f.needs_crc32
-        if not crc:
-            yield from self._plain_steps(items)
-            return
         for i, item in items:
             _check(self.stop)
             if isinstance(item, bytes):
@@ -273,12 +308,6 @@ class _Writer:
             if crc:
                 self._flush()
                 self.sink.start_crc(f.head_bytes)
-            else:
-                runs = self._runs(item)
-                if runs is not None:  # the common case inline: no generator per entry
-                    if self._queue(item.start, item.tensor.src, runs):
-                        yield
-                    continue
             yield from self.entry_steps(item)
             if crc:
                 self._flush()
@@ -288,42 +317,111 @@ class _Writer:
                     self.sink.submit(tail, item.start + item.nbytes)
         self._flush()
 
-    def _plain_steps(self, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]) -> Iterator[None]:
-        """:meth:`file_steps` without CRC32s: the loop of 100k-tensor files, so tensors of one
-        geometry (same copies, piece blocks and dtypes) share one lookup of their runs and a
-        run that extends the queue costs an append."""
-        stop = self.stop
+    def column_steps(self, f: OutFile, geos: Geometries, first: int = 0, stop: int = -1) -> Iterator[None]:
+        """:meth:`file_steps` for a file whose entries come as columns and whose fixed bytes all
+        precede them (safetensors): items ``first`` to ``stop`` (-1: the end) of
+        :func:`_in_file_order`, a buffer of back-to-back entries at a time, each geometry's
+        entries in it moved with a few numpy copies (:meth:`Spans.gather`);
+        entries that are not plain runs, or larger than the buffer, go the per-entry way."""
+        import numpy as np
+
+        lay = f.layout
+        fixed = lay.fixed
+        tensors, rank, base, starts, sizes = lay.entries.columns()  # type: ignore[attr-defined]
+        count = len(sizes)
+        stop = len(fixed) + count if stop < 0 else stop
+        for i in range(first, min(stop, len(fixed))):
+            self.sink.submit(fixed[i][1], fixed[i][0])
+        lo, hi = max(0, first - len(fixed)), max(0, stop - len(fixed))
+        if hi <= lo:
+            return
         cap = self.bufs.budget
-        groups = self._groups
-        memo: dict[tuple[object, ...], tuple[tuple[Run, ...], bool] | None] = {}  # the plan holds the keys
-        for _, item in items:
-            if stop.is_set():
-                raise _Stopped
-            if type(item) is bytes:
-                self._flush()
-                self.sink.submit(item, _)
+        most = COLUMN_WRITES * cap
+        st = np.frombuffer(starts, dtype=np.int64, count=count)  # views: nothing per entry is kept
+        sz = np.frombuffer(sizes, dtype=np.int64, count=count)
+        plain = np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
+        bad = np.flatnonzero(~plain[geos.group] | (sz > cap))  # entries that go the per-entry way
+        gaps = np.flatnonzero(st[1:] != st[:-1] + sz[:-1]) + 1  # entries not right after the previous
+        ends = np.union1d(bad, gaps)  # where a buffer must end
+        i = lo
+        while i < hi:
+            _check(self.stop)
+            b = int(np.searchsorted(bad, i))
+            if b < len(bad) and bad[b] == i:
+                if sz[i]:
+                    yield from self.entry_steps(OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i])))
+                i += 1
                 continue
-            t = item.tensor  # type: ignore[union-attr]
-            src = t.src
-            key = (id(t.copies), item.rank, id(src.piece_blocks), t.dtype, src.dtype)  # type: ignore[union-attr]
-            hit = memo.get(key, _NOT_YET)
-            if hit is _NOT_YET:
-                runs = self._runs(item)  # type: ignore[arg-type]
-                hit = memo[key] = None if runs is None else (runs, interleaved(runs))
-            start, nbytes = item.start, item.nbytes  # type: ignore[union-attr]
-            if hit is None or (hit[1] and nbytes > cap):
-                yield from self.entry_steps(item)  # type: ignore[arg-type]
-                continue
-            if start == self._q_end and start + nbytes - self._q_start <= cap:  # extends the queue
-                g = groups.get(id(hit[0]))
-                if g is None:
-                    g = groups[id(hit[0])] = [hit[0], [], []]
-                g[1].append(start - self._q_start)
-                g[2].append(src)
-                self._q_end = start + nbytes
-            elif self._queue(start, src, hit[0], nbytes):
-                yield
+            limit = int(st[i]) + most
+            j = int(np.searchsorted(st, limit, "right"))
+            if st[j - 1] + sz[j - 1] > limit:
+                j -= 1
+            k = int(np.searchsorted(ends, i, "right"))
+            j = max(i + 1, min(j, hi, int(ends[k]) if k < len(ends) else hi))
+            self._flush()
+            while not self._copy_columns(geos, rank, st, base, i, j, int(st[j - 1] + sz[j - 1] - st[i])):
+                j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer entries
+            yield
+            i = j
         self._flush()
+
+    def _copy_columns(
+        self, geos: Geometries, rank: int, st: Any, base: int, i: int, j: int, size: int
+    ) -> bool:
+        """Write entries ``i`` to ``j`` (at ``base + st[...]``, back to back, plain runs, ``size``
+        bytes in all) through the column buffer: per geometry and run, the pieces of each
+        source file in one call.
+
+        False (nothing written) when the spans they read would not all stay for the sibling
+        files written next in lockstep (more than the slots), and there are entries to spare.
+        """
+        import numpy as np
+
+        bufs = self.bufs
+        buf = bufs.columns
+        s0 = int(st[i])
+        q0 = base + s0
+        gs = geos.group[i:j]
+        if gs.min() == gs.max():
+            parts = [(int(gs[0]), np.arange(i, j))]
+        else:
+            order = np.argsort(gs, kind="stable")
+            cuts = np.flatnonzero(np.diff(gs[order])) + 1
+            parts = [(int(gs[p[0]]), p + i) for p in np.split(order, cuts)]
+        jobs = []
+        for g, idx in parts:
+            runs = geos.runs(g, rank)
+            assert runs is not None
+            rows_of = geos.row[idx]
+            at = st[idx] - s0
+            for d, k, s, n, rows, ss, ds in runs:
+                fi, offs = geos.column(g, k)
+                lo = offs[rows_of] + s
+                pos = at + d
+                if isinstance(fi, int):
+                    jobs.append((fi, lo, pos, n, rows, ss, ds))
+                else:
+                    files = fi[rows_of]
+                    for one in np.unique(files).tolist():
+                        sel = files == one
+                        jobs.append((one, lo[sel], pos[sel], n, rows, ss, ds))
+        if j - i > 1 and bufs.spans.shared:
+            reach: dict[int, tuple[int, int]] = {}  # per source file: the bytes read from it
+            for fi_, lo_, _, n, rows, ss, _ in jobs:
+                a, b = reach.get(fi_, (int(lo_.min()), 0))
+                reach[fi_] = (min(a, int(lo_.min())), max(b, int(lo_.max()) + (rows - 1) * ss + n))
+            span = bufs.spans.span
+            if sum((b - a) // span + 2 for a, b in reach.values()) > SPAN_SLOTS:
+                return False
+        bufs.spans.gather(jobs, buf)
+        out = memoryview(buf)
+        step = bufs.budget
+        for a in range(0, size, step):
+            self.sink.submit(out[a : min(size, a + step)], q0 + a)
+        self.bytes_read += size
+        if self.progress:
+            self.progress(size)
+        return True
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
         """Write one entry, yielding after each slab (so sibling files can go in lockstep)."""
@@ -532,6 +630,60 @@ def _split_items(
     return [(lo, a, b) for lo, a, b in out]
 
 
+class _GeometriesOf:
+    """The :class:`~reshard.bulk.Geometries` of each tensor list whose files are written by
+    columns, made once for the sibling files that share the list (held for the run)."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Sequence[TargetTensor], Geometries]] = {}
+        self._lock = threading.Lock()
+
+    def of(self, f: OutFile) -> Geometries | None:
+        """The geometries of ``f``'s tensor list, or None when ``f`` is not written by columns
+        (no columns, CRC32s to compute, or fixed bytes between its entries)."""
+        lay = f.layout
+        columns = getattr(lay.entries, "columns", None)
+        if columns is None or f.needs_crc32:
+            return None
+        tensors, _, base, starts, _ = columns()
+        if starts and any(off + len(b) > base + starts[0] for off, b in lay.fixed):
+            return None
+        with self._lock:
+            hit = self._made.get(id(tensors))
+            if hit is None or hit[0] is not tensors:
+                hit = self._made[id(tensors)] = (tensors, Geometries(tensors, entry_runs))
+            return hit[1]
+
+
+def _steps(w: _Writer, f: OutFile, geos: _GeometriesOf, first: int = 0, stop: int = -1) -> Iterator[None]:
+    """Writer ``w``'s steps for items ``first`` to ``stop`` (-1: the end) of file ``f``: by columns
+    where it can, else entry by entry."""
+    g = geos.of(f)
+    if g is not None:
+        return w.column_steps(f, g, first, stop)
+    return w.file_steps(f, _items_of(f, first, stop))
+
+
+def _split_columns(f: OutFile, parts: int) -> list[tuple[int, int, int]]:
+    """:func:`_split_items` of a file written by columns (its fixed bytes all first): split where
+    the entries before hold about ``k / parts`` of its entry bytes, found by a search."""
+    import numpy as np
+
+    lay = f.layout
+    _, _, base, starts, sizes = lay.entries.columns()  # type: ignore[attr-defined]
+    sz = np.frombuffer(sizes, dtype=np.int64, count=len(sizes))
+    before = np.cumsum(sz) - sz  # entry bytes before each entry
+    total = int(before[-1] + sz[-1]) if len(sz) else 0
+    out: list[list[int]] = [[0, 0, -1]]
+    for k in range(1, parts if total else 1):
+        m = int(np.searchsorted(before, total * k / parts, "left"))
+        at = len(lay.fixed) + m
+        if m < len(sz) and at > out[-1][1]:
+            out[-1][2] = at
+            out.append([base + starts[m], at, -1])
+    return [(lo, a, b) for lo, a, b in out]
+
+
 def _items_of(f: OutFile, first: int, stop: int) -> Iterator[tuple[int, bytes] | tuple[int, OutEntry]]:
     """Items ``first`` to ``stop`` (-1: the end) of :func:`_in_file_order`, made as consumed."""
     return itertools.islice(_in_file_order(f), first, None if stop < 0 else stop)
@@ -545,6 +697,7 @@ def _write_group(
     window: int,
     progress: ProgressFn | None,
     stop: threading.Event,
+    geos: _GeometriesOf,
 ) -> list[FileResult]:
     """Write each file in this thread, the files in lockstep.
 
@@ -559,7 +712,8 @@ def _write_group(
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
         writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
-        active = [w.file_steps(f, _in_file_order(f)) for w, f in zip(writers, files)]
+        bufs.spans.shared = len(writers) > 1  # files in lockstep: they read the same spans
+        active = [_steps(w, f, geos) for w, f in zip(writers, files)]
         while active:
             active = [g for g in active if next(g, _END) is not _END]
         done = [(w.sink.close(f.size), w.crc32s, w.bytes_read) for w, f in zip(writers, files)]
@@ -577,7 +731,6 @@ def _write_group(
 
 
 _END = object()
-_NOT_YET: Any = object()  # a geometry's runs not looked up yet (None: its entries are gathered)
 
 
 class _Stopped(Exception):
@@ -615,23 +768,25 @@ def _write_split(
     progress: ProgressFn | None,
     parts: int,
     stop: threading.Event,
+    geos: _GeometriesOf,
 ) -> FileResult:
     """Write one file with ``parts`` threads, each a consecutive run of its entries."""
     tmp = TmpFile(dst, f.name, f.size)
 
-    def run(
-        lo: int, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]
-    ) -> tuple[dict[int, bytes], dict[int, int], int]:
-        """Write a run of items; returns its digests, CRC32s and bytes read (its buffers are freed)."""
+    def run(lo: int, first: int, stop_at: int) -> tuple[dict[int, bytes], dict[int, int], int]:
+        """Write items ``first`` to ``stop_at``; returns their digests, CRC32s and bytes read (its
+        buffers are freed)."""
         w = _Writer(sources, tmp.fd, _Buffers(buffer_size, sources, window), progress, stop, lo)
-        for _ in w.file_steps(f, items):
+        for _ in _steps(w, f, geos, first, stop_at):
             pass
         return w.sink.close(f.size), w.crc32s, w.bytes_read
 
     try:
-        total = sum(e.nbytes for e in f.entries)
-        runs = _split_items(_in_file_order(f), total, parts)
-        parts_done = _run_all([functools.partial(run, lo, _items_of(f, a, b)) for lo, a, b in runs], stop)
+        if geos.of(f) is not None:
+            runs = _split_columns(f, parts)
+        else:
+            runs = _split_items(_in_file_order(f), sum(e.nbytes for e in f.entries), parts)
+        parts_done = _run_all([functools.partial(run, lo, a, b) for lo, a, b in runs], stop)
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}
         for d, c, _ in parts_done:
@@ -692,8 +847,10 @@ def execute_plan(
                 on_file_done(r)
             results_by_name[r.name] = r
 
+    geos = _GeometriesOf()
+
     def group(fs: list[OutFile]) -> None:
-        for r in _write_group(fs, dst, sources, buffer_size, window, prog, stop):
+        for r in _write_group(fs, dst, sources, buffer_size, window, prog, stop, geos):
             done(r)
 
     # fewer files than workers: the spare workers split the files' entries between them
@@ -701,7 +858,7 @@ def execute_plan(
     try:
         if parts > 1:
             for f in todo:
-                done(_write_split(f, dst, sources, buffer_size, window, prog, parts, stop))
+                done(_write_split(f, dst, sources, buffer_size, window, prog, parts, stop, geos))
         else:
             # lockstep files hold the same tensors cut differently: siblings share reads. Others
             # (hf shards) hold different tensors: one at a time, so each finishes (and is journaled) sooner

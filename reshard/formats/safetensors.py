@@ -134,6 +134,11 @@ class _Entries(Sequence[OutEntry]):
             return [self[k] for k in range(*i.indices(len(self)))]
         return OutEntry(self._tensors[i], self._rank, self._base + self._starts[i], self._sizes[i])
 
+    def columns(self) -> tuple[Sequence[TargetTensor], int, int, array[int], array[int]]:
+        """The entries as columns: entry ``i`` is rank ``rank``'s block of ``tensors[i]``, its bytes
+        at ``base + starts[i]``, ``sizes[i]`` long (what the executor's bulk path reads)."""
+        return self._tensors, self._rank, self._base, self._starts, self._sizes
+
     def __iter__(self) -> Iterator[OutEntry]:
         base = self._base
         return map(OutEntry, self._tensors, repeat(self._rank), (base + a for a in self._starts), self._sizes)

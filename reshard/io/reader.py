@@ -48,6 +48,10 @@ __all__ = [
     "SCRATCH",
     "WINDOW",
     "WINDOW_SLOTS",
+    "SPAN",
+    "SPAN_SLOTS",
+    "Spans",
+    "Job",
     "Run",
     "Span",
     "Windows",
@@ -77,8 +81,16 @@ first; the last slot holds a read across a window's edge): the sibling files wri
 lockstep take their pieces of the same source bytes from them (HF -> TP-8: a buffer's 1 KiB
 pieces, 8 KiB apart, span 2 MiB of the source)."""
 
-SCRATCH = WINDOW_SLOTS * WINDOW
-"""Bytes of a writer thread's scratch buffer: its windows (see ``memory_estimate``)."""
+SPAN = 1 << 20
+"""The column path's reads (:class:`Spans`): the source bytes a buffer of entries needs from one
+file, read whole with one ``pread`` up to this size (larger: in parts of it)."""
+
+SPAN_SLOTS = 8
+"""Spans a writer thread keeps for the sibling files written next in lockstep (which ask for the
+same bytes): the least recently used is read over first."""
+
+SCRATCH = WINDOW_SLOTS * WINDOW + SPAN_SLOTS * SPAN
+"""Bytes of a writer thread's scratch buffers: its windows (see ``memory_estimate``)."""
 
 
 @cache
@@ -550,3 +562,145 @@ def _step(xs: list[int]) -> int | None:
     if step == 0:
         return 0 if xs.count(a) == len(xs) else None
     return step if xs == list(range(a, a + step * len(xs), step)) else None
+
+
+Job = tuple[int, Any, Any, int, int, int, int]
+"""Pieces of one source file for :meth:`Spans.gather`: (file, offsets, buffer positions, n, rows,
+source stride, buffer stride), offsets and positions as int64 arrays."""
+
+
+_MOVING = 96 << 10
+"""Bytes of pieces :class:`Spans` moves with one numpy copy (below the CLI's 128 KiB mmap threshold)."""
+
+
+class Spans:
+    """Spans of source files read whole by ``pread`` into ``slots`` slots of ``span`` bytes, kept
+    for the next reader (least recently used read over first).
+
+    The column path's reads (:meth:`gather`): the pieces a buffer of entries takes from one
+    file lie in one span (or a few), read once and moved with one numpy copy per geometry;
+    sibling files written in lockstep then find the same span here. Never mapped: a file
+    that shrank is a named error, not a SIGBUS. The scratch is made on first use.
+    """
+
+    def __init__(self, sources: SourceFiles, span: int = SPAN, slots: int = SPAN_SLOTS) -> None:
+        self.sources = sources
+        self.span = max(1, span)
+        self.slots: list[tuple[int, int, int]] = [(-1, 0, 0)] * max(1, slots)  # (file, lo, hi)
+        self.used = [0] * len(self.slots)
+        self.clock = 0
+        self.scratch = bytearray(0)
+        self.shared = False  # sibling files read through these spans too: read whole windows
+        self.reads = 0  # spans read (tests: siblings share them)
+
+    def locate(self, fi: int, lo: int, hi: int) -> int:
+        """Where file ``fi``'s bytes ``[lo, hi)`` (at most :attr:`span`) are in the scratch; read
+        if no slot holds them."""
+        self.clock += 1
+        for j, (f, a, b) in enumerate(self.slots):
+            if f == fi and a <= lo and hi <= b:
+                self.used[j] = self.clock
+                return j * self.span + lo - a
+        if not self.scratch:
+            self.scratch = bytearray(self.span * len(self.slots))
+        j = min(range(len(self.slots)), key=self.used.__getitem__)
+        a, b = lo, hi
+        self.slots[j] = (-1, 0, 0)
+        self.sources.pread(fi, memoryview(self.scratch)[j * self.span : j * self.span + b - a], a)
+        self.slots[j] = (fi, a, b)
+        self.used[j] = self.clock
+        self.reads += 1
+        return j * self.span + lo - a
+
+    def gather(self, jobs: Sequence[Job], buf: bytearray) -> None:
+        """Copy the pieces of ``jobs`` into ``buf``.
+
+        A job ``(file, lo, pos, n, rows, ss, ds)`` moves piece ``i``, ``rows`` rows of ``n`` bytes
+        ``ss`` apart from file offset ``lo[i]``, to ``pos[i]`` with rows ``ds`` apart (``lo`` and
+        ``pos``: int64 arrays). Files are read in windows of :attr:`span` bytes on a fixed grid,
+        so the sibling files that want other pieces of the same bytes find them read; each
+        job's pieces in a window are moved with one numpy copy (items of ``n`` bytes at any
+        offsets): many small pieces cost a few calls, not Python work per piece. Pieces across
+        a grid line are read on their own.
+        """
+        import numpy as np
+
+        w = self.span
+        sorted_jobs: list[Job] = []
+        for job in jobs:
+            fi, lo, pos, n, rows, ss, ds = job
+            if not len(lo) or n <= 0:
+                continue
+            if (rows - 1) * ss + n > w or ss < 0 or (rows > 1 and ds < n):
+                self._one_by_one(job, buf)
+                continue
+            if len(lo) > 1 and not (lo[1:] >= lo[:-1]).all():
+                o = np.argsort(lo, kind="stable")
+                job = (fi, lo[o], pos[o], n, rows, ss, ds)
+            sorted_jobs.append(job)
+        sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
+        reach: dict[int, tuple[int, int]] = {}  # per file: the bytes the jobs want from it
+        for fi, lo, _, n, rows, ss, _ in sorted_jobs:
+            a, b = reach.get(fi, (int(lo[0]), 0))
+            reach[fi] = (min(a, int(lo[0])), max(b, int(lo[-1]) + (rows - 1) * ss + n))
+        for job in sorted_jobs:
+            fi, lo, _, n, rows, ss, _ = job
+            extent = (rows - 1) * ss + n
+            # whole windows when siblings will want the rest; else only the bytes wanted
+            first, size = (0, self.sources.size(fi)) if self.shared else reach[fi]
+            i, count = 0, len(lo)
+            while i < count:
+                g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
+                stop = g + w
+                j = int(np.searchsorted(lo, stop - extent, "right"))  # the pieces it holds whole
+                if j > i:
+                    at = self.locate(fi, max(g, first), max(min(stop, size), int(lo[j - 1]) + extent))
+                    self._copy(job, i, j, at - max(g, first), buf)
+                    i = j
+                k = int(np.searchsorted(lo, stop, "left"))  # those across the grid line
+                if k > i:
+                    self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
+                    i = k
+
+    def _copy(self, job: Job, i: int, j: int, shift: int, buf: bytearray) -> None:
+        """Pieces ``i`` to ``j`` of ``job``, their bytes at ``lo + shift`` in the scratch."""
+        import numpy as np
+
+        _, lo, pos, n, rows, ss, ds = job
+        item = np.dtype(f"V{n}")
+        if rows == 1:
+            src = np.ndarray((len(self.scratch) - n + 1,), item, self.scratch, 0, (1,))
+            dst = np.ndarray((len(buf) - n + 1,), item, buf, 0, (1,))
+        else:
+            extent = (rows - 1) * ss + n
+            src = np.ndarray((len(self.scratch) - extent + 1, rows), item, self.scratch, 0, (1, ss))
+            dst = np.ndarray((len(buf) - (rows - 1) * ds - n + 1, rows), item, buf, 0, (1, ds))
+        if j == i + 1:
+            dst[int(pos[i])] = src[int(lo[i]) + shift]
+            return
+        # numpy moves them through a temporary: at most _MOVING bytes at a time, since the CLI
+        # maps every allocation over 128 KiB afresh, and faulting it in cost more than the copy
+        step = max(1, _MOVING // (rows * n))
+        for a in range(i, j, step):
+            b = min(j, a + step)
+            dst[pos[a:b]] = src[lo[a:b] + shift]
+
+    def _one_by_one(self, job: Job, buf: bytearray) -> None:
+        """A job's pieces each read on its own (across a grid line, or larger than a window):
+        straight into the buffer, row by row when strided."""
+        import numpy as np
+
+        fi, lo, pos, n, rows, ss, ds = job
+        out = memoryview(buf)
+        extent = (rows - 1) * ss + n
+        for a, p in zip(lo.tolist(), pos.tolist()):
+            if rows == 1 or (ss == n == ds):
+                self.sources.pread(fi, out[p : p + rows * n], a)
+            elif 0 <= ss and extent <= 1 << 20:  # strided: read whole, then its rows
+                tmp = bytearray(extent)
+                self.sources.pread(fi, memoryview(tmp), a)
+                dst = np.ndarray((rows, n), np.uint8, buf, p, (ds, 1))
+                dst[...] = np.ndarray((rows, n), np.uint8, tmp, 0, (ss, 1))
+            else:
+                for r in range(rows):
+                    self.sources.pread(fi, out[p + r * ds : p + r * ds + n], a + r * ss)

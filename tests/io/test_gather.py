@@ -19,7 +19,7 @@ from reshard.errors import SourceChangedError
 from reshard.formats import open_checkpoint
 from reshard.intervals import Interval
 from reshard.io.pages import SourceFiles
-from reshard.io.reader import Windows
+from reshard.io.reader import Spans, Windows
 from reshard.verify import verify_checkpoints
 
 SIZE = 6000  # bytes of each source file
@@ -66,7 +66,8 @@ def _layouts(draw: Any) -> dict[str, Any]:
         step = draw(st.integers(-span - 40, span + 40))
         gap = draw(st.integers(span, span + 30)) if order == "alternate" else 0
         k = count if order == "even" else (count + 1) // 2
-        base = draw(st.integers(max(0, -step * (k - 1)), max(0, room - gap - max(0, step * (k - 1)))))
+        least = max(0, -step * (k - 1))
+        base = draw(st.integers(least, max(least, room - gap - max(0, step * (k - 1)))))
         at = [base + (i if order == "even" else i // 2) * step + (i % 2) * gap for i in range(count)]
         offsets = [[a] * nruns for a in at]
         files_of = [files] * count
@@ -118,6 +119,42 @@ def test_gather_entries_equal_the_reference(
         buf = bytearray(lay["size"])
         srcs = [_tensor(f, o) for f, o in lay["srcs"]]
         Windows(sources, window, slots).gather_entries(lay["runs"], lay["at"], srcs, buf)
+    finally:
+        sources.close()
+    assert buf == _expected(data, lay)
+    assert seen and all(0 <= off and off + n <= SIZE and n > 0 for _, off, n in seen)  # shown every read
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lay=_layouts(),
+    span=st.sampled_from([0, 16, 64, 256, 4096]),
+    slots=st.sampled_from([1, 2, 8]),
+    shared=st.booleans(),
+)
+def test_spans_gather_equals_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lay: dict[str, Any], span: int, slots: int, shared: bool
+) -> None:
+    """The column path's copy (one call per run and source file, pieces in file order) moves
+    the same bytes as the reference, whatever the windows."""
+    paths = _files(tmp_path, 3)
+    data = [Path(p).read_bytes() for p in paths]
+    seen: list[tuple[int, int, int]] = []
+    sources = SourceFiles(paths, seen=lambda fi, off, buf: seen.append((fi, off, len(buf))))
+    monkeypatch.setattr(SourceFiles, "map", lambda *a: pytest.fail("a source read through a map"))
+    try:
+        buf = bytearray(lay["size"])
+        w = Spans(sources, span, slots)
+        w.shared = shared  # whole windows (siblings read them too) or only the bytes wanted
+        at = np.array(lay["at"], dtype=np.int64)
+        jobs = []
+        for d, k, s, n, rows, ss, ds in lay["runs"]:
+            files = np.array([f[k] for f, _ in lay["srcs"]])
+            lo = np.array([o[k] for _, o in lay["srcs"]], dtype=np.int64) + s
+            for fi in np.unique(files).tolist():
+                sel = files == fi
+                jobs.append((fi, lo[sel], at[sel] + d, n, rows, ss, ds))
+        w.gather(jobs, buf)
     finally:
         sources.close()
     assert buf == _expected(data, lay)

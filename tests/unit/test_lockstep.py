@@ -62,6 +62,7 @@ def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
 ) -> None:
     monkeypatch.setattr(ex, "_STRIDED_MAX", 0)  # "o" gathered as a large column shard would be
     monkeypatch.setattr(ex, "_WINDOW", 0)  # "q" read exactly (short reads are windowed otherwise)
+    monkeypatch.setattr(ex, "_SPAN", 0)  # (the column path's too)
     monkeypatch.setattr(ex, "_RUNS", {})
     full, plan = _column_sharded_plan(tmp_path)
     o_bytes = full["o"].numel() * 2
@@ -142,12 +143,15 @@ def test_short_reads_go_through_file_windows(
     ck = open_source(SourceSpec(str(src), layout=str(tmp_path / "l.yaml")))
     plan = build_plan(ck, resolve_target(ck, TargetSpec(mesh="tp=4")))
     monkeypatch.setattr(ex, "_WINDOW", window)
-    calls = [0]
+    monkeypatch.setattr(ex, "_SPAN", window)  # (the column path's windows)
+    calls = [0, 0]
     real = os.preadv
 
     def counting(fd: int, buffers: list, offset: int) -> int:
         calls[0] += 1
-        return real(fd, buffers, offset)
+        n = real(fd, buffers, offset)
+        calls[1] += n
+        return n
 
     monkeypatch.setattr(os, "preadv", counting)
     (tmp_path / "out").mkdir()
@@ -155,6 +159,8 @@ def test_short_reads_go_through_file_windows(
     monkeypatch.setattr(os, "preadv", real)
     if window == 1 << 18:  # 1200 source tensors (600 strided) into 4 files: a handful of windows each
         assert calls[0] < 60, calls[0]
+        # the four files in lockstep read each source byte about once between them
+        assert calls[1] <= 1.1 * sum(p.stat().st_size for p in src.iterdir()), calls[1]
     for r in range(4):
         got = load_file(str(tmp_path / "out" / f"rank-{r:05d}-of-00004.safetensors"))
         for i in range(300):
