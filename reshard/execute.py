@@ -99,11 +99,11 @@ class _Buffers:
             self._rows = RowCache(DENSE * self.budget + 64)
         return self._rows
 
-    @property
-    def columns(self) -> bytearray:
-        """The column path's buffer: :data:`COLUMN_WRITES` write buffers (made when first used)."""
-        if not self._columns:
-            self._columns = bytearray(COLUMN_WRITES * self.budget)
+    def columns(self, size: int) -> bytearray:
+        """The column path's buffer, at least ``size`` bytes (at most :data:`COLUMN_WRITES` write
+        buffers; made when first used, as large as asked)."""
+        if len(self._columns) < size:
+            self._columns = bytearray(max(size, min(2 * len(self._columns), COLUMN_WRITES * self.budget)))
         return self._columns
 
     def slab_buffers(self, groups: int) -> list[bytearray]:
@@ -378,7 +378,7 @@ class _Writer:
         import numpy as np
 
         bufs = self.bufs
-        buf = bufs.columns
+        buf = bufs.columns(size)
         s0 = int(st[i])
         q0 = base + s0
         gs = geos.group[i:j]

@@ -573,44 +573,46 @@ _MOVING = 96 << 10
 """Bytes of pieces :class:`Spans` moves with one numpy copy (below the CLI's 128 KiB mmap threshold)."""
 
 
-class Spans:
-    """Spans of source files read whole by ``pread`` into ``slots`` slots of ``span`` bytes, kept
-    for the next reader (least recently used read over first).
+_MANY = 8
+"""Pieces of one file in a buffer from which :class:`Spans` reads whole windows for siblings."""
 
-    The column path's reads (:meth:`gather`): the pieces a buffer of entries takes from one
-    file lie in one span (or a few), read once and moved with one numpy copy per geometry;
-    sibling files written in lockstep then find the same span here. Never mapped: a file
-    that shrank is a named error, not a SIGBUS. The scratch is made on first use.
+
+class Spans:
+    """Spans of source files read whole by ``pread`` into ``slots`` buffers of at most ``span``
+    bytes, kept for the next reader (the least recently used read over first).
+
+    The column path's reads (:meth:`gather`). A buffer is made when its slot is first used,
+    as large as the reads it has taken (so a few small tensors cost a few small buffers).
+    Never mapped: a file that shrank is a named error, not a SIGBUS.
     """
 
     def __init__(self, sources: SourceFiles, span: int = SPAN, slots: int = SPAN_SLOTS) -> None:
         self.sources = sources
         self.span = max(1, span)
         self.slots: list[tuple[int, int, int]] = [(-1, 0, 0)] * max(1, slots)  # (file, lo, hi)
+        self.bufs = [bytearray(0) for _ in self.slots]
         self.used = [0] * len(self.slots)
         self.clock = 0
-        self.scratch = bytearray(0)
         self.shared = False  # sibling files read through these spans too: read whole windows
         self.reads = 0  # spans read (tests: siblings share them)
 
-    def locate(self, fi: int, lo: int, hi: int) -> int:
-        """Where file ``fi``'s bytes ``[lo, hi)`` (at most :attr:`span`) are in the scratch; read
-        if no slot holds them."""
+    def locate(self, fi: int, lo: int, hi: int) -> tuple[bytearray, int]:
+        """The buffer holding file ``fi``'s bytes ``[lo, hi)`` (at most :attr:`span`), and where
+        they start in it; read if no slot holds them."""
         self.clock += 1
         for j, (f, a, b) in enumerate(self.slots):
             if f == fi and a <= lo and hi <= b:
                 self.used[j] = self.clock
-                return j * self.span + lo - a
-        if not self.scratch:
-            self.scratch = bytearray(self.span * len(self.slots))
+                return self.bufs[j], lo - a
         j = min(range(len(self.slots)), key=self.used.__getitem__)
-        a, b = lo, hi
+        if len(self.bufs[j]) < hi - lo:
+            self.bufs[j] = bytearray(min(self.span, max(hi - lo, 2 * len(self.bufs[j]), 64 << 10)))
         self.slots[j] = (-1, 0, 0)
-        self.sources.pread(fi, memoryview(self.scratch)[j * self.span : j * self.span + b - a], a)
-        self.slots[j] = (fi, a, b)
+        self.sources.pread(fi, memoryview(self.bufs[j])[: hi - lo], lo)
+        self.slots[j] = (fi, lo, hi)
         self.used[j] = self.clock
         self.reads += 1
-        return j * self.span + lo - a
+        return self.bufs[j], 0
 
     def gather(self, jobs: Sequence[Job], buf: bytearray) -> None:
         """Copy the pieces of ``jobs`` into ``buf``.
@@ -640,40 +642,47 @@ class Spans:
             sorted_jobs.append(job)
         sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
         reach: dict[int, tuple[int, int]] = {}  # per file: the bytes the jobs want from it
+        pieces: dict[int, int] = {}
         for fi, lo, _, n, rows, ss, _ in sorted_jobs:
             a, b = reach.get(fi, (int(lo[0]), 0))
             reach[fi] = (min(a, int(lo[0])), max(b, int(lo[-1]) + (rows - 1) * ss + n))
+            pieces[fi] = pieces.get(fi, 0) + len(lo)
         for job in sorted_jobs:
             fi, lo, _, n, rows, ss, _ = job
             extent = (rows - 1) * ss + n
-            # whole windows when siblings will want the rest; else only the bytes wanted
-            first, size = (0, self.sources.size(fi)) if self.shared else reach[fi]
+            # whole windows when siblings will want the pieces between ours; else only the bytes
+            # wanted (alone, or a few tensors, which siblings want whole or cut in a few)
+            first, size = reach[fi]
+            if self.shared and pieces[fi] >= _MANY:
+                first, size = 0, self.sources.size(fi)
             i, count = 0, len(lo)
             while i < count:
                 g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
                 stop = g + w
                 j = int(np.searchsorted(lo, stop - extent, "right"))  # the pieces it holds whole
                 if j > i:
-                    at = self.locate(fi, max(g, first), max(min(stop, size), int(lo[j - 1]) + extent))
-                    self._copy(job, i, j, at - max(g, first), buf)
+                    start = max(g, first)
+                    held, at = self.locate(fi, start, max(min(stop, size), int(lo[j - 1]) + extent))
+                    self._copy(job, i, j, held, at - start, buf)
                     i = j
                 k = int(np.searchsorted(lo, stop, "left"))  # those across the grid line
                 if k > i:
                     self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
                     i = k
 
-    def _copy(self, job: Job, i: int, j: int, shift: int, buf: bytearray) -> None:
-        """Pieces ``i`` to ``j`` of ``job``, their bytes at ``lo + shift`` in the scratch."""
+    @staticmethod
+    def _copy(job: Job, i: int, j: int, held: bytearray, shift: int, buf: bytearray) -> None:
+        """Pieces ``i`` to ``j`` of ``job``, their bytes at ``lo + shift`` in ``held``."""
         import numpy as np
 
         _, lo, pos, n, rows, ss, ds = job
         item = np.dtype(f"V{n}")
         if rows == 1:
-            src = np.ndarray((len(self.scratch) - n + 1,), item, self.scratch, 0, (1,))
+            src = np.ndarray((len(held) - n + 1,), item, held, 0, (1,))
             dst = np.ndarray((len(buf) - n + 1,), item, buf, 0, (1,))
         else:
             extent = (rows - 1) * ss + n
-            src = np.ndarray((len(self.scratch) - extent + 1, rows), item, self.scratch, 0, (1, ss))
+            src = np.ndarray((len(held) - extent + 1, rows), item, held, 0, (1, ss))
             dst = np.ndarray((len(buf) - (rows - 1) * ds - n + 1, rows), item, buf, 0, (1, ds))
         if j == i + 1:
             dst[int(pos[i])] = src[int(lo[i]) + shift]
