@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .checkpoint import Checkpoint, TensorSource
@@ -41,6 +42,7 @@ __all__ = [
     "OutFile",
     "OutputFormat",
     "local_nbytes",
+    "distinct_layouts",
     "Plan",
     "Matcher",
     "make_plan",
@@ -453,6 +455,12 @@ def local_nbytes(t: TargetTensor, rank: int) -> int:
     return _local_nbytes(t.layout, t.dtype)[rank]
 
 
+def distinct_layouts(tensors: Iterable[TargetTensor]) -> list[TensorLayout]:
+    """The layouts of ``tensors``, each once: by identity (the tensors of one geometry share the
+    planner's layout object), so a property of every tensor's layout is tested per geometry."""
+    return list({id(lay): lay for lay in map(attrgetter("layout"), tensors)}.values())
+
+
 @lru_cache(maxsize=65536)
 def _local_nbytes(layout: TensorLayout, dtype: str) -> tuple[int, ...]:
     isz = DTYPE_SIZES[dtype]
@@ -524,17 +532,46 @@ class _Geometries:
     (each value holds the objects its key names, so their ids stay theirs): a 100k-tensor
     checkpoint then hashes no placements per tensor, and writers can cache by layout."""
 
-    __slots__ = ("mesh", "rules", "match", "layouts", "matched")
+    __slots__ = ("mesh", "rules", "match", "layouts", "matched", "seen")
 
     def __init__(self, mesh: Mesh, rules: LayoutConfig | None, match: Matcher) -> None:
         self.mesh, self.rules, self.match = mesh, rules, match
         self.layouts: dict[tuple[object, ...], tuple[object, TensorLayout]] = {}
         self.matched: dict[tuple[int, int, int], tuple[object, object, tuple[Any, int]]] = {}
+        # (piece blocks, placements) by identity -> what :meth:`_of` gave a source of those blocks,
+        # shape, signature and partials (a reader's geometry shares them: one lookup per tensor)
+        self.seen: dict[tuple[int, int], tuple[object, ...]] = {}
 
     def of(
         self, src: TensorSource, pl: Sequence[Placement | str]
     ) -> tuple[TensorLayout, tuple[tuple[tuple[Copy, ...], ...], int]]:
         """The target layout of ``src`` placed ``pl``, and its matching (:func:`_matched`)."""
+        blocks = src.piece_blocks
+        hit = self.seen.get((id(blocks), id(pl)))
+        if (
+            hit is None
+            or hit[0] is not blocks
+            or hit[1] is not pl
+            or hit[2] is not src.shape
+            or hit[3] is not src.signature
+            or hit[4] is not src.piece_partials
+        ):
+            if len(self.seen) >= _SEEN_MAX:  # placements made per tensor (Own): their ids are not reused
+                self.seen.clear()
+            found = self._of(src, pl)
+            hit = self.seen[(id(blocks), id(pl))] = (
+                blocks,
+                pl,
+                src.shape,
+                src.signature,
+                src.piece_partials,
+                found,
+            )
+        return hit[5]  # type: ignore[return-value]  # what _of returned
+
+    def _of(
+        self, src: TensorSource, pl: Sequence[Placement | str]
+    ) -> tuple[TensorLayout, tuple[tuple[tuple[Copy, ...], ...], int]]:
         lkey = (src.shape, *map(id, pl))
         lay = self.layouts.get(lkey)
         if lay is None:
@@ -545,6 +582,37 @@ class _Geometries:
         if hit is None or (src.signature is not hit[0] and src.signature != hit[0]):
             hit = self.matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout, self.match))
         return layout, hit[2]
+
+
+_SEEN_MAX = 4096
+"""Objects :class:`_Geometries` remembers by identity before starting over."""
+
+
+class _Target:
+    """:class:`TargetTensor`'s slots, set by plain assignment; then the object becomes a
+    TargetTensor (as :func:`reshard.checkpoint.tensor_source` makes sources): a frozen
+    dataclass sets each field through ``object.__setattr__``, 0.6 us a tensor."""
+
+    __slots__ = TargetTensor.__slots__  # same names, same order: the same memory layout
+
+    def __init__(
+        self,
+        name: str,
+        src: TensorSource,
+        dtype: str,
+        layout: TensorLayout,
+        copies: tuple[tuple[Copy, ...], ...],
+        groups: int,
+        reduce_op: str | None,
+    ) -> None:
+        self.name = name
+        self.src = src
+        self.dtype = dtype
+        self.layout = layout
+        self.copies = copies
+        self.groups = groups
+        self.reduce_op = reduce_op
+        self.__class__ = TargetTensor  # type: ignore[assignment]
 
 
 def make_plan(
@@ -590,6 +658,6 @@ def make_plan(
         if dtype is not None and out_dtype != dtype and out_dtype in FLOAT_DTYPES:
             out_dtype = dtype
         reduce_op = src.reduce_op if groups > 1 else None
-        tensors.append(TargetTensor(src.name, src, out_dtype, layout, copies, groups, reduce_op))
+        tensors.append(_Target(src.name, src, out_dtype, layout, copies, groups, reduce_op))  # type: ignore[arg-type]
     files = writer.files(tensors, mesh, options)
     return Plan(source, writer, mesh, tensors, files, rules=rules, transforms=transforms)

@@ -8,6 +8,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -288,7 +289,9 @@ class _Geometry:
         import numpy as np  # lazy: only plan reports count reads
 
         srcs = [t.src for t in self.members]
-        self.offsets = np.array([s.piece_offsets for s in srcs], dtype=np.int64)
+        k = len(srcs[0].piece_blocks)  # the group's sources share their blocks: as many offsets each
+        offsets = chain.from_iterable(map(attrgetter("piece_offsets"), srcs))
+        self.offsets = np.fromiter(offsets, np.int64, count=len(srcs) * k).reshape(len(srcs), k)
         files = srcs[0].piece_files
         if all(s.piece_files is files for s in srcs):  # a reader's tuple per geometry: one row
             self.files = np.broadcast_to(np.array([files], dtype=np.int64), self.offsets.shape)

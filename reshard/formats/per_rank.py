@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
-from ..checkpoint import Checkpoint, TensorSource
+from ..checkpoint import Checkpoint, TensorSource, tensor_source
 from ..dtypes import DTYPE_RANK
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..intervals import Block, block_shape
@@ -20,7 +20,7 @@ from ..io.safe import expect_object, expect_shape, expect_strings, load_json
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh, check_world_size
 from ..placements import Placement, Shard, StridedShard, parse_placement
-from ..plan import OutFile, TargetTensor, WriteOptions
+from ..plan import OutFile, TargetTensor, WriteOptions, distinct_layouts
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, complete_self_described, read_manifest
 from .safetensors import SafetensorsFile, header_order, metadata_text
@@ -274,21 +274,38 @@ Describe = Callable[[str, Sequence[tuple[int, ...]]], tuple[tuple[int, ...], Seq
 def layout_describe(
     placements_for: Callable[[str], Sequence[Placement | str]], mesh: Mesh, where: Path, layout_source: str
 ) -> Describe:
-    """Placements from a layout, the global shape derived from the local shapes (checked on every rank)."""
+    """Placements from a layout, the global shape derived from the local shapes (checked on every rank).
+
+    The tensors of one rule and local shapes get one ``(shape, placements)`` tuple (found by
+    identity: a layout gives a rule's tensors one placements tuple, and :func:`rank_checkpoint`
+    one local shapes tuple per shape), so callers can tell geometries apart by identity too.
+    """
 
     shapes: dict[tuple[object, ...], tuple[int, ...]] = {}  # per geometry: derived once
+    seen: dict[tuple[int, int], tuple[object, object, tuple[tuple[int, ...], Sequence[Placement | str]]]] = {}
 
     def describe(
         name: str, local_shapes: Sequence[tuple[int, ...]]
     ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
         pls = placements_for(name)
-        key = (tuple(local_shapes), tuple(pls))
+        hit = seen.get((id(local_shapes), id(pls)))
+        if hit is not None and hit[0] is local_shapes and hit[1] is pls:
+            return hit[2]
+        key = (tuple(local_shapes), tuple(pls))  # placements hash in Python: once per geometry
         shape = shapes.get(key)
         if shape is None:
             shape = shapes[key] = _derived_shape(name, local_shapes, mesh, pls, where, layout_source)
-        return shape, pls
+        if len(seen) >= _SEEN_MAX:  # placements made per tensor (Own): their ids are not reused
+            seen.clear()
+        out = (shape, pls)
+        seen[(id(local_shapes), id(pls))] = (local_shapes, pls, out)  # holds both: their ids stay theirs
+        return out
 
     return describe
+
+
+_SEEN_MAX = 4096
+"""Objects remembered by identity (:func:`layout_describe`, :func:`_uniform_sources`) before starting over."""
 
 
 def open_per_rank(
@@ -371,15 +388,31 @@ def _uniform_sources(
     # ranks: 45 MiB of ints).
     same = starts[0] if all(s == starts[0] for s in starts) else None
     n = len(starts)
+    local_of: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # one local shapes tuple per shape
+    # describe's answer (one tuple per geometry, see layout_describe) and the local shapes, by
+    # identity -> the geometry's TensorSource fields: no placements hashed per tensor
+    seen: dict[int, tuple[object, object, tuple[Any, ...]]] = {}
     for en in files.headers[order[0]].entries:
-        shape, pls = describe(en.name, (en.shape,) * len(order))
-        key = (en.shape, shape, tuple(pls))
-        geo = geometries.get(key)
-        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
-            entries = [en] * len(order)
-            geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
+        local = local_of.get(en.shape)
+        if local is None:
+            local = local_of[en.shape] = (en.shape,) * n
+        desc = describe(en.name, local)
+        hit = seen.get(id(desc))
+        if hit is None or hit[0] is not desc or hit[1] is not local:
+            shape, pls = desc
+            key = (en.shape, shape, tuple(pls))
+            geo = geometries.get(key)
+            if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+                entries = [en] * n
+                geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
+            if len(seen) >= _SEEN_MAX:  # a describe answering with a new tuple per tensor
+                seen.clear()
+            hit = seen[id(desc)] = (desc, local, geo.fields)
         offsets = (same + en.start,) * n if same is not None else tuple([s + en.start for s in starts])
-        tensors[en.name] = _tensor_source(en.name, en.dtype, geo, offsets)
+        shape, pfiles, blocks, signature, partials, op, placements = hit[2]
+        tensors[en.name] = tensor_source(
+            en.name, en.dtype, shape, pfiles, offsets, blocks, signature, partials, op, placements
+        )
     return tensors
 
 
@@ -409,19 +442,9 @@ def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str
 
 
 def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
-    layout = geo.layout  # positional: built once per tensor, 100k times for an MoE checkpoint
-    return TensorSource(
-        name,
-        dtype,
-        layout.shape,
-        geo.files,
-        offsets,
-        geo.blocks,
-        geo.signature,
-        geo.partials,
-        layout.partial_op,
-        layout.placements,
-    )
+    # positional, from the geometry's own tuple: built once per tensor, 100k times for an MoE checkpoint
+    shape, files, blocks, signature, partials, op, placements = geo.fields
+    return tensor_source(name, dtype, shape, files, offsets, blocks, signature, partials, op, placements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +456,22 @@ class _Geometry:
     blocks: tuple[Block, ...]
     signature: tuple[object, ...]
     partials: tuple[int, ...] | None
+    fields: tuple[Any, ...] = ()
+    """A :class:`TensorSource`'s fields but its name, dtype and offsets: (shape, files, blocks,
+    signature, partials, reduce op, placements)."""
+
+    def __post_init__(self) -> None:
+        lay = self.layout
+        values = (
+            lay.shape,
+            self.files,
+            self.blocks,
+            self.signature,
+            self.partials,
+            lay.partial_op,
+            lay.placements,
+        )
+        object.__setattr__(self, "fields", values)
 
 
 def _geometry(
@@ -775,8 +814,11 @@ def tensors_text(tensors: Iterable[tuple[str, Sequence[int], Sequence[str]]]) ->
     )
 
 
-def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[int, str]:
-    """The format version and the tensor members of the per-rank metadata, from ``(name, dtype, layout)``.
+def describe_tensors(
+    tensors: Iterable[tuple[str, str, TensorLayout]], *, in_order: bool = False
+) -> tuple[int, str]:
+    """The format version and the tensor members of the per-rank metadata, from ``(name, dtype, layout)``
+    (``in_order``: given in that order already, e.g. by :func:`header_order`).
 
     Version 2 (compact: well under the header entries' own size, where version 1 doubled
     a 100k-tensor header): ``"placements"`` lists the distinct placements once,
@@ -785,7 +827,7 @@ def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[
     shapes of the tensors that are not split evenly (every other one is its local shape
     times the mesh sizes sharding each dim). More distinct placements than codes: version 1.
     """
-    ordered = sorted(tensors, key=lambda t: (-DTYPE_RANK[t[1]], t[0]))
+    ordered = list(tensors) if in_order else sorted(tensors, key=lambda t: (-DTYPE_RANK[t[1]], t[0]))
     table: dict[tuple[str, ...], str] = {}
     codes = []
     shapes = {}
@@ -843,9 +885,10 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     ordered = header_order(tensors)
-    if any(t.layout.assigned for t in ordered):
+    if any(lay.assigned for lay in distinct_layouts(ordered)):
         return _owned_files(ordered, mesh, options.file_names or {})
-    text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
+    # header order is the metadata's order (dtype, then name: names are unique)
+    text = describe_tensors(((t.name, t.dtype, t.layout) for t in ordered), in_order=True)
     return [
         SafetensorsFile(
             rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))
