@@ -440,8 +440,9 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
     )
     plan.transformed = transformed
     owned = None
-    if target.fmt != SHARDED and any(lay.assigned for lay in distinct_layouts(plan.tensors)):
-        owned = next(t for t in plan.tensors if t.layout.assigned)
+    if target.fmt != SHARDED:  # whole-tensor assignment: tested once per geometry, then found
+        if any(lay.assigned for lay in distinct_layouts(t.layout for t in plan.tensors)):
+            owned = next(t for t in plan.tensors if t.layout.assigned)
     if owned is not None:
         raise UsageError(
             f'tensor "{owned.name}" is placed {owned.layout.placement_strs()} by '

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .checkpoint import Checkpoint, TensorSource
@@ -455,10 +454,11 @@ def local_nbytes(t: TargetTensor, rank: int) -> int:
     return _local_nbytes(t.layout, t.dtype)[rank]
 
 
-def distinct_layouts(tensors: Iterable[TargetTensor]) -> list[TensorLayout]:
-    """The layouts of ``tensors``, each once: by identity (the tensors of one geometry share the
-    planner's layout object), so a property of every tensor's layout is tested per geometry."""
-    return list({id(lay): lay for lay in map(attrgetter("layout"), tensors)}.values())
+def distinct_layouts(layouts: Iterable[TensorLayout]) -> list[TensorLayout]:
+    """``layouts`` (e.g. of the planned tensors), each once: by identity (the tensors of one
+    geometry share the planner's layout object), so a property of every tensor's layout is
+    tested once per geometry."""
+    return list({id(lay): lay for lay in layouts}.values())
 
 
 @lru_cache(maxsize=65536)

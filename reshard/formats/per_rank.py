@@ -814,11 +814,8 @@ def tensors_text(tensors: Iterable[tuple[str, Sequence[int], Sequence[str]]]) ->
     )
 
 
-def describe_tensors(
-    tensors: Iterable[tuple[str, str, TensorLayout]], *, in_order: bool = False
-) -> tuple[int, str]:
-    """The format version and the tensor members of the per-rank metadata, from ``(name, dtype, layout)``
-    (``in_order``: given in that order already, e.g. by :func:`header_order`).
+def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[int, str]:
+    """The format version and the tensor members of the per-rank metadata, from ``(name, dtype, layout)``.
 
     Version 2 (compact: well under the header entries' own size, where version 1 doubled
     a 100k-tensor header): ``"placements"`` lists the distinct placements once,
@@ -827,21 +824,27 @@ def describe_tensors(
     shapes of the tensors that are not split evenly (every other one is its local shape
     times the mesh sizes sharding each dim). More distinct placements than codes: version 1.
     """
-    ordered = list(tensors) if in_order else sorted(tensors, key=lambda t: (-DTYPE_RANK[t[1]], t[0]))
+    ordered = sorted(tensors, key=lambda t: (-DTYPE_RANK[t[1]], t[0]))
+    return _described([n for n, _, _ in ordered], [lay for _, _, lay in ordered])
+
+
+def _described(names: Sequence[str], layouts: Sequence[TensorLayout]) -> tuple[int, str]:
+    """:func:`describe_tensors` of the tensors ``names`` laid out ``layouts``, in the file's data order."""
     table: dict[tuple[str, ...], str] = {}
     codes = []
     shapes = {}
     # tensors of one geometry share one layout object (the planner's): its code and evenness
-    # are found once, by identity (``ordered`` holds the layouts, so their ids stay theirs)
+    # are found once, by identity (``layouts`` holds them, so their ids stay theirs)
     per_layout: dict[int, tuple[str, bool]] = {}
-    for name, _, layout in ordered:
+    for name, layout in zip(names, layouts):
         hit = per_layout.get(id(layout))
         if hit is None:
             pls = _placement_texts(layout.placements)
             code = table.get(pls)
             if code is None:
                 if len(table) == len(_CODES):
-                    return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, _, lay in ordered)
+                    every = zip(names, layouts)
+                    return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, lay in every)
                 code = table[pls] = _CODES[len(table)]
             hit = per_layout[id(layout)] = (code, _splits_evenly(layout))
         codes.append(hit[0])
@@ -885,10 +888,11 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     ordered = header_order(tensors)
-    if any(lay.assigned for lay in distinct_layouts(ordered)):
+    layouts = [t.layout for t in ordered]
+    if any(lay.assigned for lay in distinct_layouts(layouts)):
         return _owned_files(ordered, mesh, options.file_names or {})
     # header order is the metadata's order (dtype, then name: names are unique)
-    text = describe_tensors(((t.name, t.dtype, t.layout) for t in ordered), in_order=True)
+    text = _described([t.name for t in ordered], layouts)
     return [
         SafetensorsFile(
             rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))
