@@ -274,38 +274,45 @@ Describe = Callable[[str, Sequence[tuple[int, ...]]], tuple[tuple[int, ...], Seq
 def layout_describe(
     placements_for: Callable[[str], Sequence[Placement | str]], mesh: Mesh, where: Path, layout_source: str
 ) -> Describe:
-    """Placements from a layout, the global shape derived from the local shapes (checked on every rank).
-
-    The tensors of one rule and local shapes get one ``(shape, placements)`` tuple (found by
-    identity: a layout gives a rule's tensors one placements tuple, and :func:`rank_checkpoint`
-    one local shapes tuple per shape), so callers can tell geometries apart by identity too.
-    """
+    """Placements from a layout, the global shape derived from the local shapes (checked on every rank)."""
 
     shapes: dict[tuple[object, ...], tuple[int, ...]] = {}  # per geometry: derived once
-    seen: dict[tuple[int, int], tuple[object, object, tuple[tuple[int, ...], Sequence[Placement | str]]]] = {}
 
     def describe(
         name: str, local_shapes: Sequence[tuple[int, ...]]
     ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
         pls = placements_for(name)
-        hit = seen.get((id(local_shapes), id(pls)))
-        if hit is not None and hit[0] is local_shapes and hit[1] is pls:
-            return hit[2]
-        key = (tuple(local_shapes), tuple(pls))  # placements hash in Python: once per geometry
+        key = (tuple(local_shapes), tuple(pls))
         shape = shapes.get(key)
         if shape is None:
             shape = shapes[key] = _derived_shape(name, local_shapes, mesh, pls, where, layout_source)
-        if len(seen) >= _SEEN_MAX:  # placements made per tensor (Own): their ids are not reused
-            seen.clear()
-        out = (shape, pls)
-        seen[(id(local_shapes), id(pls))] = (local_shapes, pls, out)  # holds both: their ids stay theirs
-        return out
+        return shape, pls
 
-    return describe
+    return _ByLayout(placements_for, describe)
+
+
+class _ByLayout:
+    """A :data:`Describe` from a layout (:func:`layout_describe`). Its answer depends on the local
+    shapes and the placements ``placements_for`` gives alone: a layout gives the tensors of one
+    rule one placements tuple, so :func:`_uniform_sources` tells geometries apart by that tuple's
+    identity, before describing (100k tensors: a few descriptions)."""
+
+    __slots__ = ("placements_for", "_describe")
+
+    def __init__(
+        self, placements_for: Callable[[str], Sequence[Placement | str]], describe: Describe
+    ) -> None:
+        self.placements_for = placements_for
+        self._describe = describe
+
+    def __call__(
+        self, name: str, local_shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
+        return self._describe(name, local_shapes)
 
 
 _SEEN_MAX = 4096
-"""Objects remembered by identity (:func:`layout_describe`, :func:`_uniform_sources`) before starting over."""
+"""Objects :func:`_uniform_sources` remembers by identity per local shape before starting over."""
 
 
 def open_per_rank(
@@ -388,28 +395,35 @@ def _uniform_sources(
     # ranks: 45 MiB of ints).
     same = starts[0] if all(s == starts[0] for s in starts) else None
     n = len(starts)
-    local_of: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # one local shapes tuple per shape
-    # describe's answer (one tuple per geometry, see layout_describe) and the local shapes, by
-    # identity -> the geometry's TensorSource fields: no placements hashed per tensor
-    seen: dict[int, tuple[object, object, tuple[Any, ...]]] = {}
+    # Tensors of one geometry found by identity, no placements hashed per tensor: per local shape,
+    # what stands for the rest of the geometry (a layout's placements tuple, see _ByLayout; else
+    # describe's answer) -> the geometry's TensorSource fields (each value holds that object,
+    # so its id stays its own)
+    per_shape: dict[tuple[int, ...], tuple[tuple[tuple[int, ...], ...], dict[int, tuple[object, Any]]]] = {}
+    mark_of = describe.placements_for if isinstance(describe, _ByLayout) else None
     for en in files.headers[order[0]].entries:
-        local = local_of.get(en.shape)
-        if local is None:
-            local = local_of[en.shape] = (en.shape,) * n
-        desc = describe(en.name, local)
-        hit = seen.get(id(desc))
-        if hit is None or hit[0] is not desc or hit[1] is not local:
-            shape, pls = desc
+        got = per_shape.get(en.shape)
+        if got is None:
+            got = per_shape[en.shape] = ((en.shape,) * n, {})
+        local, seen = got
+        desc = None
+        if mark_of is not None:
+            mark: object = mark_of(en.name)
+        else:
+            mark = desc = describe(en.name, local)
+        hit = seen.get(id(mark))
+        if hit is None or hit[0] is not mark:
+            shape, pls = desc if desc is not None else describe(en.name, local)
             key = (en.shape, shape, tuple(pls))
             geo = geometries.get(key)
             if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
                 entries = [en] * n
                 geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
-            if len(seen) >= _SEEN_MAX:  # a describe answering with a new tuple per tensor
+            if len(seen) >= _SEEN_MAX:  # placements (or descriptions) made per tensor: ids not reused
                 seen.clear()
-            hit = seen[id(desc)] = (desc, local, geo.fields)
+            hit = seen[id(mark)] = (mark, geo.fields)
         offsets = (same + en.start,) * n if same is not None else tuple([s + en.start for s in starts])
-        shape, pfiles, blocks, signature, partials, op, placements = hit[2]
+        shape, pfiles, blocks, signature, partials, op, placements = hit[1]
         tensors[en.name] = tensor_source(
             en.name, en.dtype, shape, pfiles, offsets, blocks, signature, partials, op, placements
         )
