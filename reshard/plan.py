@@ -540,34 +540,18 @@ class _Geometries:
         self.matched: dict[tuple[int, int, int], tuple[object, object, tuple[Any, int]]] = {}
         # (piece blocks, placements) by identity -> what :meth:`_of` gave a source of those blocks,
         # shape, signature and partials (a reader's geometry shares them: one lookup per tensor)
-        self.seen: dict[tuple[int, int], tuple[object, ...]] = {}
+        self.seen: dict[tuple[int, int], tuple[Any, ...]] = {}
 
-    def of(
-        self, src: TensorSource, pl: Sequence[Placement | str]
-    ) -> tuple[TensorLayout, tuple[tuple[tuple[Copy, ...], ...], int]]:
-        """The target layout of ``src`` placed ``pl``, and its matching (:func:`_matched`)."""
-        blocks = src.piece_blocks
-        hit = self.seen.get((id(blocks), id(pl)))
-        if (
-            hit is None
-            or hit[0] is not blocks
-            or hit[1] is not pl
-            or hit[2] is not src.shape
-            or hit[3] is not src.signature
-            or hit[4] is not src.piece_partials
-        ):
-            if len(self.seen) >= _SEEN_MAX:  # placements made per tensor (Own): their ids are not reused
-                self.seen.clear()
-            found = self._of(src, pl)
-            hit = self.seen[(id(blocks), id(pl))] = (
-                blocks,
-                pl,
-                src.shape,
-                src.signature,
-                src.piece_partials,
-                found,
-            )
-        return hit[5]  # type: ignore[return-value]  # what _of returned
+    def add(self, src: TensorSource, pl: Sequence[Placement | str]) -> tuple[Any, ...]:
+        """What :attr:`seen` holds for ``src`` placed ``pl`` (found there by :func:`make_plan` for
+        the next tensor of this geometry): the objects its key names, those it is checked
+        against (shape, signature, partials), then the target layout, copies and group count."""
+        if len(self.seen) >= _SEEN_MAX:  # placements made per tensor (Own): their ids are not reused
+            self.seen.clear()
+        layout, (copies, groups) = self._of(src, pl)
+        hit = (src.piece_blocks, pl, src.shape, src.signature, src.piece_partials, layout, copies, groups)
+        self.seen[(id(src.piece_blocks), id(pl))] = hit
+        return hit
 
     def _of(
         self, src: TensorSource, pl: Sequence[Placement | str]
@@ -651,9 +635,21 @@ def make_plan(
     tensors: list[TargetTensor] = []
     whole = ["R"] * mesh.ndim if writer.consolidated else None
     geometries = _Geometries(mesh, None if whole is not None else rules, match)
+    seen = geometries.seen
     for name in natural_sorted(by_name):
         src = by_name[name]
-        layout, (copies, groups) = geometries.of(src, whole if whole is not None else placements_for(name))
+        pl = whole if whole is not None else placements_for(name)
+        blocks = src.piece_blocks
+        hit = seen.get((id(blocks), id(pl)))  # the geometry of an earlier tensor (by identity)
+        if hit is None or not (
+            hit[0] is blocks
+            and hit[1] is pl
+            and hit[2] is src.shape
+            and hit[3] is src.signature
+            and hit[4] is src.piece_partials
+        ):
+            hit = geometries.add(src, pl)
+        layout, copies, groups = hit[5], hit[6], hit[7]
         out_dtype = src.dtype
         if dtype is not None and out_dtype != dtype and out_dtype in FLOAT_DTYPES:
             out_dtype = dtype
