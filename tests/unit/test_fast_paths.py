@@ -133,3 +133,19 @@ def test_check_metadata_names_the_one_tensor_past_the_end(tmp_path: Path) -> Non
     problems = check_metadata(Checkpoint(str(tmp_path), "hand", (f,), (4000,), tensors))
     assert [(p["kind"], p["tensor"]) for p in problems] == [("bounds", "t499"), ("bounds", "t500")]
     assert "bytes [3996, 4004) run past the end of the file (4000 bytes)" in problems[0]["message"]
+
+
+@pytest.mark.parametrize(
+    "twin, cls", [("reshard.checkpoint._Unfrozen", TensorSource), ("reshard.plan._Target", TargetTensor)]
+)
+def test_slot_twins_set_every_field(twin: str, cls: type) -> None:
+    """A field added to the dataclass and not to its twin would be left unset: the twin's slots and
+    parameters are the dataclass's fields, in order."""
+    import importlib
+    import inspect
+
+    module, name = twin.rsplit(".", 1)
+    made = getattr(importlib.import_module(module), name)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    assert list(made.__slots__) == list(cls.__slots__) == fields
+    assert list(inspect.signature(made.__init__).parameters)[1:] == fields
