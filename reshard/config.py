@@ -693,8 +693,9 @@ class _RuleIndex:
 
     def __init__(self, rules: tuple[Rule, ...]) -> None:
         self.rules = rules  # keeps the tuple's id its own while this index lives
-        free = [i for i, r in enumerate(rules) if not _ASCII_DIGIT.search(r.pattern)]
-        mentioning = [i for i, r in enumerate(rules) if _ASCII_DIGIT.search(r.pattern)]
+        digits = [_ASCII_DIGIT.search(r.pattern) is not None for r in rules]
+        free = [i for i, d in enumerate(digits) if not d]
+        mentioning = [i for i, d in enumerate(digits) if d]
         self._free = _Lookup(rules, free) if free else None
         self._digits = _Lookup(rules, mentioning) if mentioning else None
         self._memo: dict[bytes, int] = {}

@@ -470,22 +470,14 @@ class _Geometry:
     blocks: tuple[Block, ...]
     signature: tuple[object, ...]
     partials: tuple[int, ...] | None
-    fields: tuple[Any, ...] = ()
-    """A :class:`TensorSource`'s fields but its name, dtype and offsets: (shape, files, blocks,
-    signature, partials, reduce op, placements)."""
+    # A TensorSource's fields but its name, dtype and offsets, in order: (shape, files, blocks,
+    # signature, partials, reduce op, placements); made once, unpacked per tensor.
+    fields: tuple[Any, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         lay = self.layout
-        values = (
-            lay.shape,
-            self.files,
-            self.blocks,
-            self.signature,
-            self.partials,
-            lay.partial_op,
-            lay.placements,
-        )
-        object.__setattr__(self, "fields", values)
+        values = (lay.shape, self.files, self.blocks, self.signature, self.partials, lay.partial_op)
+        object.__setattr__(self, "fields", (*values, lay.placements))
 
 
 def _geometry(
