@@ -569,10 +569,12 @@ def _bounds_hold(ckpt: Checkpoint, sizes: Sequence[int | None]) -> bool:
     if any(size is None for size in sizes):
         return False
     groups: dict[tuple[int, int, str, tuple[int, ...]], list[TensorSource]] = {}
-    for t in ckpt.tensors.values():  # a reader's tensors of one geometry share blocks and files
+    for i, t in enumerate(ckpt.tensors.values()):  # a reader's tensors of one geometry share blocks and files
         key = (id(t.piece_blocks), id(t.piece_files), t.dtype, t.shape)
         members = groups.get(key)
         if members is None:
+            if len(groups) > 64 + i // 16:  # tuples of their own (DCP chunks): arrays would not pay
+                return False
             members = groups[key] = []
         members.append(t)  # the first member holds the objects the key names (their ids stay theirs)
     for members in groups.values():

@@ -149,3 +149,17 @@ def test_slot_twins_set_every_field(twin: str, cls: type) -> None:
     fields = [f.name for f in dataclasses.fields(cls)]
     assert list(made.__slots__) == list(cls.__slots__) == fields
     assert list(inspect.signature(made.__init__).parameters)[1:] == fields
+
+
+def test_check_metadata_with_tuples_of_each_tensor(tmp_path: Path) -> None:
+    """A reader making each tensor's tuples (DCP chunks) groups nothing: the walk names the problem."""
+    f = _file(tmp_path / "a", 1600)
+    tensors = {}
+    for i in range(200):
+        blocks = (((I(0, 2),),),)  # new objects each time round
+        off = 1596 if i == 150 else 8 * i
+        tensors[f"t{i}"] = TensorSource(f"t{i}", "F32", (2,), tuple([0]), tuple([off]), blocks, ("boxes", i))
+    ck = Checkpoint(str(tmp_path), "hand", (f,), (1600,), tensors)
+    assert not check_mod._bounds_hold(ck, [1600])
+    problems = check_metadata(ck)
+    assert [(p["kind"], p["tensor"]) for p in problems] == [("bounds", "t150")]
