@@ -27,6 +27,8 @@ import os
 import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import TypedDict
 
@@ -541,6 +543,8 @@ def check_metadata(ckpt: Checkpoint) -> list[Problem]:
     out: list[Problem] = []
     sizes = _check_files(ckpt, out)
     _check_manifest(ckpt, out, DEFAULT_MAX_BYTES, hashes=False)
+    if _bounds_hold(ckpt, sizes):
+        return out
     cache: dict[tuple[Hashable, ...], _Geometry] = {}
     for t in ckpt.tensors.values():
         key = (t.signature, t.shape, t.piece_partials)
@@ -549,6 +553,51 @@ def check_metadata(ckpt: Checkpoint) -> list[Problem]:
             g = cache[key] = _geometry(t)
         _check_bounds(ckpt, t, g, sizes, out)
     return out
+
+
+_BOUNDS_CHUNK = 16384
+"""Tensors whose piece offsets :func:`_bounds_hold` holds as one array (bounded scratch memory)."""
+
+
+def _bounds_hold(ckpt: Checkpoint, sizes: Sequence[int | None]) -> bool:
+    """Whether every piece of every tensor lies inside its file, tested per geometry on arrays of
+    offsets (a 100k-tensor checkpoint: no Python loop over its pieces). False when some piece
+    does not, or when this cannot tell (a file missing, an unknown dtype, a piece outside its
+    tensor): :func:`check_metadata` then looks at each tensor and names the problems."""
+    import numpy as np  # lazy: only checks load it
+
+    if any(size is None for size in sizes):
+        return False
+    groups: dict[tuple[int, int, str, tuple[int, ...]], list[TensorSource]] = {}
+    for i, t in enumerate(ckpt.tensors.values()):  # a reader's tensors of one geometry share blocks and files
+        key = (id(t.piece_blocks), id(t.piece_files), t.dtype, t.shape)
+        members = groups.get(key)
+        if members is None:
+            if len(groups) > 64 + i // 16:  # tuples of their own (DCP chunks): arrays would not pay
+                return False
+            members = groups[key] = []
+        members.append(t)  # the first member holds the objects the key names (their ids stay theirs)
+    for members in groups.values():
+        first = members[0]
+        isz = DTYPE_SIZES.get(first.dtype)
+        k = len(first.piece_blocks)
+        if isz is None or _outside(first) or len(first.piece_files) != k:
+            return False
+        if k == 0:
+            continue
+        # the last offset each piece may start at: its file's size less its bytes
+        limits = np.array([sizes[fi] for fi in first.piece_files], dtype=np.int64)
+        limits -= np.array([block_volume(b) * isz for b in first.piece_blocks], dtype=np.int64)
+        for lo in range(0, len(members), _BOUNDS_CHUNK):
+            part = members[lo : lo + _BOUNDS_CHUNK]
+            values = chain.from_iterable(map(attrgetter("piece_offsets"), part))
+            try:
+                offs = np.fromiter(values, np.int64, count=len(part) * k).reshape(len(part), k)
+            except (OverflowError, ValueError):  # offsets past int64, or fewer than one per piece
+                return False
+            if next(values, None) is not None or not ((offs >= 0).all() and (offs <= limits).all()):
+                return False
+    return True
 
 
 def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:

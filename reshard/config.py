@@ -42,6 +42,7 @@ import fnmatch
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,14 +328,9 @@ class LayoutConfig:
     # Own(capture) rules bound to a checkpoint's names (:meth:`assign`): name -> (number, count in
     # its group, start and end of the number in the name).
     numbers: Mapping[str, tuple[int, int, int, int]] = field(default_factory=dict, compare=False, repr=False)
-    # Matching index, derived from rules: a self-describing checkpoint brings one
-    # exact-name rule per tensor, and trying every rule on every name is quadratic.
-    # Literal patterns map name -> first rule index; the rest are tried in order.
-    _exact: dict[str, int] = field(init=False, repr=False, compare=False)
-    # (index, its matcher's fullmatch) of the other rules; None for "*", which matches every name
-    _patterns: tuple[tuple[int, Callable[[str], object] | None], ...] = field(
-        init=False, repr=False, compare=False
-    )
+    # Matching index, derived from rules (:class:`_RuleIndex`): shared by the layouts of the same
+    # rules (with_mesh, assign), so a source layout reused on the target mesh matches each name once.
+    _index: _RuleIndex = field(init=False, repr=False, compare=False)
     # Each rule's placements on this layout's own mesh (every rule is resolved on it at construction).
     _own_mesh: tuple[tuple[Placement, ...], ...] = field(init=False, repr=False, compare=False)
     # Each rule's placements per mesh, resolved once (100k tensors: 100k lookups, not 100k resolutions).
@@ -370,16 +366,7 @@ class LayoutConfig:
                 "list patterns exactly as written there",
                 path=self.source,
             )
-        exact: dict[str, int] = {}
-        patterns: list[tuple[int, Callable[[str], object] | None]] = []
-        for i, rule in enumerate(self.rules):
-            literal = _literal(rule.pattern)
-            if literal is None:
-                patterns.append((i, None if rule.pattern == "*" else rule._regex.fullmatch))
-            else:
-                exact.setdefault(literal, i)
-        object.__setattr__(self, "_exact", exact)
-        object.__setattr__(self, "_patterns", tuple(patterns))
+        object.__setattr__(self, "_index", _RuleIndex.of(self.rules))
 
     def _where(self, rule: Rule) -> str:
         line = f":{rule.line}" if rule.line else ""
@@ -399,14 +386,8 @@ class LayoutConfig:
             raise ConfigError(f"{self._where(rule)}{e.message}", path=self.source, tensor=tensor) from None
 
     def _first(self, name: str) -> int | None:
-        """Index of the first rule matching ``name``: the exact hit unless an earlier pattern matches."""
-        hit = self._exact.get(name)
-        for i, fullmatch in self._patterns:
-            if hit is not None and i > hit:
-                break
-            if fullmatch is None or fullmatch(name) is not None:
-                return i
-        return hit
+        """Index of the first rule matching ``name``."""
+        return self._index.first(name)
 
     def match(self, name: str) -> Rule:
         """The first rule whose pattern matches ``name``.
@@ -442,7 +423,7 @@ class LayoutConfig:
             LayoutError: no rule matches ``name``.
             ConfigError: the matching rule does not fit ``mesh``.
         """
-        i = self._first(name)
+        i = self._index.first(name)
         if i is None:
             raise self._no_rule(name)
         rule = self.rules[i]
@@ -677,6 +658,114 @@ class LayoutConfig:
 
 
 # -- patterns ------------------------------------------------------------------
+
+
+_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+_ASCII_DIGIT = re.compile("[0-9]")
+_MEMO_MAX = 4096
+"""Canonical names :class:`_RuleIndex` remembers; past this many it starts over (a checkpoint's
+names mostly differ in their numbers only: a few dozen canonical names)."""
+
+
+class _RuleIndex:
+    """First-match lookup over a layout's rules, shared by the layouts of one rules tuple.
+
+    Literal patterns map name -> first rule index (a self-describing checkpoint brings one
+    exact-name rule per tensor: trying every rule on every name is quadratic); the rest are
+    tried in order.
+
+    Rules whose pattern holds no ASCII digit cannot tell digits apart: every character test
+    such a pattern makes (a literal other than a digit; ``*``, ``?`` and ``.``; a class, whose
+    ranges between non-digits hold all ten digits or none; ``\\d``, ``\\w``, ``\\s``, a
+    word boundary; their negations) gives one answer for all ten digits, so a name matches
+    it exactly when the name with each digit replaced by ``0`` (same length: ``?`` and
+    ``.`` count characters) does. Their first match is therefore remembered per canonical
+    name, and the 100k names ``layers.{i}.experts.{j}.w`` of a checkpoint take a few rule
+    matches, not 100k. Rules whose pattern mentions a digit (``layers.0.*``, ``[1-9]``,
+    ``{2}``) are tried on the name itself, ahead of the remembered one.
+
+    >>> idx = _RuleIndex((Rule.from_json("*.0.w", "R"), Rule.from_json("*.w", "R")))
+    >>> idx.first("l.0.w"), idx.first("l.10.w"), idx.first("l.1.w"), idx.first("x")
+    (0, 1, 1, None)
+    """
+
+    __slots__ = ("rules", "_free", "_digits", "_memo", "__weakref__")
+
+    def __init__(self, rules: tuple[Rule, ...]) -> None:
+        self.rules = rules  # keeps the tuple's id its own while this index lives
+        digits = [_ASCII_DIGIT.search(r.pattern) is not None for r in rules]
+        free = [i for i, d in enumerate(digits) if not d]
+        mentioning = [i for i, d in enumerate(digits) if d]
+        self._free = _Lookup(rules, free) if free else None
+        self._digits = _Lookup(rules, mentioning) if mentioning else None
+        self._memo: dict[bytes, int] = {}
+
+    @classmethod
+    def of(cls, rules: tuple[Rule, ...]) -> _RuleIndex:
+        """The index of ``rules``: the one already made for this very tuple (a layout on
+        another mesh, or with ``Own`` numbers bound), else a new one."""
+        idx = _INDEXES.get(id(rules))
+        if idx is None or idx.rules is not rules:
+            idx = _INDEXES[id(rules)] = cls(rules)
+        return idx
+
+    def first(self, name: str) -> int | None:
+        """Index of the first rule matching ``name``, or None."""
+        free, digits = self._free, self._digits
+        if free is None:
+            return digits.first(name, len(self.rules)) if digits is not None else None
+        key = name.encode("utf-8", "surrogatepass").translate(_ZEROS)
+        hit = self._memo.get(key)
+        if hit is None:  # -1: no digit-free rule matches
+            found = free.first(key.decode("utf-8", "surrogatepass"), len(self.rules))
+            hit = -1 if found is None else found
+            if len(self._memo) >= _MEMO_MAX:
+                self._memo.clear()
+            self._memo[key] = hit
+        if digits is not None:  # an earlier rule mentioning a digit wins
+            earlier = digits.first(name, len(self.rules) if hit < 0 else hit)
+            if earlier is not None:
+                return earlier
+        return None if hit < 0 else hit
+
+
+_INDEXES: weakref.WeakValueDictionary[int, _RuleIndex] = weakref.WeakValueDictionary()
+"""Rule indexes by the id of their rules tuple (each holds its tuple), alive while a layout uses them."""
+
+
+class _Lookup:
+    """First match among some rules (by index into the layout's rules)."""
+
+    __slots__ = ("_exact", "_patterns")
+
+    def __init__(self, rules: tuple[Rule, ...], which: Sequence[int]) -> None:
+        exact: dict[str, int] = {}
+        # (index, its matcher's fullmatch) of the other rules; None for "*", which matches every name
+        patterns: list[tuple[int, Callable[[str], object] | None]] = []
+        for i in which:
+            rule = rules[i]
+            literal = _literal(rule.pattern)
+            if literal is None:
+                patterns.append((i, None if rule.pattern == "*" else rule._regex.fullmatch))
+            else:
+                exact.setdefault(literal, i)
+        self._exact = exact
+        self._patterns = tuple(patterns)
+
+    def first(self, name: str, stop: int) -> int | None:
+        """Index (below ``stop``) of the first of these rules matching ``name``: the exact hit
+        unless an earlier pattern matches."""
+        hit = self._exact.get(name)
+        if hit is not None and hit < stop:
+            stop = hit
+        else:
+            hit = None
+        for i, fullmatch in self._patterns:
+            if i >= stop:
+                break
+            if fullmatch is None or fullmatch(name) is not None:
+                return i
+        return hit
 
 
 class _Exact:

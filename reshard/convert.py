@@ -27,7 +27,7 @@ from .io.staging import Stage, refuse_non_files
 from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
-from .plan import Plan, WriteOptions, make_plan, match_blocks
+from .plan import Plan, WriteOptions, distinct_layouts, make_plan, match_blocks
 from .resume import finished_files, is_journal, record_finished, source_identity, start_journal
 from .transform_plan import Transforms, layout_transforms, match_any, transforms_for, unfused
 
@@ -422,11 +422,10 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
     if rules is not None:
         rules = _checked_rules(source, rules, target.mesh, tensors, tf)
 
-    def placements_for(name: str) -> Sequence[Placement | str]:
-        if rules is None:  # no target layout: every tensor whole
-            return ["R"] * target.mesh.ndim
-        return rules.placements_for(name)
-
+    whole: list[Placement | str] = ["R"] * target.mesh.ndim  # no target layout: every tensor whole
+    placements_for: Callable[[str], Sequence[Placement | str]] = (
+        rules.placements_for if rules is not None else lambda name: whole
+    )
     plan = make_plan(
         source,
         target.mesh,
@@ -440,7 +439,10 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         transforms=None if tf is None else tf.record(),
     )
     plan.transformed = transformed
-    owned = next((t for t in plan.tensors if t.layout.assigned), None) if target.fmt != SHARDED else None
+    owned = None
+    if target.fmt != SHARDED:  # whole-tensor assignment: tested once per geometry, then found
+        if any(lay.assigned for lay in distinct_layouts(t.layout for t in plan.tensors)):
+            owned = next(t for t in plan.tensors if t.layout.assigned)
     if owned is not None:
         raise UsageError(
             f'tensor "{owned.name}" is placed {owned.layout.placement_strs()} by '

@@ -41,6 +41,7 @@ __all__ = [
     "OutFile",
     "OutputFormat",
     "local_nbytes",
+    "distinct_layouts",
     "Plan",
     "Matcher",
     "make_plan",
@@ -453,6 +454,13 @@ def local_nbytes(t: TargetTensor, rank: int) -> int:
     return _local_nbytes(t.layout, t.dtype)[rank]
 
 
+def distinct_layouts(layouts: Iterable[TensorLayout]) -> list[TensorLayout]:
+    """``layouts`` (e.g. of the planned tensors), each once: by identity (the tensors of one
+    geometry share the planner's layout object), so a property of every tensor's layout is
+    tested once per geometry."""
+    return list({id(lay): lay for lay in layouts}.values())
+
+
 @lru_cache(maxsize=65536)
 def _local_nbytes(layout: TensorLayout, dtype: str) -> tuple[int, ...]:
     isz = DTYPE_SIZES[dtype]
@@ -524,17 +532,30 @@ class _Geometries:
     (each value holds the objects its key names, so their ids stay theirs): a 100k-tensor
     checkpoint then hashes no placements per tensor, and writers can cache by layout."""
 
-    __slots__ = ("mesh", "rules", "match", "layouts", "matched")
+    __slots__ = ("mesh", "rules", "match", "layouts", "matched", "seen")
 
     def __init__(self, mesh: Mesh, rules: LayoutConfig | None, match: Matcher) -> None:
         self.mesh, self.rules, self.match = mesh, rules, match
         self.layouts: dict[tuple[object, ...], tuple[object, TensorLayout]] = {}
         self.matched: dict[tuple[int, int, int], tuple[object, object, tuple[Any, int]]] = {}
+        # (piece blocks, placements) by identity -> what :meth:`_of` gave a source of those blocks,
+        # shape, signature and partials (a reader's geometry shares them: one lookup per tensor)
+        self.seen: dict[tuple[int, int], tuple[Any, ...]] = {}
 
-    def of(
+    def add(self, src: TensorSource, pl: Sequence[Placement | str]) -> tuple[Any, ...]:
+        """What :attr:`seen` holds for ``src`` placed ``pl`` (found there by :func:`make_plan` for
+        the next tensor of this geometry): the objects its key names, those it is checked
+        against (shape, signature, partials), then the target layout, copies and group count."""
+        if len(self.seen) >= _SEEN_MAX:  # placements made per tensor (Own): their ids are not reused
+            self.seen.clear()
+        layout, (copies, groups) = self._of(src, pl)
+        hit = (src.piece_blocks, pl, src.shape, src.signature, src.piece_partials, layout, copies, groups)
+        self.seen[(id(src.piece_blocks), id(pl))] = hit
+        return hit
+
+    def _of(
         self, src: TensorSource, pl: Sequence[Placement | str]
     ) -> tuple[TensorLayout, tuple[tuple[tuple[Copy, ...], ...], int]]:
-        """The target layout of ``src`` placed ``pl``, and its matching (:func:`_matched`)."""
         lkey = (src.shape, *map(id, pl))
         lay = self.layouts.get(lkey)
         if lay is None:
@@ -545,6 +566,37 @@ class _Geometries:
         if hit is None or (src.signature is not hit[0] and src.signature != hit[0]):
             hit = self.matched[mkey] = (src.signature, src.piece_blocks, _matched(src, layout, self.match))
         return layout, hit[2]
+
+
+_SEEN_MAX = 4096
+"""Objects :class:`_Geometries` remembers by identity before starting over."""
+
+
+class _Target:
+    """:class:`TargetTensor`'s slots, set by plain assignment; then the object becomes a
+    TargetTensor (as :func:`reshard.checkpoint.tensor_source` makes sources): a frozen
+    dataclass sets each field through ``object.__setattr__``, 0.6 us a tensor."""
+
+    __slots__ = TargetTensor.__slots__  # same names, same order: the same memory layout
+
+    def __init__(
+        self,
+        name: str,
+        src: TensorSource,
+        dtype: str,
+        layout: TensorLayout,
+        copies: tuple[tuple[Copy, ...], ...],
+        groups: int,
+        reduce_op: str | None,
+    ) -> None:
+        self.name = name
+        self.src = src
+        self.dtype = dtype
+        self.layout = layout
+        self.copies = copies
+        self.groups = groups
+        self.reduce_op = reduce_op
+        self.__class__ = TargetTensor  # type: ignore[assignment]
 
 
 def make_plan(
@@ -583,13 +635,25 @@ def make_plan(
     tensors: list[TargetTensor] = []
     whole = ["R"] * mesh.ndim if writer.consolidated else None
     geometries = _Geometries(mesh, None if whole is not None else rules, match)
+    seen = geometries.seen
     for name in natural_sorted(by_name):
         src = by_name[name]
-        layout, (copies, groups) = geometries.of(src, whole if whole is not None else placements_for(name))
+        pl = whole if whole is not None else placements_for(name)
+        blocks = src.piece_blocks
+        hit = seen.get((id(blocks), id(pl)))  # the geometry of an earlier tensor (by identity)
+        if hit is None or not (
+            hit[0] is blocks
+            and hit[1] is pl
+            and hit[2] is src.shape
+            and hit[3] is src.signature
+            and hit[4] is src.piece_partials
+        ):
+            hit = geometries.add(src, pl)
+        layout, copies, groups = hit[5], hit[6], hit[7]
         out_dtype = src.dtype
         if dtype is not None and out_dtype != dtype and out_dtype in FLOAT_DTYPES:
             out_dtype = dtype
         reduce_op = src.reduce_op if groups > 1 else None
-        tensors.append(TargetTensor(src.name, src, out_dtype, layout, copies, groups, reduce_op))
+        tensors.append(_Target(src.name, src, out_dtype, layout, copies, groups, reduce_op))  # type: ignore[arg-type]
     files = writer.files(tensors, mesh, options)
     return Plan(source, writer, mesh, tensors, files, rules=rules, transforms=transforms)

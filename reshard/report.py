@@ -8,6 +8,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -276,25 +277,27 @@ class _Geometry:
     """The tensors of one output tensor list sharing a geometry (``copies``, source blocks, dtype):
     their source piece offsets and files as arrays, so per output file their reads are array sums."""
 
-    __slots__ = ("first", "offsets", "files", "members")
+    __slots__ = ("first", "offsets", "files", "sources")
 
     def __init__(self, first: Any) -> None:
         self.first = first  # a TargetTensor of the group: its copies and blocks are everyone's
-        self.members: list[Any] = []
+        self.sources: list[Any] = []  # the members' sources
         self.offsets: Any = None
         self.files: Any = None
 
     def arrays(self) -> None:
         import numpy as np  # lazy: only plan reports count reads
 
-        srcs = [t.src for t in self.members]
-        self.offsets = np.array([s.piece_offsets for s in srcs], dtype=np.int64)
+        srcs = self.sources
+        k = len(srcs[0].piece_blocks)  # the group's sources share their blocks: as many offsets each
+        offsets = chain.from_iterable(map(attrgetter("piece_offsets"), srcs))
+        self.offsets = np.fromiter(offsets, np.int64, count=len(srcs) * k).reshape(len(srcs), k)
         files = srcs[0].piece_files
         if all(s.piece_files is files for s in srcs):  # a reader's tuple per geometry: one row
             self.files = np.broadcast_to(np.array([files], dtype=np.int64), self.offsets.shape)
         else:
             self.files = np.array([s.piece_files for s in srcs], dtype=np.int64)
-        self.members = []
+        self.sources = []
 
 
 def _geometries(tensors: Sequence[Any]) -> list[_Geometry]:
@@ -307,7 +310,7 @@ def _geometries(tensors: Sequence[Any]) -> list[_Geometry]:
         g = groups.get(key)
         if g is None:
             g = groups[key] = _Geometry(t)
-        g.members.append(t)
+        g.sources.append(src)
     out = list(groups.values())
     for g in out:
         g.arrays()

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
-from ..checkpoint import Checkpoint, TensorSource
+from ..checkpoint import Checkpoint, TensorSource, tensor_source
 from ..dtypes import DTYPE_RANK
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..intervals import Block, block_shape
@@ -20,7 +20,7 @@ from ..io.safe import expect_object, expect_shape, expect_strings, load_json
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh, check_world_size
 from ..placements import Placement, Shard, StridedShard, parse_placement
-from ..plan import OutFile, TargetTensor, WriteOptions
+from ..plan import OutFile, TargetTensor, WriteOptions, distinct_layouts
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, complete_self_described, read_manifest
 from .safetensors import SafetensorsFile, header_order, metadata_text
@@ -288,7 +288,31 @@ def layout_describe(
             shape = shapes[key] = _derived_shape(name, local_shapes, mesh, pls, where, layout_source)
         return shape, pls
 
-    return describe
+    return _ByLayout(placements_for, describe)
+
+
+class _ByLayout:
+    """A :data:`Describe` from a layout (:func:`layout_describe`). Its answer depends on the local
+    shapes and the placements ``placements_for`` gives alone: a layout gives the tensors of one
+    rule one placements tuple, so :func:`_uniform_sources` tells geometries apart by that tuple's
+    identity, before describing (100k tensors: a few descriptions)."""
+
+    __slots__ = ("placements_for", "_describe")
+
+    def __init__(
+        self, placements_for: Callable[[str], Sequence[Placement | str]], describe: Describe
+    ) -> None:
+        self.placements_for = placements_for
+        self._describe = describe
+
+    def __call__(
+        self, name: str, local_shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
+        return self._describe(name, local_shapes)
+
+
+_SEEN_MAX = 4096
+"""Objects :func:`_uniform_sources` remembers by identity per local shape before starting over."""
 
 
 def open_per_rank(
@@ -371,15 +395,38 @@ def _uniform_sources(
     # ranks: 45 MiB of ints).
     same = starts[0] if all(s == starts[0] for s in starts) else None
     n = len(starts)
+    # Tensors of one geometry found by identity, no placements hashed per tensor: per local shape,
+    # what stands for the rest of the geometry (a layout's placements tuple, see _ByLayout; else
+    # describe's answer) -> the geometry's TensorSource fields (each value holds that object,
+    # so its id stays its own)
+    per_shape: dict[tuple[int, ...], tuple[tuple[tuple[int, ...], ...], dict[int, tuple[object, Any]]]] = {}
+    mark_of = describe.placements_for if isinstance(describe, _ByLayout) else None
     for en in files.headers[order[0]].entries:
-        shape, pls = describe(en.name, (en.shape,) * len(order))
-        key = (en.shape, shape, tuple(pls))
-        geo = geometries.get(key)
-        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
-            entries = [en] * len(order)
-            geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
+        got = per_shape.get(en.shape)
+        if got is None:
+            got = per_shape[en.shape] = ((en.shape,) * n, {})
+        local, seen = got
+        desc = None
+        if mark_of is not None:
+            mark: object = mark_of(en.name)
+        else:
+            mark = desc = describe(en.name, local)
+        hit = seen.get(id(mark))
+        if hit is None or hit[0] is not mark:
+            shape, pls = desc if desc is not None else describe(en.name, local)
+            key = (en.shape, shape, tuple(pls))
+            geo = geometries.get(key)
+            if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+                entries = [en] * n
+                geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
+            if len(seen) >= _SEEN_MAX:  # placements (or descriptions) made per tensor: ids not reused
+                seen.clear()
+            hit = seen[id(mark)] = (mark, geo.fields)
         offsets = (same + en.start,) * n if same is not None else tuple([s + en.start for s in starts])
-        tensors[en.name] = _tensor_source(en.name, en.dtype, geo, offsets)
+        shape, pfiles, blocks, signature, partials, op, placements = hit[1]
+        tensors[en.name] = tensor_source(
+            en.name, en.dtype, shape, pfiles, offsets, blocks, signature, partials, op, placements
+        )
     return tensors
 
 
@@ -409,19 +456,9 @@ def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str
 
 
 def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
-    layout = geo.layout  # positional: built once per tensor, 100k times for an MoE checkpoint
-    return TensorSource(
-        name,
-        dtype,
-        layout.shape,
-        geo.files,
-        offsets,
-        geo.blocks,
-        geo.signature,
-        geo.partials,
-        layout.partial_op,
-        layout.placements,
-    )
+    # positional, from the geometry's own tuple: built once per tensor, 100k times for an MoE checkpoint
+    shape, files, blocks, signature, partials, op, placements = geo.fields
+    return tensor_source(name, dtype, shape, files, offsets, blocks, signature, partials, op, placements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +470,14 @@ class _Geometry:
     blocks: tuple[Block, ...]
     signature: tuple[object, ...]
     partials: tuple[int, ...] | None
+    # A TensorSource's fields but its name, dtype and offsets, in order: (shape, files, blocks,
+    # signature, partials, reduce op, placements); made once, unpacked per tensor.
+    fields: tuple[Any, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        lay = self.layout
+        values = (lay.shape, self.files, self.blocks, self.signature, self.partials, lay.partial_op)
+        object.__setattr__(self, "fields", (*values, lay.placements))
 
 
 def _geometry(
@@ -786,20 +831,26 @@ def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[
     times the mesh sizes sharding each dim). More distinct placements than codes: version 1.
     """
     ordered = sorted(tensors, key=lambda t: (-DTYPE_RANK[t[1]], t[0]))
+    return _described([n for n, _, _ in ordered], [lay for _, _, lay in ordered])
+
+
+def _described(names: Sequence[str], layouts: Sequence[TensorLayout]) -> tuple[int, str]:
+    """:func:`describe_tensors` of the tensors ``names`` laid out ``layouts``, in the file's data order."""
     table: dict[tuple[str, ...], str] = {}
     codes = []
     shapes = {}
     # tensors of one geometry share one layout object (the planner's): its code and evenness
-    # are found once, by identity (``ordered`` holds the layouts, so their ids stay theirs)
+    # are found once, by identity (``layouts`` holds them, so their ids stay theirs)
     per_layout: dict[int, tuple[str, bool]] = {}
-    for name, _, layout in ordered:
+    for name, layout in zip(names, layouts):
         hit = per_layout.get(id(layout))
         if hit is None:
             pls = _placement_texts(layout.placements)
             code = table.get(pls)
             if code is None:
                 if len(table) == len(_CODES):
-                    return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, _, lay in ordered)
+                    every = zip(names, layouts)
+                    return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, lay in every)
                 code = table[pls] = _CODES[len(table)]
             hit = per_layout[id(layout)] = (code, _splits_evenly(layout))
         codes.append(hit[0])
@@ -843,9 +894,11 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
     ordered = header_order(tensors)
-    if any(t.layout.assigned for t in ordered):
+    layouts = [t.layout for t in ordered]
+    if any(lay.assigned for lay in distinct_layouts(layouts)):
         return _owned_files(ordered, mesh, options.file_names or {})
-    text = describe_tensors((t.name, t.dtype, t.layout) for t in tensors)
+    # header order is the metadata's order (dtype, then name: names are unique)
+    text = _described([t.name for t in ordered], layouts)
     return [
         SafetensorsFile(
             rank_file_name(rank, mesh.size), rank, ordered, metadata_text(rank_metadata(mesh, rank, text))

@@ -107,3 +107,127 @@ def test_star_globs_match_as_fnmatchcase(pattern: str, names: list[str]) -> None
     cfg = layout([pattern, "re:.*"])
     for name in names + [pattern.replace("*", ""), pattern.replace("*", "ab.")]:
         assert (cfg.match(name) is cfg.rules[0]) == fnmatch.fnmatchcase(name, pattern), (pattern, name)
+
+
+# -- names that differ in their digits: the rule index remembers first matches per name with its
+# digits zeroed, for the rules whose patterns mention no digit; the rules that do are tried on
+# the name itself. The oracle above knows nothing of that.
+
+DIGIT_NAMES = "a.0127"
+DIGIT_GLOBS = "a.0127*?[]!-"
+# atoms that tell digits apart (a digit, a class or range holding some, a repeat count) and ones
+# that cannot (\d, \w, ., a class without digits)
+DIGIT_FRAGMENTS = ["a", "\\.", "0", "1", "7", "\\d", "\\d+", "\\w", ".", "[0-5]", "[1-9]", "[a.]", "\\d{2}"]
+DIGIT_FRAGMENTS += [".*"]
+digit_patterns_st = st.one_of(
+    st.text(alphabet=DIGIT_GLOBS, min_size=1, max_size=5),
+    st.text(alphabet=DIGIT_NAMES, min_size=1, max_size=5).map(lambda n: REGEX_PREFIX + re.escape(n)),
+    st.lists(st.sampled_from(DIGIT_FRAGMENTS), min_size=1, max_size=4).map(
+        lambda fs: REGEX_PREFIX + "".join(fs)
+    ),
+)
+
+
+def digit_variants(name: str) -> list[str]:
+    """``name`` with its digits replaced: each by 0, each by 9, and runs lengthened (``1`` -> ``10``)."""
+    return [
+        re.sub("[0-9]", "0", name),
+        re.sub("[0-9]", "9", name),
+        re.sub("[0-9]", lambda m: m.group() + "0", name),
+    ]
+
+
+@given(st.lists(digit_patterns_st, min_size=1, max_size=8, unique=True), st.data())
+def test_names_differing_in_digits_match_as_trying_every_rule(
+    patterns: list[str], data: st.DataObject
+) -> None:
+    """One layout asked about many names that differ only in their digits (so later ones find
+    earlier ones' canonical names remembered), with rules that do and do not mention digits."""
+    cfg = layout(patterns)
+    base = data.draw(st.lists(st.text(alphabet=DIGIT_NAMES, max_size=6), min_size=1, max_size=6))
+    names = [v for n in base for v in [n, *digit_variants(n)]]
+    for name in names + list(reversed(names)):
+        want = naive_first(patterns, name)
+        got = cfg._first(name)
+        assert got == want, (name, patterns)
+    used = {naive_first(patterns, n) for n in names}
+    assert cfg.unused_rules(names) == [r for i, r in enumerate(cfg.rules) if i not in used]
+
+
+def test_a_rule_mentioning_a_digit_wins_over_a_remembered_later_rule() -> None:
+    cfg = layout(["*.layers.1.*", "re:.*\\.layers\\.1\\d\\..*", "*.experts.[0-1].w", "*"])
+    names = ["m.layers.0.w", "m.layers.1.w", "m.layers.10.w", "m.layers.2.w"]
+    first = {n: cfg.match(n).pattern for n in names}
+    assert first == {
+        "m.layers.0.w": "*",
+        "m.layers.1.w": "*.layers.1.*",
+        "m.layers.10.w": "re:.*\\.layers\\.1\\d\\..*",
+        "m.layers.2.w": "*",
+    }
+    assert cfg.match("m.layers.3.experts.1.w").pattern == "*.experts.[0-1].w"
+    assert cfg.match("m.layers.3.experts.2.w").pattern == "*"
+    assert cfg.match("m.layers.1.experts.0.w").pattern == "*.layers.1.*"
+
+
+def test_digit_free_rules_are_matched_once_per_canonical_name() -> None:
+    """100k MoE names are a few canonical names: the patterns run once for each (not per name)."""
+    calls: list[tuple[str, str]] = []
+
+    class Counting:
+        def __init__(self, pattern: str) -> None:
+            self.pattern = pattern
+            self.inner = re.compile(fnmatch.translate(pattern))
+
+        def fullmatch(self, name: str) -> object:
+            calls.append((self.pattern, name))
+            return self.inner.fullmatch(name)
+
+    rules = [Rule.from_json(p, "R") for p in ("*.down_proj.weight", "*norm.weight", "*.[gu]*_proj.weight")]
+    for r in rules:
+        object.__setattr__(r, "_regex", Counting(r.pattern))
+    cfg = LayoutConfig(MESH, tuple(rules), "test")
+    names = [
+        f"model.layers.{i}.mlp.experts.{j}.{k}_proj.weight"
+        for i in range(30)
+        for j in range(20)
+        for k in ("gate", "up", "down")
+    ]
+    assert [cfg.match(n).pattern for n in names] == [
+        "*.down_proj.weight" if n.endswith("down_proj.weight") else "*.[gu]*_proj.weight" for n in names
+    ]
+    # each pattern tried once per canonical name: layer and expert numbers of 1 or 2 digits, 3 kinds
+    assert len(set(calls)) == len(calls)
+    assert len({n for _, n in calls}) == 2 * 2 * 3
+
+
+def test_remembered_names_start_over_past_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reshard import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_MEMO_MAX", 3)
+    patterns = ["a*", "b?", "*"]
+    cfg = layout(patterns)
+    names = ["a", "b1", "b", "ab", "c", "bb", "b12", "a9"] * 3
+    assert [cfg._first(n) for n in names] == [naive_first(patterns, n) for n in names]
+    assert len(cfg._index._memo) <= 3
+
+
+def test_non_ascii_digits_and_surrogates_are_their_own_characters() -> None:
+    """Only ASCII digits are zeroed: a name holding another script's digit (or a lone surrogate,
+    which JSON headers can carry) is matched on that character itself."""
+    patterns = ["*.1.*", "*.?.w", "*"]
+    cfg = layout(patterns)
+    for name in ["a.\u0661.w", "a.1.w", "a.\u0661\u0662.w", "a.\udc80.w", "a.7.w", "a.\u0967.x"]:
+        assert cfg._first(name) == naive_first(patterns, name), name
+
+
+def test_layouts_of_one_rules_tuple_share_their_index() -> None:
+    """The source layout on the target mesh (--target-mesh) and with Own numbers bound reuse the
+    names it already matched; a layout of other rules (--target-layout) has its own."""
+    src = layout(["*.layers.1.*", "*"])
+    on_eight = src.with_mesh(Mesh(("tp",), (8,)))
+    assert on_eight._index is src._index and src.assign(["x"])._index is src._index
+    other = layout(["*.layers.2.*", "*"])
+    assert other._index is not src._index
+    for name in ["m.layers.1.w", "m.layers.2.w", "m.layers.12.w"]:
+        assert on_eight.match(name) == src.match(name)
+    assert [other.match(n).pattern for n in ["m.layers.1.w", "m.layers.2.w"]] == ["*", "*.layers.2.*"]
