@@ -50,6 +50,7 @@ from .io.reader import (
     Span,
     Spans,
     Windows,
+    job_reach,
     read_box,
     slab_items,
     uint_dtype,
@@ -406,12 +407,8 @@ class _Writer:
                         sel = files == one
                         jobs.append((one, lo[sel], pos[sel], n, rows, ss, ds))
         if j - i > 1 and bufs.spans.shared:
-            reach: dict[int, tuple[int, int]] = {}  # per source file: the bytes read from it
-            for fi_, lo_, _, n, rows, ss, _ in jobs:
-                a, b = reach.get(fi_, (int(lo_.min()), 0))
-                reach[fi_] = (min(a, int(lo_.min())), max(b, int(lo_.max()) + (rows - 1) * ss + n))
-            span = bufs.spans.span
-            if sum((b - a) // span + 2 for a, b in reach.values()) > SPAN_SLOTS:
+            span = bufs.spans.span  # the windows read from each source file must all stay
+            if sum((b - a) // span + 2 for a, b, _ in job_reach(jobs).values()) > SPAN_SLOTS:
                 return False
         bufs.spans.gather(jobs, buf)
         out = memoryview(buf)

@@ -208,8 +208,13 @@ def check_tensor_heads(
     counts ``heads_of()`` gives (called only when some tensor name is a q/k/v projection)."""
     if rules is None:
         return []
-    # both patterns hold "_proj.": a substring test first, regexes for the few that pass (100k names)
-    names = [n for n in tensors if "_proj." in n and (_FUSED_QKV.fullmatch(n) or _KV_ROWS.fullmatch(n))]
+    # every name either pattern matches holds "k_proj." or "v_proj." (qkv_proj. too): substring
+    # tests first, regexes for the few that pass (100k expert names hold gate_/up_/down_proj.)
+    names = [
+        n
+        for n in tensors
+        if ("k_proj." in n or "v_proj." in n) and (_FUSED_QKV.fullmatch(n) or _KV_ROWS.fullmatch(n))
+    ]
     if not names:
         return []
     heads = heads_of()

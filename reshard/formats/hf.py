@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
+from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource, tensor_source
 from ..errors import HeaderError, TensorNotFoundError
 from ..intervals import Block, full_block
 from ..io.header import Header, TensorEntry, read_header
@@ -31,8 +31,8 @@ def _whole(shape: tuple[int, ...]) -> tuple[Block]:
 def _tensor(name: str, header: Header, file_index: int, e: TensorEntry | None = None) -> TensorSource:
     e = header.entry(name) if e is None else e
     blocks, signature = _geometry(e.shape)
-    # positional: a 100k-tensor checkpoint builds 100k of these, and keywords cost a third more
-    return TensorSource(
+    # positional, without the dataclass constructor: a 100k-tensor checkpoint builds 100k
+    return tensor_source(
         name,
         e.dtype,
         e.shape,

@@ -52,6 +52,7 @@ __all__ = [
     "SPAN_SLOTS",
     "Spans",
     "Job",
+    "job_reach",
     "Run",
     "Span",
     "Windows",
@@ -573,6 +574,17 @@ _MOVING = 96 << 10
 """Bytes of pieces :class:`Spans` moves with one numpy copy (below the CLI's 128 KiB mmap threshold)."""
 
 
+def job_reach(jobs: Iterable[Job]) -> dict[int, tuple[int, int, int]]:
+    """Per source file of ``jobs``: the first and last byte they read from it (plus one), and
+    how many pieces."""
+    reach: dict[int, tuple[int, int, int]] = {}
+    for fi, lo, _, n, rows, ss, _ in jobs:
+        if len(lo):
+            a, b, k = reach.get(fi, (int(lo.min()), 0, 0))
+            reach[fi] = (min(a, int(lo.min())), max(b, int(lo.max()) + (rows - 1) * ss + n), k + len(lo))
+    return reach
+
+
 _MANY = 8
 """Pieces of one file in a buffer from which :class:`Spans` reads whole windows for siblings."""
 
@@ -641,19 +653,14 @@ class Spans:
                 job = (fi, lo[o], pos[o], n, rows, ss, ds)
             sorted_jobs.append(job)
         sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
-        reach: dict[int, tuple[int, int]] = {}  # per file: the bytes the jobs want from it
-        pieces: dict[int, int] = {}
-        for fi, lo, _, n, rows, ss, _ in sorted_jobs:
-            a, b = reach.get(fi, (int(lo[0]), 0))
-            reach[fi] = (min(a, int(lo[0])), max(b, int(lo[-1]) + (rows - 1) * ss + n))
-            pieces[fi] = pieces.get(fi, 0) + len(lo)
+        reach = job_reach(sorted_jobs)
         for job in sorted_jobs:
             fi, lo, _, n, rows, ss, _ = job
             extent = (rows - 1) * ss + n
             # whole windows when siblings will want the pieces between ours; else only the bytes
             # wanted (alone, or a few tensors, which siblings want whole or cut in a few)
-            first, size = reach[fi]
-            if self.shared and pieces[fi] >= _MANY:
+            first, size, pieces = reach[fi]
+            if self.shared and pieces >= _MANY:
                 first, size = 0, self.sources.size(fi)
             i, count = 0, len(lo)
             while i < count:

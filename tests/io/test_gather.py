@@ -4,6 +4,7 @@ byte-by-byte reference: every layout of pieces, any window size, by pread only."
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,21 @@ def _expected(data: list[bytes], lay: dict[str, Any]) -> bytearray:
 def test_gather_entries_equal_the_reference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lay: dict[str, Any], window: int, slots: int
 ) -> None:
+    def gather(sources: SourceFiles, buf: bytearray) -> None:
+        srcs = [_tensor(f, o) for f, o in lay["srcs"]]
+        Windows(sources, window, slots).gather_entries(lay["runs"], lay["at"], srcs, buf)
+
+    _check_gather(tmp_path, monkeypatch, lay, gather)
+
+
+def _check_gather(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    lay: dict[str, Any],
+    gather: Callable[[SourceFiles, bytearray], None],
+) -> None:
+    """``gather(sources, buf)`` fills ``buf`` as the byte-by-byte reference does, by pread only,
+    showing every read to the ``seen`` hook."""
     paths = _files(tmp_path, 3)
     data = [Path(p).read_bytes() for p in paths]
     seen: list[tuple[int, int, int]] = []
@@ -117,8 +133,7 @@ def test_gather_entries_equal_the_reference(
     monkeypatch.setattr(SourceFiles, "map", lambda *a: pytest.fail("a source read through a map"))
     try:
         buf = bytearray(lay["size"])
-        srcs = [_tensor(f, o) for f, o in lay["srcs"]]
-        Windows(sources, window, slots).gather_entries(lay["runs"], lay["at"], srcs, buf)
+        gather(sources, buf)
     finally:
         sources.close()
     assert buf == _expected(data, lay)
@@ -137,13 +152,8 @@ def test_spans_gather_equals_the_reference(
 ) -> None:
     """The column path's copy (one call per run and source file, pieces in file order) moves
     the same bytes as the reference, whatever the windows."""
-    paths = _files(tmp_path, 3)
-    data = [Path(p).read_bytes() for p in paths]
-    seen: list[tuple[int, int, int]] = []
-    sources = SourceFiles(paths, seen=lambda fi, off, buf: seen.append((fi, off, len(buf))))
-    monkeypatch.setattr(SourceFiles, "map", lambda *a: pytest.fail("a source read through a map"))
-    try:
-        buf = bytearray(lay["size"])
+
+    def gather(sources: SourceFiles, buf: bytearray) -> None:
         w = Spans(sources, span, slots)
         w.shared = shared  # whole windows (siblings read them too) or only the bytes wanted
         at = np.array(lay["at"], dtype=np.int64)
@@ -155,10 +165,8 @@ def test_spans_gather_equals_the_reference(
                 sel = files == fi
                 jobs.append((fi, lo[sel], at[sel] + d, n, rows, ss, ds))
         w.gather(jobs, buf)
-    finally:
-        sources.close()
-    assert buf == _expected(data, lay)
-    assert seen and all(0 <= off and off + n <= SIZE and n > 0 for _, off, n in seen)  # shown every read
+
+    _check_gather(tmp_path, monkeypatch, lay, gather)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
