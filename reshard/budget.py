@@ -85,16 +85,23 @@ def budget_for(max_memory: int, workers: int) -> Budget:
     return Budget(n, buffer, window)
 
 
+COLUMN_WRITES = 4
+"""The column path gathers this many write buffers of entries at a time (fewer numpy calls per
+byte) and writes them a buffer per ``pwrite`` (larger writes were slower here)."""
+
+
 def memory_estimate(plan: Plan, budget: Budget) -> int:
     """Peak resident memory a conversion of ``plan`` will use, in bytes.
 
     Interpreter baseline, plus per worker: one slab buffer per Partial group (plus a
-    cast output), the row cache, mapped source pages up to the release window, the
-    scratch of short reads (``io.reader.SCRATCH``, 11.25 MiB) and the largest output header.
+    cast output), the row cache, the column path's buffer (:data:`COLUMN_WRITES` buffers),
+    mapped source pages up to the release window, the scratch of short reads
+    (``io.reader.SCRATCH``, 11.25 MiB) and the largest output header.
     """
     groups = max((t.groups for t in plan.tensors), default=1)
     casts = any(t.dtype != t.src.dtype for t in plan.tensors) or groups > 1
-    per_worker = budget.buffer * (groups + (1 if casts else 0) + DENSE) + budget.window + SCRATCH
+    buffers = groups + (1 if casts else 0) + DENSE + COLUMN_WRITES
+    per_worker = budget.buffer * buffers + budget.window + SCRATCH
     header = max((sum(len(b) for _, b in f.layout.fixed) for f in plan.files), default=0)
     n = max(1, budget.workers)  # spare workers split a file's entries, so all of them run
     return BASELINE_RSS + (TORCH_RSS if casts else 0) + n * (per_worker + header)

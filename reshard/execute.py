@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .budget import DEFAULT_BUFFER, RELEASE_EVERY
+from .budget import COLUMN_WRITES, DEFAULT_BUFFER, RELEASE_EVERY
 from .bulk import Geometries
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
@@ -125,10 +125,6 @@ def _contiguous(shape: Sequence[int], starts: Sequence[int], sizes: Sequence[int
 def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
-
-COLUMN_WRITES = 4
-"""The column path gathers this many write buffers of entries at a time (fewer numpy calls per
-byte) and writes them a buffer per ``pwrite`` (larger writes were slower here)."""
 
 _STRIDED_MAX = 65536
 """Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
