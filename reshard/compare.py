@@ -77,7 +77,7 @@ _Job = tuple[Sequence[Run], "Ints", "Ints", "Ints"]
 """A group's runs on one side, with their files, file offsets and buffer positions (T, runs)."""
 
 
-def batches(sizes: Sequence[int], cap: int) -> list[tuple[int, int]]:
+def batches(sizes: Sequence[int] | Ints, cap: int) -> list[tuple[int, int]]:
     """Consecutive ``[start, stop)`` ranges of items of ``sizes`` holding at most ``cap`` bytes
     each, filled greedily (an item larger than ``cap`` alone)."""
     import numpy as np
@@ -233,10 +233,10 @@ class Batch:
         cid = np.repeat(np.arange(len(starts)), ends - starts + 1)
         win = np.empty_like(x_all)
         win[order] = base[cid] + klo - c_lo[cid]
-        at = 0
+        done = 0
         for runs, _, x, y in jobs:
-            _move(runs, win[at : at + x.size].reshape(x.shape), y, self._window, buf)
-            at += x.size
+            _move(runs, win[done : done + x.size].reshape(x.shape), y, self._window, buf)
+            done += x.size
         return True
 
     def _direct(
