@@ -49,26 +49,46 @@ def suspects(
     out: list[TensorSource] = []
     size = np.array([-1 if s is None else s for s in sizes], np.int64)
     batch = _Replicas(Batch((sources, sources), cap), out)
-    for tensors, (numels, pairs) in groups:
-        crcs = list(map(_CRC32, tensors))
-        if crcs.count(None) != len(crcs):  # CRC32s are checked one tensor at a time
-            out += [t for t, c in zip(tensors, crcs, strict=True) if c is not None]
-            tensors = [t for t, c in zip(tensors, crcs, strict=True) if c is None]
-        dtypes = list(map(_DTYPE, tensors))
-        for dtype in dict.fromkeys(dtypes):
-            ts = tensors if dtypes.count(dtype) == len(dtypes) else [t for t in tensors if t.dtype == dtype]
-            isz = DTYPE_SIZES.get(dtype)
-            if isz is None or not ts or not numels:
-                out += ts if isz is None else []
-                continue
-            ok = _in_bounds(ts, np.array(numels, np.int64) * isz, size)
-            if not ok.all():
-                out += [t for t, good in zip(ts, ok.tolist(), strict=True) if not good]
-                ts = [t for t, good in zip(ts, ok.tolist(), strict=True) if good]
-            for r, k in pairs:
-                batch.add(r, k, numels[r] * isz, ts)
+    for group, (numels, pairs) in groups:
+        for c in range(0, len(group), _CHUNK):
+            _chunk(group[c : c + _CHUNK], numels, pairs, size, batch, out)
     batch.flush()
     return out
+
+
+_CHUNK = 1 << 13
+"""Tensors checked at once: arrays of their pieces' offsets stay small (200k tensors' at once
+took 40 MiB)."""
+
+
+def _chunk(
+    tensors: Sequence[TensorSource],
+    numels: tuple[int, ...],
+    pairs: tuple[tuple[int, int], ...],
+    size: Any,
+    batch: _Replicas,
+    out: list[TensorSource],
+) -> None:
+    """:func:`suspects` of some tensors of one geometry."""
+    import numpy as np
+
+    crcs = list(map(_CRC32, tensors))
+    if crcs.count(None) != len(crcs):  # CRC32s are checked one tensor at a time
+        out += [t for t, c in zip(tensors, crcs, strict=True) if c is not None]
+        tensors = [t for t, c in zip(tensors, crcs, strict=True) if c is None]
+    dtypes = list(map(_DTYPE, tensors))
+    for dtype in dict.fromkeys(dtypes):
+        ts = tensors if dtypes.count(dtype) == len(dtypes) else [t for t in tensors if t.dtype == dtype]
+        isz = DTYPE_SIZES.get(dtype)
+        if isz is None or not ts or not numels:
+            out += ts if isz is None else []
+            continue
+        ok = _in_bounds(ts, np.array(numels, np.int64) * isz, size)
+        if not ok.all():
+            out += [t for t, good in zip(ts, ok.tolist(), strict=True) if not good]
+            ts = [t for t, good in zip(ts, ok.tolist(), strict=True) if good]
+        for r, k in pairs:
+            batch.add(r, k, numels[r] * isz, ts)
 
 
 def _in_bounds(ts: Sequence[TensorSource], nbytes: Any, size: Any) -> Any:
