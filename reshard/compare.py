@@ -344,22 +344,22 @@ def _progressions(x: Ints, y: Ints) -> list[tuple[int, int, int]]:
     import numpy as np
 
     t = x.shape[0]
-    best: list[tuple[int, int, int]] | None = None
-    for p in range(1, min(_PERIODS, max(1, t // 2)) + 1):
-        cut: list[tuple[int, int, int]] = []
-        for r in range(p):
-            xs, ys = x[r::p], y[r::p]
-            m = xs.shape[0]
-            if m <= 2:
-                cut.append((r, m, p))
-                continue
-            dx, dy = np.diff(xs, axis=0), np.diff(ys, axis=0)
-            change = ((dx[1:] != dx[:-1]) | (dy[1:] != dy[:-1])).any(axis=1)
-            brk = (np.flatnonzero(change) + 1).tolist()
-            cut += [(r + p * s, e - s + 1, p) for s, e in zip([0, *brk], [*brk, m - 1], strict=True)]
-        if best is None or len(cut) < len(best):
-            best = cut
-        if len(best) <= 2 * p:
+    if t <= 2:
+        return [(0, t, 1)]
+    best: tuple[int, Any] | None = None
+    for p in range(1, min(_PERIODS, t // 2) + 1):
+        dx, dy = x[p:] - x[:-p], y[p:] - y[:-p]  # each item's step to the next of its class
+        new = np.flatnonzero(((dx[p:] != dx[:-p]) | (dy[p:] != dy[:-p])).any(axis=1)) + p
+        if best is None or p + len(new) < best[0] + len(best[1]):
+            best = (p, new)  # item new[i] ends a progression of its class and starts the next
+        if len(best[1]) + best[0] <= 2 * p:
             break
     assert best is not None
-    return best
+    p, new = best
+    starts = np.concatenate((np.arange(p), new))
+    starts = starts[np.lexsort((starts, starts % p))]  # by class, then position
+    last = t - 1 - (t - 1 - np.arange(p)) % p  # the last item of each class
+    ends = last[starts % p]
+    follow = np.flatnonzero(starts[1:] % p == starts[:-1] % p)
+    ends[follow] = starts[follow + 1]
+    return list(zip(starts.tolist(), ((ends - starts) // p + 1).tolist(), itertools.repeat(p)))

@@ -317,13 +317,17 @@ def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
     Reading follows the files: neighbouring tensors are read as one span, and the pages
     mapped around each read (the kernel maps 64 KiB around a fault) are the ones read next,
     not pages of tensors far away (a 100k-tensor HF file in name order touched 8x the bytes
-    compared, and held them until the next release). Differences are sorted by name after.
+    compared, and held them until the next release). Batches then read B's bytes in file order
+    too. Tensors at the same place keep B's order. Differences are sorted by name after.
     """
-    located = sorted(
-        (t.piece_files[0] if t.piece_files else -1, t.piece_offsets[0] if t.piece_offsets else -1, n)
-        for n, t in b.tensors.items()
-    )
-    return [n for _, _, n in located] + [n for n in a.tensors if n not in b.tensors]
+    import numpy as np
+
+    names = list(b.tensors)
+    ts = b.tensors.values()
+    files = np.fromiter((f[0] if f else -1 for f in map(_FILES, ts)), np.int64, len(names))
+    offsets = np.fromiter((o[0] if o else -1 for o in map(_OFFSETS, ts)), np.int64, len(names))
+    order = np.lexsort((offsets, files)).tolist()
+    return [names[i] for i in order] + [n for n in a.tensors if n not in b.tensors]
 
 
 def _template(src: TensorSource, m: _Match, a_side: bool) -> tuple[Run, ...] | None:
@@ -357,6 +361,8 @@ _CHUNK = 1 << 14
 _DTYPE = attrgetter("dtype")
 _SHAPE = attrgetter("shape")
 _SIGNATURE = attrgetter("signature")
+_FILES = attrgetter("piece_files")
+_OFFSETS = attrgetter("piece_offsets")
 
 
 class _Kind(NamedTuple):
