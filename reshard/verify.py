@@ -9,6 +9,13 @@ strided shards, Partial sums) is gathered into a reused buffer. Items are
 compared as unsigned integers of the item size, so ``-0.0 != 0.0`` and NaNs
 with different payloads differ, exactly when their bits do.
 
+Small tensors whose regions are runs of rows on both sides (most of a 100k-tensor
+checkpoint) are compared many at a time (:class:`~reshard.compare.Batch`: both sides'
+bytes gathered into two buffers, compared eight bytes at a time); a tensor a batch
+finds a differing byte in is compared again alone, as above, for its first differing
+index. Names are looked up, dtypes and shapes compared and tensors grouped by geometry
+a chunk of names at a time with list operations, not a Python step per tensor.
+
 Partial tensors (a checkpoint saved with ``P(...)`` placements) are reduced
 in rank order with :func:`reshard.torch_ops.cast_reduce`, as ``convert`` does,
 and the reduced values are compared.
