@@ -681,17 +681,24 @@ def _suspects(
     """The tensors :func:`_check_tensor` must see: those of a geometry with pieces outside the
     tensor, holes or overlaps, and those :func:`reshard.bulkcheck.suspects` does not prove
     whole (the others have no problem for it to report)."""
+    # readers share a signature object between the tensors of a geometry: found by id; others
+    # (a new tuple per tensor) by value, without an entry a tensor
     by_id: dict[tuple[int, tuple[int, ...], tuple[int, ...] | None], list[TensorSource]] = {}
-    for t in ckpt.tensors.values():  # signatures are shared objects: their ids group the tensors
-        by_id.setdefault((id(t.signature), t.shape, t.piece_partials), []).append(t)
+    by_value: dict[tuple[Hashable, ...], list[TensorSource]] = {}
+    for t in ckpt.tensors.values():
+        same = by_id.get((id(t.signature), t.shape, t.piece_partials))
+        if same is None:
+            value = (t.signature, t.shape, t.piece_partials)
+            same = by_value.get(value)
+            if same is None:
+                same = by_id[(id(t.signature), t.shape, t.piece_partials)] = by_value[value] = []
+        same.append(t)
     names: set[str] = set()
     clean: list[tuple[list[TensorSource], Geometry]] = []
-    for ts in by_id.values():
-        t = ts[0]
-        key = (t.signature, t.shape, t.piece_partials)
+    for key, ts in by_value.items():
         g = cache.get(key)
         if g is None:
-            g = cache[key] = _geometry(t)
+            g = cache[key] = _geometry(ts[0])
         if g.outside or any(grp.holes or grp.overlaps for grp in g.groups):
             names.update(x.name for x in ts)
         else:

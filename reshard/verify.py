@@ -401,7 +401,8 @@ class _Verifier:
         self.fb = MappedFiles(b.files, max_bytes // 4)
         self.bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
         self.matches: dict[tuple[Hashable, ...], _Match] = {}
-        self.kinds: dict[tuple[int, int, tuple[int, ...], str], int] = {}
+        self.kinds: dict[tuple[int, int, tuple[int, ...], str], int] = {}  # by signature ids
+        self.by_value: dict[tuple[Hashable, ...], int] = {}  # by signatures
         self.kind_list: list[_Kind] = []
         self.groups: dict[tuple[int, str], int] = {}
         self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 8)))
@@ -483,19 +484,28 @@ class _Verifier:
             self._alone(names[i], tas[i], tbs[i], self.kind_list[ks[i]])
 
     def _kind(self, key: tuple[int, int, tuple[int, ...], str], ta: TensorSource, tb: TensorSource) -> int:
-        """Index of the kind of tensors like ``ta``/``tb`` (their first: matched here)."""
+        """Index of the kind of tensors like ``ta``/``tb`` (the first of a kind is matched here).
+
+        Readers that share one signature object between the tensors of a geometry are served
+        by ``key`` (the objects' ids); for the others (a new tuple per tensor) each tensor
+        looks its signatures up by value, and ``kinds`` does not grow with them.
+        """
+        vkey = (ta.signature, tb.signature, ta.shape, ta.dtype)
+        known = self.by_value.get(vkey)
+        if known is not None:
+            return known
         size = ta.numel * DTYPE_SIZES[ta.dtype]
         m = runs = None
         group = -1
         if size:
-            vkey = (ta.signature, tb.signature, ta.shape)
-            m = self.matches.get(vkey)
+            mkey = (ta.signature, tb.signature, ta.shape)
+            m = self.matches.get(mkey)
             if m is None:
-                m = self.matches[vkey] = _match(ta, tb, self.a.path, self.b.path)
+                m = self.matches[mkey] = _match(ta, tb, self.a.path, self.b.path)
             ra, rb = _template(ta, m, True), _template(tb, m, False)
             runs = None if ra is None or rb is None else (ra, rb)
             group = self.groups.setdefault((id(m), ta.dtype), len(self.groups))  # matches are held
-        self.kinds[key] = len(self.kind_list)
+        self.kinds[key] = self.by_value[vkey] = len(self.kind_list)
         self.kind_list.append(_Kind(size, m, runs, group, (ta.signature, tb.signature)))
         return self.kinds[key]
 

@@ -366,3 +366,41 @@ def test_check_bounds_of_many_tensors(tmp_path: Path) -> None:
     problems = check_checkpoint(ck)
     assert check_checkpoint(ck, max_bytes=8) == problems
     assert [(p["kind"], p["tensor"]) for p in problems] == [("bounds", "w.33")]
+
+
+def test_signatures_not_shared_between_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that makes a new signature tuple per tensor (DCP's readers do): tensors are
+    grouped by value, matched and checked once per geometry, and batched all the same."""
+    from reshard import bulkcheck
+    from reshard import check as check_mod
+    from reshard import verify as verify_mod
+
+    rng = random.Random(2)
+    data = rng.randbytes(300 * 256)
+    bad = bytearray(data)
+    bad[123 * 256 + 77] ^= 0x20  # tensor 123, byte 77: element 19 = (4, 3)
+    _, base = _raw(tmp_path / "a.safetensors", data)
+    _raw(tmp_path / "b.safetensors", bytes(bad))
+    rows = tuple(((I(4 * r, 4 * r + 4),), (I(0, 4),)) for r in range(4))
+    whole = (((I(0, 16),), (I(0, 4),)),)
+
+    def ckpt(f: Path, blocks: Any, step: int) -> Checkpoint:
+        ts = {}
+        for i in range(300):
+            offs = tuple(base + 256 * i + step * k for k in range(len(blocks)))
+            sig = ("hand", (16, 4), str(len(blocks)))  # a new tuple (and str) per tensor
+            ts[f"t.{i}"] = TensorSource(f"t.{i}", "F32", (16, 4), (0,) * len(blocks), offs, blocks, sig)
+        return Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), ts)
+
+    calls: list[str] = []
+    real_geometry, real_match = check_mod._geometry, verify_mod._match
+    monkeypatch.setattr(check_mod, "_geometry", lambda t: calls.append("g") or real_geometry(t))
+    monkeypatch.setattr(verify_mod, "_match", lambda *a: calls.append("m") or real_match(*a))
+    real_bounds = bulkcheck._in_bounds
+    monkeypatch.setattr(bulkcheck, "_in_bounds", lambda *a: calls.append("b") or real_bounds(*a))
+    a, b = ckpt(tmp_path / "a.safetensors", rows, 64), ckpt(tmp_path / "b.safetensors", whole, 0)
+    doc = verify_checkpoints(a, b)
+    assert [(d["tensor"], d["index"]) for d in doc["differences"]] == [("t.123", [4, 3])]
+    assert check_checkpoint(a) == [] and check_checkpoint(b) == []
+    assert calls == ["m", "g", "b", "g", "b"]  # one geometry: one match, one bounds check each
+    assert verify_checkpoints(a, b, max_bytes=1)["differences"] == doc["differences"]
