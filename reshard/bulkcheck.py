@@ -92,18 +92,27 @@ def _chunk(
 
 
 def _in_bounds(ts: Sequence[TensorSource], nbytes: Any, size: Any) -> Any:
-    """Per tensor, whether every piece's bytes lie inside its file (of a known size)."""
+    """Per tensor, whether every piece's bytes lie inside its file (of a known size); all
+    False when the arrays cannot say (offsets past int64, a piece count or file index that
+    does not fit): the per-tensor checks then look."""
     import numpy as np
 
     t, p = len(ts), len(nbytes)
-    offs = np.fromiter(itertools.chain.from_iterable(map(_OFFSETS, ts)), np.int64, t * p).reshape(t, p)
-    fl = list(map(_FILES, ts))
-    if fl.count(fl[0]) == t:
-        files = np.broadcast_to(np.array(fl[0], np.int64), (t, p))
-    else:
-        files = np.fromiter(itertools.chain.from_iterable(fl), np.int64, t * p).reshape(t, p)
+    ol, fl = list(map(_OFFSETS, ts)), list(map(_FILES, ts))
+    if sum(map(len, ol)) != t * p or sum(map(len, fl)) != t * p:
+        return np.zeros(t, bool)
+    try:
+        offs = np.fromiter(itertools.chain.from_iterable(ol), np.int64, t * p).reshape(t, p)
+        if fl.count(fl[0]) == t:  # readers share one tuple between a file's tensors
+            files = np.broadcast_to(np.array(fl[0], np.int64), (t, p))
+        else:
+            files = np.fromiter(itertools.chain.from_iterable(fl), np.int64, t * p).reshape(t, p)
+    except OverflowError:
+        return np.zeros(t, bool)
+    if t and (files.min() < 0 or files.max() >= len(size)):
+        return np.zeros(t, bool)
     have = size[files]
-    return ((offs >= 0) & (have >= 0) & (offs + nbytes <= have)).all(axis=1)
+    return ((offs >= 0) & (have >= 0) & (offs <= have - nbytes)).all(axis=1)
 
 
 class _Replicas:

@@ -352,20 +352,20 @@ def test_batches_cut_greedily() -> None:
 
 
 def test_check_bounds_of_many_tensors(tmp_path: Path) -> None:
-    """Many tensors of one geometry, one running past the end of the file: that one alone is
-    reported, as the per-tensor path words it."""
+    """Many tensors of one geometry, one running past the end of the file, one at an offset
+    past int64: those alone are reported, as the per-tensor path words it."""
     data = struct.pack("<64f", *range(64))
     files, base = _raw(tmp_path / "d.safetensors", data)
     f = tmp_path / "d.safetensors"
     blocks = ((I(0, 2),),), ((I(2, 4),),)
     ts = {}
     for i in range(40):
-        off = base + 16 * (i % 16) if i != 33 else f.stat().st_size - 8
+        off = {33: f.stat().st_size - 8, 34: 1 << 70}.get(i, base + 16 * (i % 16))
         ts[f"w.{i}"] = TensorSource(f"w.{i}", "F32", (4,), (0, 0), (off, off + 8), blocks, ("b", 4))
     ck = Checkpoint(str(tmp_path), "hand", (str(f),), (f.stat().st_size,), ts)
     problems = check_checkpoint(ck)
     assert check_checkpoint(ck, max_bytes=8) == problems
-    assert [(p["kind"], p["tensor"]) for p in problems] == [("bounds", "w.33")]
+    assert [(p["kind"], p["tensor"]) for p in problems] == [("bounds", "w.33")] + [("bounds", "w.34")] * 2
 
 
 def test_signatures_not_shared_between_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
