@@ -404,3 +404,32 @@ def test_signatures_not_shared_between_tensors(tmp_path: Path, monkeypatch: pyte
     assert check_checkpoint(a) == [] and check_checkpoint(b) == []
     assert calls == ["m", "g", "b", "g", "b"]  # one geometry: one match, one bounds check each
     assert verify_checkpoints(a, b, max_bytes=1)["differences"] == doc["differences"]
+
+
+def test_cli_subprocess_finds_the_strided_flip_and_the_replica(moe: dict[str, Path], tmp_path: Path) -> None:
+    """The same two differences through the real command line: exit 1 and the JSON documents."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad"
+    shutil.copytree(moe["tp8"], bad)
+    _no_checksums(bad)
+    name = "m.layers.3.mlp.experts.4.down_proj.weight"
+    _flip(_rank(bad, 5, 8), name, 7, byte=1, xor=0x40)
+    _flip(_rank(bad, 3, 8), "m.layers.1.input_layernorm.weight", 9)
+
+    def run(*args: str) -> tuple[int, Any]:
+        r = subprocess.run(
+            [sys.executable, "-m", "reshard", *args, "--json"], capture_output=True, text=True, cwd=tmp_path
+        )
+        return r.returncode, json.loads(r.stdout)
+
+    code, doc = run("verify", str(moe["hf"]), str(bad))
+    assert code == 1 and doc["ok"] is False
+    assert [(d["tensor"], d["index"]) for d in doc["differences"]] == [(name, [7, 5])]
+    code, doc = run("inspect", str(bad), "--check")
+    assert code == 1
+    assert [(p["kind"], p["tensor"], p["index"], Path(p["path"]).name) for p in doc["check"]["problems"]] == [
+        ("replica", "m.layers.1.input_layernorm.weight", [9], "rank-00003-of-00008.safetensors")
+    ]
+    assert run("verify", str(moe["tp8"]), str(moe["hf"]))[0] == 0
