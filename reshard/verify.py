@@ -9,6 +9,13 @@ strided shards, Partial sums) is gathered into a reused buffer. Items are
 compared as unsigned integers of the item size, so ``-0.0 != 0.0`` and NaNs
 with different payloads differ, exactly when their bits do.
 
+Small tensors whose regions are runs of rows on both sides (most of a 100k-tensor
+checkpoint) are compared many at a time (:class:`~reshard.compare.Batch`: both sides'
+bytes gathered into two buffers, compared eight bytes at a time); a tensor a batch
+finds a differing byte in is compared again alone, as above, for its first differing
+index. Names are looked up, dtypes and shapes compared and tensors grouped by geometry
+a chunk of names at a time with list operations, not a Python step per tensor.
+
 Partial tensors (a checkpoint saved with ``P(...)`` placements) are reduced
 in rank order with :func:`reshard.torch_ops.cast_reduce`, as ``convert`` does,
 and the reduced values are compared.
@@ -21,13 +28,17 @@ KV heads repeated over TP ranks) the same way, for ``verify --transforms``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 from .budget import DEFAULT_MAX_BYTES
 from .checkpoint import Checkpoint, TensorSource
+from .compare import Batch, Group, batches
 from .dtypes import DTYPE_SIZES
 from .errors import PlanError
 from .execute import entry_runs
@@ -42,7 +53,7 @@ from .intervals import (
     row_major_strides,
     slabs,
 )
-from .io.reader import WINDOW, WINDOW_SLOTS, MappedFiles, Piece, Run, Windows, read_box, uint_dtype
+from .io.reader import MappedFiles, Piece, Run, read_box, uint_dtype
 from .io.views import open_piece
 from .plan import Copy, copy_boxes, match_blocks, natural_key
 from .transform_plan import TransformedSource, file_at, match_any, target_sources
@@ -313,13 +324,17 @@ def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
     Reading follows the files: neighbouring tensors are read as one span, and the pages
     mapped around each read (the kernel maps 64 KiB around a fault) are the ones read next,
     not pages of tensors far away (a 100k-tensor HF file in name order touched 8x the bytes
-    compared, and held them until the next release). Differences are sorted by name after.
+    compared, and held them until the next release). Batches then read B's bytes in file order
+    too. Tensors at the same place keep B's order. Differences are sorted by name after.
     """
-    located = sorted(
-        (t.piece_files[0] if t.piece_files else -1, t.piece_offsets[0] if t.piece_offsets else -1, n)
-        for n, t in b.tensors.items()
-    )
-    return [n for _, _, n in located] + [n for n in a.tensors if n not in b.tensors]
+    import numpy as np
+
+    names = list(b.tensors)
+    ts = b.tensors.values()
+    files = np.fromiter((f[0] if f else -1 for f in map(_FILES, ts)), np.int64, len(names))
+    offsets = np.fromiter((o[0] if o else -1 for o in map(_OFFSETS, ts)), np.int64, len(names))
+    order = np.lexsort((offsets, files)).tolist()
+    return [names[i] for i in order] + [n for n in a.tensors if n not in b.tensors]
 
 
 def _template(src: TensorSource, m: _Match, a_side: bool) -> tuple[Run, ...] | None:
@@ -340,123 +355,194 @@ def _template(src: TensorSource, m: _Match, a_side: bool) -> tuple[Run, ...] | N
     return tuple(out)
 
 
-_BATCH = 1 << 20
-"""Bytes of tensors compared in one batch: the source spans of a batch (its tensors' pieces in
-up to 8 files a side) fit the windows of :class:`~reshard.io.reader.Windows`, so tensors of
-each geometry, gathered one geometry after another, read each source byte once (with 16 MiB
-batches, MoE verify read 4.6x the bytes compared)."""
+_BATCH = 4 << 20
+"""Bytes of tensors compared in one :class:`~reshard.compare.Batch` (a buffer a side, and a
+window of up to twice that the source spans are read into). Larger batches cut more numpy
+calls per byte (tensors of one geometry move as a few strided copies a batch), smaller ones
+keep the buffers in the CPU's cache; 4 MiB measured best on the 100k-tensor MoE checkpoint."""
 
 
-class _Batch:
-    """Tensors whose regions are contiguous runs on both sides, compared many at a time.
+_CHUNK = 1 << 14
+"""Tensors looked up, checked and grouped at once: lists of this many, whatever the count."""
 
-    A 100k-tensor checkpoint compared tensor by tensor costs ~100 us each in numpy calls;
-    here both sides' bytes are gathered back to back, tensors of one geometry together
-    (:meth:`~reshard.io.reader.Windows.gather_entries`: a few strided copies per batch), and
-    compared eight bytes at a time. Only the tensors holding a differing byte are compared
-    again, alone, to find each difference's first index.
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
+_SIGNATURE = attrgetter("signature")
+_FILES = attrgetter("piece_files")
+_OFFSETS = attrgetter("piece_offsets")
+
+
+class _Kind(NamedTuple):
+    """What tensors of one pair of signature objects, shape and dtype share."""
+
+    size: int  # bytes
+    match: _Match | None  # None: empty tensors
+    runs: tuple[tuple[Run, ...], tuple[Run, ...]] | None  # None: compared alone
+    group: int  # tensors of one match and dtype are batched together
+    held: tuple[object, object]  # the signatures whose ids key it, kept alive
+
+
+class _Verifier:
+    """The state of :func:`verify_checkpoints`: tensors go through it a chunk of names at a time.
+
+    Lookups, the metadata comparison and the grouping by geometry are list operations over
+    a chunk (``map``, list equality); tensors whose regions are contiguous runs on both sides
+    are compared in :class:`~reshard.compare.Batch` es, the rest (large, strided beyond a
+    run, reduced) and the tensors a batch found a difference in are compared alone with
+    :func:`_first_difference`.
     """
 
-    def __init__(
-        self,
-        fa: MappedFiles,
-        fb: MappedFiles,
-        cap: int,
-        max_bytes: int,
-        bufs: tuple[list[bytearray], list[bytearray]],
-    ) -> None:
-        self.fa, self.fb, self.cap, self.max_bytes, self.bufs = fa, fb, cap, max_bytes, bufs
+    def __init__(self, a: Checkpoint, b: Checkpoint, max_bytes: int) -> None:
+        self.a, self.b, self.max_bytes = a, b, max_bytes
+        self.diffs: list[Difference] = []
+        self.tensors = 0
         self.compared = 0
-        self.size = 0
-        self.items: list[tuple[str, TensorSource, TensorSource, _Match, int]] = []
-        self.buffers: tuple[bytearray, bytearray] | None = None
-        window = min(WINDOW, max_bytes // (8 * WINDOW_SLOTS))  # both sides' windows: 1/4 of the budget
-        self.windows = (Windows(fa.sources, window, own=True), Windows(fb.sources, window, own=True))
-        # per side, tensors by geometry: id(runs) -> [runs, positions, tensors]
-        self.groups: tuple[dict[int, list[Any]], dict[int, list[Any]]] = ({}, {})
-        self.templates: dict[tuple[int, bool, str], tuple[Run, ...] | None] = {}  # by id(_Match): held
+        self.fa = MappedFiles(a.files, max_bytes // 4)
+        self.fb = MappedFiles(b.files, max_bytes // 4)
+        self.bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
+        self.matches: dict[tuple[Hashable, ...], _Match] = {}
+        self.kinds: dict[tuple[int, int, tuple[int, ...], str], int] = {}  # by signature ids
+        self.by_value: dict[tuple[Hashable, ...], int] = {}  # by signatures
+        self.kind_list: list[_Kind] = []
+        self.groups: dict[tuple[int, str], int] = {}
+        self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 8)))
 
-    def has_room(self, a: TensorSource) -> bool:
-        """Whether tensor ``a`` fits in the batch besides the tensors queued (flush first if not)."""
-        return self.size + a.numel * DTYPE_SIZES[a.dtype] <= self.cap
+    def close(self) -> None:
+        self.bufs = ([], [])
+        self.fa.close()
+        self.fb.close()
 
-    def add(self, name: str, a: TensorSource, b: TensorSource, m: _Match) -> bool:
-        """Queue a tensor; False when it cannot be batched (no room, strided, reduced)."""
-        n = a.numel * DTYPE_SIZES[a.dtype]
-        if self.size + n > self.cap:
-            return False
-        runs = [self._template(a, m, True), self._template(b, m, False)]
-        if runs[0] is None or runs[1] is None:
-            return False
-        for side, src in enumerate((a, b)):
-            g = self.groups[side].get(id(runs[side]))
-            if g is None:
-                g = self.groups[side][id(runs[side])] = [runs[side], [], []]
-            g[1].append(self.size)
-            g[2].append(src)
-        self.items.append((name, a, b, m, n))
-        self.size += n
-        return True
-
-    def flush(self) -> list[Difference]:
-        """Compare the queued tensors; their differences, in queue order."""
+    def chunk(self, names: list[str]) -> None:
+        """Compare the tensors of ``names``."""
         import numpy as np
 
-        out: list[Difference] = []
-        if not self.items:
-            return out
-        if self.buffers is None:
-            self.buffers = (bytearray(self.cap), bytearray(self.cap))
-        ba, bb = self.buffers
-        n = self.size
-        for windows, groups, buf in zip(self.windows, self.groups, self.buffers):
-            windows.gather_groups(groups.values(), buf)
-            groups.clear()
-        differ = _differing(ba, bb, n)
-        if differ is None:
-            self.compared += n
-        else:  # the tensors holding a differing byte, each compared alone for its first index
-            ends = np.cumsum([size for *_, size in self.items])
-            hit = set(np.searchsorted(ends, differ, side="right").tolist())
-            for i, (name, a, b, m, size) in enumerate(self.items):
-                if i not in hit:
-                    self.compared += size
-                    continue
-                diff = self.compare(name, a, b, m)
-                if diff is not None:
-                    out.append(diff)
-        self.items.clear()
-        self.size = 0
-        return out
+        tas: list[Any] = list(map(self.a.tensors.get, names))
+        tbs: list[Any] = list(map(self.b.tensors.get, names))
+        if not _plain(tas, tbs):
+            names, tas, tbs = self._metadata(names, tas, tbs)
+        self.tensors += len(names)
+        dtypes = list(map(_DTYPE, tas))
+        keys = list(
+            zip(
+                map(id, map(_SIGNATURE, tas)),
+                map(id, map(_SIGNATURE, tbs)),
+                map(_SHAPE, tas),
+                dtypes,
+                strict=True,
+            )
+        )
+        ks: list[Any] = list(map(self.kinds.get, keys))
+        if None in ks:
+            for i, k in enumerate(ks):
+                if k is None:
+                    k = ks[i] = self.kinds.get(keys[i])
+                if k is None:
+                    ks[i] = self._kind(keys[i], tas[i], tbs[i])
+        del keys
+        kinds = self.kind_list
+        kk = np.array(ks, np.int64)
+        size = np.array([k.size for k in kinds], np.int64)[kk]
+        batched = np.array([k.runs is not None and 0 < k.size <= self.batch.cap for k in kinds])[kk]
+        for i in np.flatnonzero(~batched & (size > 0)).tolist():
+            self._alone(names[i], tas[i], tbs[i], kinds[ks[i]])
+        idx = np.flatnonzero(batched)
+        gid = np.array([k.group for k in kinds], np.int64)[kk[idx]]
+        sizes = size[idx]
+        ends = np.cumsum(sizes)
+        for lo, hi in batches(sizes, self.batch.cap):
+            self._batch(
+                names,
+                tas,
+                tbs,
+                ks,
+                idx[lo:hi],
+                gid[lo:hi],
+                ends[lo:hi] - sizes[lo:hi] - (ends[lo - 1] if lo else 0),
+            )
 
-    def _template(self, src: TensorSource, m: _Match, a_side: bool) -> tuple[Run, ...] | None:
-        key = (id(m), a_side, src.dtype)
-        if key not in self.templates:
-            self.templates[key] = _template(src, m, a_side)
-        return self.templates[key]
+    def _batch(
+        self, names: list[str], tas: list[Any], tbs: list[Any], ks: list[int], idx: Any, gid: Any, at: Any
+    ) -> None:
+        """Compare the tensors ``idx`` (of groups ``gid``, at ``at``) as one batch."""
+        import numpy as np
 
-    def compare(self, name: str, a: TensorSource, b: TensorSource, m: _Match) -> Difference | None:
+        groups = []
+        members = []
+        for g in np.unique(gid).tolist():
+            sel = np.flatnonzero(gid == g)
+            items = idx[sel].tolist()
+            kind = self.kind_list[ks[items[0]]]
+            assert kind.runs is not None
+            groups.append(
+                Group(kind.runs, kind.size, ([tas[i] for i in items], [tbs[i] for i in items]), at[sel])
+            )
+            members.append(items)
+        self.compared += int(sum(g.size * len(g.at) for g in groups))
+        for gi, j in self.batch.compare(groups):  # the tensors holding a differing byte
+            i = members[gi][j]
+            self.compared -= groups[gi].size
+            self._alone(names[i], tas[i], tbs[i], self.kind_list[ks[i]])
+
+    def _kind(self, key: tuple[int, int, tuple[int, ...], str], ta: TensorSource, tb: TensorSource) -> int:
+        """Index of the kind of tensors like ``ta``/``tb`` (the first of a kind is matched here).
+
+        Readers that share one signature object between the tensors of a geometry are served
+        by ``key`` (the objects' ids); for the others (a new tuple per tensor) each tensor
+        looks its signatures up by value, and ``kinds`` does not grow with them.
+        """
+        vkey = (ta.signature, tb.signature, ta.shape, ta.dtype)
+        known = self.by_value.get(vkey)
+        if known is not None:
+            return known
+        size = ta.numel * DTYPE_SIZES[ta.dtype]
+        m = runs = None
+        group = -1
+        if size:
+            mkey = (ta.signature, tb.signature, ta.shape)
+            m = self.matches.get(mkey)
+            if m is None:
+                m = self.matches[mkey] = _match(ta, tb, self.a.path, self.b.path)
+            ra, rb = _template(ta, m, True), _template(tb, m, False)
+            runs = None if ra is None or rb is None else (ra, rb)
+            group = self.groups.setdefault((id(m), ta.dtype), len(self.groups))  # matches are held
+        self.kinds[key] = self.by_value[vkey] = len(self.kind_list)
+        self.kind_list.append(_Kind(size, m, runs, group, (ta.signature, tb.signature)))
+        return self.kinds[key]
+
+    def _alone(self, name: str, ta: TensorSource, tb: TensorSource, kind: _Kind) -> None:
         """One tensor compared region by region (its first differing index, if any)."""
-        n, first = _first_difference(self.fa, self.fb, a, b, m, self.max_bytes, self.bufs)
+        assert kind.match is not None
+        n, first = _first_difference(self.fa, self.fb, ta, tb, kind.match, self.max_bytes, self.bufs)
         self.compared += n
-        return None if first is None else _values_difference(name, a.dtype, *first)
+        if first is not None:
+            self.diffs.append(_values_difference(name, ta.dtype, *first))
+
+    def _metadata(
+        self, names: list[str], tas: list[Any], tbs: list[Any]
+    ) -> tuple[list[str], list[Any], list[Any]]:
+        """Report the names missing on a side and the dtype and shape differences; the rest."""
+        keep: tuple[list[str], list[Any], list[Any]] = ([], [], [])
+        for name, ta, tb in zip(names, tas, tbs, strict=True):
+            diff = _metadata_difference(name, ta, tb)
+            if diff is None:
+                keep[0].append(name)
+                keep[1].append(ta)
+                keep[2].append(tb)
+                continue
+            self.diffs.append(diff)
+            if ta is not None and tb is not None:
+                self.tensors += 1
+        return keep
 
 
-def _differing(ba: bytearray, bb: bytearray, n: int) -> Any:
-    """The positions of the bytes that differ in the first ``n`` of two buffers (None: none do),
-    compared eight bytes at a time."""
-    import numpy as np
-
-    w = n - n % 8
-    va, vb = np.frombuffer(ba, np.uint64, w // 8), np.frombuffer(bb, np.uint64, w // 8)
-    ta, tb = np.frombuffer(ba, np.uint8, n - w, w), np.frombuffer(bb, np.uint8, n - w, w)
-    if np.array_equal(va, vb) and np.array_equal(ta, tb):
-        return None
-    words = np.flatnonzero(va != vb)  # then the bytes of those words (one may hold several tensors)
-    wa = np.frombuffer(ba, np.uint8, w).reshape(-1, 8)[words]
-    wb = np.frombuffer(bb, np.uint8, w).reshape(-1, 8)[words]
-    row, col = np.nonzero(wa != wb)
-    return np.concatenate((words[row] * 8 + col, w + np.flatnonzero(ta != tb)))
+def _plain(tas: list[Any], tbs: list[Any]) -> bool:
+    """Whether every tensor is on both sides with one dtype and shape (list operations only)."""
+    none = itertools.repeat(None)
+    if any(map(operator.is_, tas, none)) or any(map(operator.is_, tbs, none)):
+        return False
+    return list(map(_DTYPE, tas)) == list(map(_DTYPE, tbs)) and list(map(_SHAPE, tas)) == list(
+        map(_SHAPE, tbs)
+    )
 
 
 def _describe(c: Checkpoint) -> Side:
@@ -483,46 +569,17 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
         PlanError: a checkpoint's pieces leave holes or overlap without being replicas.
     """
     names = _file_order(a, b)
-    diffs: list[Difference] = []
-    compared_tensors = 0
-    fa = MappedFiles(a.files, max_bytes // 4)
-    fb = MappedFiles(b.files, max_bytes // 4)
-    bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
-    matches: dict[tuple[Hashable, ...], _Match] = {}
-    batch = _Batch(fa, fb, max(1, min(_BATCH, max_bytes // 4)), max_bytes, bufs)  # two buffers
+    v = _Verifier(a, b, max_bytes)
     try:
-        for name in names:
-            ta, tb = a.tensors.get(name), b.tensors.get(name)
-            diff = _metadata_difference(name, ta, tb)
-            if ta is not None and tb is not None:
-                compared_tensors += 1
-            if diff is not None:
-                diffs.append(diff)
-                continue
-            assert ta is not None and tb is not None
-            if ta.numel == 0:
-                continue
-            key = (ta.signature, tb.signature, ta.shape)
-            m = matches.get(key)
-            if m is None:
-                m = matches[key] = _match(ta, tb, a.path, b.path)
-            if not batch.has_room(ta):
-                diffs += batch.flush()
-            if not batch.add(name, ta, tb, m):
-                diffs += batch.flush()
-                first = batch.compare(name, ta, tb, m)
-                if first is not None:
-                    diffs.append(first)
-        diffs += batch.flush()
+        for c in range(0, len(names), _CHUNK):
+            v.chunk(names[c : c + _CHUNK])
     finally:
-        del bufs
-        fa.close()
-        fb.close()
-    diffs.sort(key=lambda d: natural_key(d["tensor"]))
-    total = batch.compared
+        v.close()
+    diffs = sorted(v.diffs, key=lambda d: natural_key(d["tensor"]))
+    total = v.compared
     return {
         "equal": not diffs,
-        "tensors": compared_tensors,
+        "tensors": v.tensors,
         "bytes_compared": total,
         "differences": diffs,
         "a": _describe(a),

@@ -36,7 +36,7 @@ LAYERS = [
     {"formats.dcp_boxes"},
     {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp", "formats.dcp_writer"},
     {"formats.sharded_state", "formats.pt", "formats"},
-    {"budget", "bulk", "execute", "resume", "verify", "check", "report", "show"},
+    {"budget", "bulk", "execute", "resume", "compare", "bulkcheck", "verify", "check", "report", "show"},
     {"dist", "convert"},
     {"cli", "demo", "api", "__main__", "formats.__main__", ""},
 ]
