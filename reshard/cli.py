@@ -563,7 +563,8 @@ def inspect(
                 _say("warning: ", w)
             if not check:
                 return
-        doc = inspect_report(ck, lazy=json_)  # --json: rows made as they are written
+        # --json: rows made as they are written; --quiet: no table, so rows never made
+        doc = inspect_report(ck, lazy=json_ or quiet)
         problems: list[Problem] = []
         if check:
             from .check import check_checkpoint, checks_made
