@@ -226,9 +226,20 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     by_name = {t["name"]: t for t in doc["tensors"]}
     if group:
         rows: list[tuple[str, list[dict[str, Any]]]] = []
+        texts: dict[int, str] = {}  # by identity: rows of one geometry share these lists (100k rows)
+
+        def text_of(x: object) -> str:
+            got = texts.get(id(x))
+            if got is None:
+                got = texts[id(x)] = str(x)
+            return got
+
         for pattern, members in group_names(list(by_name)):
             ts = [by_name[m] for m in members]
-            sig = {(t["dtype"], str(t["shape"]), str(t["placements"]), str(t["local_shapes"])) for t in ts}
+            sig = {
+                (t["dtype"], text_of(t["shape"]), text_of(t["placements"]), text_of(t["local_shapes"]))
+                for t in ts
+            }
             if len(sig) == 1:
                 rows.append((pattern, ts))
             else:
