@@ -36,7 +36,7 @@ from ..io.writer import FileResult, write_atomic_with
 from ..mesh import Mesh
 from ..plan import FileLayout, OutEntry, OutFile, Plan, TargetTensor, WriteOptions
 from .base import Writer
-from .dcp_boxes import dedup_owners, save_items
+from .dcp_boxes import rank_chunks
 from .manifest import complete_with_manifest
 
 __all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes", "write_metadata_to"]
@@ -161,23 +161,23 @@ class DcpFile(OutFile):
 
 
 def _split(
-    tensors: Sequence[TargetTensor], chunks: Sequence[tuple[int, Box]], limit: int
-) -> list[list[tuple[int, Box]]]:
-    """Consecutive chunks ``(tensor index, box)`` in files of at most ``limit`` bytes
-    (a bigger chunk gets a file to itself)."""
-    out: list[list[tuple[int, Box]]] = [[]]
-    sizes: dict[tuple[str, Box], int] = {}
-    acc = 0
-    for i, box in chunks:
-        key = (tensors[i].dtype, box)
-        n = sizes.get(key)
+    tensors: Sequence[TargetTensor], idx: Sequence[int], boxes: Sequence[Box], limit: int
+) -> list[tuple[int, int]]:
+    """Consecutive chunks ``(tensors[idx[k]], boxes[k])`` in files of at most ``limit`` bytes
+    (a bigger chunk gets a file to itself): each file's first and stop position."""
+    out: list[tuple[int, int]] = []
+    sizes: dict[tuple[str, int], int] = {}  # by box identity: boxes are shared per layout
+    first = acc = 0
+    for k, (i, box) in enumerate(zip(idx, boxes)):
+        dtype = tensors[i].dtype
+        n = sizes.get((dtype, id(box)))
         if n is None:
-            n = sizes[key] = chunk_archive(key[0], tuple(iv.size for iv in box)).size
-        if out[-1] and acc + n > limit:
-            out.append([])
-            acc = 0
-        out[-1].append((i, box))
+            n = sizes[(dtype, id(box))] = chunk_archive(dtype, tuple(iv.size for iv in box)).size
+        if k > first and acc + n > limit:
+            out.append((first, k))
+            first, acc = k, 0
         acc += n
+    out.append((first, len(idx)))
     return out
 
 
@@ -192,18 +192,13 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
 
 
 def _rank_files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
-    items = save_items([(t.name, t.layout, DTYPE_SIZES[t.dtype]) for t in tensors])
-    owners = dedup_owners([it for _, _, it in items])
-    index = {t.name: i for i, t in enumerate(tensors)}
-    per_rank: list[list[tuple[int, Box]]] = [[] for _ in range(mesh.size)]
-    for (fqn, box, _), owner in zip(items, owners):
-        per_rank[owner].append((index[fqn], box))
+    per_rank = rank_chunks([(t.name, t.layout, DTYPE_SIZES[t.dtype]) for t in tensors])
+    per_rank += [(array("i"), [])] * (mesh.size - len(per_rank))
     files: list[OutFile] = []
-    for rank, mine in enumerate(per_rank):
-        mine.sort(key=lambda c: c[0])  # a rank holds one box per tensor
-        for k, group in enumerate(_split(tensors, mine, options.max_shard_size)):
-            chosen = [tensors[i] for i, _ in group]
-            files.append(DcpFile(dcp_file_name(rank, k), rank, chosen, [b for _, b in group]))
+    for rank, (idx, boxes) in enumerate(per_rank):
+        for k, (a, b) in enumerate(_split(tensors, idx, boxes, options.max_shard_size)):
+            chosen = [tensors[i] for i in idx[a:b]]
+            files.append(DcpFile(dcp_file_name(rank, k), rank, chosen, boxes[a:b]))
     return files
 
 
