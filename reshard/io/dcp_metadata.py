@@ -136,6 +136,24 @@ def _tuple_ops(dims: tuple[int, ...]) -> bytes:
     return b"(" + body + b"t"
 
 
+class _Template:
+    """Bytes with a memo slot (``LONG_BINPUT`` argument) between consecutive ``pieces``, the
+    slots numbered on from where it is written: one ``struct`` pack."""
+
+    __slots__ = ("_st", "_args", "slots")
+
+    def __init__(self, pieces: Sequence[bytes]) -> None:
+        self.slots = len(pieces) - 1
+        self._st = struct.Struct("<" + "I".join(f"{len(x)}s" for x in pieces))
+        self._args: list[bytes | int] = [x for piece in pieces for x in (piece, 0)][:-1]
+
+    def at(self, n: int) -> bytes:
+        """The bytes, slots numbered from ``n``."""
+        args = self._args
+        args[1::2] = range(n, n + self.slots)
+        return self._st.pack(*args)
+
+
 class _Pickle:
     """The ``.metadata`` pickle, handed to ``write`` as it is made: the opcodes and memo
     numbering of :class:`~reshard.io.pickle_emit.PickleEmitter` (globals and strings
@@ -147,7 +165,7 @@ class _Pickle:
     few byte appends.
     """
 
-    __slots__ = ("out", "write", "memo", "n", "_sizes")
+    __slots__ = ("out", "write", "memo", "n", "_sizes", "_chunks", "_items", "_lengths", "_head")
 
     def __init__(self, write: Callable[[bytes], object]) -> None:
         self.out = bytearray(b"\x80\x02")
@@ -155,6 +173,82 @@ class _Pickle:
         self.memo: dict[tuple[str, str] | str, int] = {}
         self.n = 0
         self._sizes: dict[tuple[int, ...], bytes] = {}
+        self._chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], _Template] = {}
+        self._items: dict[tuple[tuple[int, ...], str], _Template] = {}
+        self._lengths: dict[int, bytes] = {}
+        self._head: _Template | None = None
+
+    def warm(self, *keys: tuple[str, str] | str) -> bool:
+        """Whether slots are ``LONG_BINPUT`` s from here on and ``keys`` are memoized: what a
+        template needs (both stay true once true)."""
+        return self.n >= 256 and all(k in self.memo for k in keys)
+
+    def getting(self, key: tuple[str, str] | str) -> bytes:
+        """The ``BINGET`` of a memoized key."""
+        return self._get(self.memo[key])
+
+    def size_pieces(self, dims: tuple[int, ...]) -> list[bytes]:
+        """``torch.Size(dims)`` as template pieces (warm: ``torch.Size`` memoized)."""
+        head = self.getting(_SIZE) + _tuple_ops(dims)
+        return [head + b"r", b"\x85r", b"Rr"] if dims else [head + b"\x85r", b"Rr"]
+
+    def chunk(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        """``ChunkStorageMetadata(offsets, sizes)``: once warm, from a template per box."""
+        t = self._chunks.get((offsets, sizes))
+        if t is None:
+            if not self.warm(_CHUNK, _SIZE, "offsets", "sizes"):
+                self.new(_CHUNK)
+                self.text("offsets")
+                self.size(offsets)
+                self.text("sizes")
+                self.size(sizes)
+                self.out += b"ub"
+                return
+            pieces = [self.getting(_CHUNK) + b")\x81r", b"}r", b"(" + self.getting("offsets")]
+            for part, dims in (("offsets", offsets), ("sizes", sizes)):
+                size = self.size_pieces(dims)
+                if part == "sizes":
+                    pieces[-1] += self.getting("sizes")
+                pieces[-1] += size[0]
+                pieces += size[1:] + [b""]
+            pieces[-1] += b"ub"
+            t = self._chunks[(offsets, sizes)] = _Template(pieces)
+        self.out += t.at(self.n)
+        self.n += t.slots
+
+    def storage_item(self, item: StorageRecord) -> None:
+        """``MetadataIndex`` -> ``_StorageInfo``: once warm, from templates per box and file."""
+        fqn, index, offsets, path, offset, length = item
+        t = self._items.get((offsets, path))
+        if t is None or fqn not in self.memo:
+            keys = (_INDEX, _INFO, _SIZE, "fqn", "index", "offset", "relative_path", "length", path, fqn)
+            if not self.warm(*keys):
+                _storage_item(self, item)
+                return
+            size = self.size_pieces(offsets)
+            pieces = [self.getting("offset") + size[0], *size[1:], b"ub" + self.getting(_INFO) + b")\x81r"]
+            pieces += [b"}r", b"(" + b"".join(map(self.getting, ("relative_path", path, "offset")))]
+            t = self._items[(offsets, path)] = _Template(pieces)
+            if self._head is None:
+                self._head = _Template([self.getting(_INDEX) + b")\x81r", b"}r", b"(" + self.getting("fqn")])
+        head = self._head
+        assert head is not None
+        n = self.n
+        tail = self._lengths.get(length)
+        if tail is None:
+            tail = self._lengths[length] = self.getting("length") + _int(length) + b"ub"
+        self.out += b"".join(
+            (
+                head.at(n),
+                self.getting(fqn),
+                self.getting("index"),
+                _int(index),
+                t.at(n + 2),
+                _int(offset),
+                tail,
+            )
+        )
+        self.n = n + 2 + t.slots
 
     def flush(self, last: bool = False) -> None:
         """Hand the bytes so far to ``write`` (once there are enough of them, or ``last``)."""
@@ -274,12 +368,7 @@ def _tensor_md(
     p.put()
     for boxes in p.batches(chunks, b"a", b"e"):
         for offsets, sizes in boxes:
-            p.new(_CHUNK)
-            p.text("offsets")
-            p.size(offsets)
-            p.text("sizes")
-            p.size(sizes)
-            p.out += b"ub"
+            p.chunk(offsets, sizes)
     p.out += b"ub"
 
 
@@ -379,7 +468,7 @@ def write_metadata(
     p.put()
     for items in p.batches(storage, b"s", b"u"):
         for item in items:
-            _storage_item(p, item)
+            p.storage_item(item)
     p.text("storage_meta")
     _storage_meta(p, checkpoint_id, save_id)
     p.text("version")
