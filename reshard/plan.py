@@ -340,7 +340,7 @@ class FileLayout:
     of them (or is a zero gap the file system gives for free).
     """
 
-    fixed: tuple[tuple[int, bytes], ...]
+    fixed: Sequence[tuple[int, bytes]]  # a tuple, or a writer's lazy sequence (100k-chunk DCP files)
     entries: Sequence[OutEntry]  # a tuple, or a writer's lazy sequence (100k-tensor files)
     size: int
 

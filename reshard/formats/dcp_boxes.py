@@ -14,6 +14,7 @@ Chunks with equal ``(fqn, offset)`` on several ranks (replicas) are written once
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,7 +23,7 @@ from ..errors import LayoutError
 from ..intervals import Box, Interval, index_list_size
 from ..layout import TensorLayout
 
-__all__ = ["rank_box", "WriteItem", "save_items", "dedup_owners"]
+__all__ = ["rank_box", "WriteItem", "save_items", "dedup_owners", "rank_chunks"]
 
 
 def rank_box(layout: TensorLayout, rank: int) -> Box | None:
@@ -109,6 +110,52 @@ def save_items(tensors: Sequence[tuple[str, TensorLayout, int]]) -> list[tuple[s
             offsets = tuple(iv.start for iv in box)
             by_rank[first].append((fqn, box, WriteItem((fqn, offsets), holders, nbytes)))
     return [item for items in by_rank for item in items]
+
+
+def rank_chunks(tensors: Sequence[tuple[str, TensorLayout, int]]) -> list[tuple[array[int], list[Box]]]:
+    """Per rank, the chunks it writes: tensor positions (ascending) and boxes, what
+    :func:`save_items` + :func:`dedup_owners` give, without an object per chunk.
+
+    The same walk as theirs (chunks first held by rank 0 in tensor order, then rank 1's,
+    ...; each to the holder with the fewest planned bytes), with a rank's tensor positions
+    in an array: 800k chunks (100k tensors at TP-8) hold 3 MiB, not 200.
+
+    Raises:
+        LayoutError: a rank's local data is not one box (the first such tensor, as
+            :func:`save_items` names it).
+    """
+    world = max((lay.mesh.size for _, lay, _ in tensors), default=0)
+    firsts: list[array[int]] = [array("i") for _ in range(world)]  # tensors with a chunk first held by r
+    by_layout: dict[int, tuple[TensorLayout, dict[int, tuple[Box, tuple[int, ...]]]]] = {}
+    for i, (fqn, layout, _) in enumerate(tensors):
+        hit = by_layout.get(id(layout))
+        if hit is None or hit[0] is not layout:
+            chunks, bad = _distinct_chunks(layout)
+            if bad is not None:
+                save_items([(fqn, layout, 1)])  # raises, naming the tensor and rank
+            hit = by_layout[id(layout)] = (layout, {r: (box, holders) for r, box, holders in chunks})
+        for r in hit[1]:
+            firsts[r].append(i)
+    planned = [0] * world
+    idx: list[array[int]] = [array("i") for _ in range(world)]
+    boxes: list[list[Box]] = [[] for _ in range(world)]
+    for r in range(world):
+        for i in firsts[r]:
+            _, layout, itemsize = tensors[i]
+            box, holders = by_layout[id(layout)][1][r]  # a rank has one box: one chunk first held by it
+            owner = holders[0] if len(holders) == 1 else min(holders, key=planned.__getitem__)
+            nbytes = itemsize
+            for n in layout.shape:
+                nbytes *= n
+            planned[owner] += nbytes or 1
+            idx[owner].append(i)
+            boxes[owner].append(box)
+        firsts[r] = array("i")
+    out: list[tuple[array[int], list[Box]]] = []
+    for mine, bs in zip(idx, boxes):
+        order = sorted(range(len(mine)), key=mine.__getitem__)
+        out.append((array("i", [mine[k] for k in order]), [bs[k] for k in order]))
+    return out
 
 
 @lru_cache(maxsize=65536)

@@ -21,22 +21,25 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Iterator, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 from pathlib import Path
+from typing import overload
 
 from ..dtypes import DTYPE_SIZES
 from ..intervals import Box
-from ..io.dcp_metadata import ChunkEntry, TensorEntry, encode_metadata
+from ..io.dcp_metadata import StorageRecord, TensorRecord, natural_key, write_metadata
 from ..io.header import no_gc
 from ..io.torchzip_write import ChunkArchive, chunk_archive
-from ..io.writer import FileResult, write_atomic
+from ..io.writer import FileResult, write_atomic_with
 from ..mesh import Mesh
 from ..plan import FileLayout, OutEntry, OutFile, Plan, TargetTensor, WriteOptions
 from .base import Writer
-from .dcp_boxes import dedup_owners, save_items
+from .dcp_boxes import rank_chunks
 from .manifest import complete_with_manifest
 
-__all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes"]
+__all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes", "write_metadata_to"]
 
 METADATA = ".metadata"
 
@@ -46,8 +49,72 @@ def dcp_file_name(rank: int, k: int = 0) -> str:
     return f"__{rank}_{k}.distcp"
 
 
+class _Fixed(Sequence[tuple[int, bytes]]):
+    """A DCP file's fixed byte runs, made as they are read: each chunk's archive prefix at its
+    start (a 100k-chunk file holds its archives' starts, not 100k byte runs)."""
+
+    __slots__ = ("_archives", "_starts")
+
+    def __init__(self, archives: Sequence[ChunkArchive], starts: array[int]) -> None:
+        self._archives, self._starts = archives, starts
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, bytes]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[tuple[int, bytes]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[int, bytes] | Sequence[tuple[int, bytes]]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return self._starts[i], self._archives[i].prefix
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        return zip(self._starts, (a.prefix for a in self._archives))
+
+
+class _Entries(Sequence[OutEntry]):
+    """A DCP file's entries (each chunk's tensor data inside its archive), made as they are read."""
+
+    __slots__ = ("_tensors", "_rank", "_archives", "_starts")
+
+    def __init__(
+        self, tensors: Sequence[TargetTensor], rank: int, archives: Sequence[ChunkArchive], starts: array[int]
+    ) -> None:
+        self._tensors, self._rank, self._archives, self._starts = tensors, rank, archives, starts
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, i: int) -> OutEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[OutEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> OutEntry | Sequence[OutEntry]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        a = self._archives[i]
+        return OutEntry(self._tensors[i], self._rank, self._starts[i] + a.data_offset, a.data_size)
+
+    def __iter__(self) -> Iterator[OutEntry]:
+        return map(_entry, self._tensors, repeat(self._rank), self._archives, self._starts)
+
+
+def _entry(t: TargetTensor, rank: int, a: ChunkArchive, start: int) -> OutEntry:
+    return OutEntry(t, rank, start + a.data_offset, a.data_size)
+
+
 class DcpFile(OutFile):
-    """One ``.distcp`` file: rank ``rank``'s chunks (``tensors[i]`` in ``boxes[i]``), ``torch.save`` zips."""
+    """One ``.distcp`` file: rank ``rank``'s chunks (``tensors[i]`` in ``boxes[i]``), ``torch.save`` zips.
+
+    Its layout is each chunk's archive (shared by the chunks of one dtype and box) and
+    where it starts: two arrays, whatever the chunk count.
+    """
 
     __slots__ = ("boxes",)
 
@@ -60,49 +127,57 @@ class DcpFile(OutFile):
 
     def archive(self, i: int) -> ChunkArchive:
         """The archive of chunk ``i`` (cached per dtype and shape)."""
-        return chunk_archive(self.tensors[i].dtype, tuple(iv.size for iv in self.boxes[i]))
+        return self._archives()[i]
+
+    def _archives(self) -> Sequence[ChunkArchive]:
+        fixed = self.layout.fixed
+        assert isinstance(fixed, _Fixed)
+        return fixed._archives
+
+    def starts(self) -> array[int]:
+        """Where each chunk's archive starts in the file."""
+        fixed = self.layout.fixed
+        assert isinstance(fixed, _Fixed)
+        return fixed._starts
 
     def lay_out(self) -> FileLayout:
-        fixed: list[tuple[int, bytes]] = []
-        entries: list[OutEntry] = []
+        archives: list[ChunkArchive] = []
+        starts = array("q")
+        made: dict[tuple[str, int], ChunkArchive] = {}  # boxes are shared by the tensors of a geometry
         pos = 0
-        for i, t in enumerate(self.tensors):
-            a = self.archive(i)
-            fixed.append((pos, a.prefix))
-            entries.append(OutEntry(t, self.local_rank, pos + a.data_offset, a.data_size))
+        for t, box in zip(self.tensors, self.boxes):
+            a = made.get((t.dtype, id(box)))
+            if a is None:
+                a = made[(t.dtype, id(box))] = chunk_archive(t.dtype, tuple(iv.size for iv in box))
+            archives.append(a)
+            starts.append(pos)
             pos += a.size
-        return FileLayout(tuple(fixed), tuple(entries), pos)
+        return FileLayout(
+            _Fixed(archives, starts), _Entries(self.tensors, self.local_rank, archives, starts), pos
+        )
 
     def trailer(self, index: int, crc32: int, head: bytes) -> bytes:
         return self.archive(index).trailer(crc32, head)
 
-    def chunks(self) -> Iterator[tuple[TargetTensor, ChunkEntry]]:
-        """Each chunk as ``.metadata`` records it: its box and where its archive lies."""
-        for i, (t, e) in enumerate(zip(self.tensors, self.entries)):
-            a = self.archive(i)
-            offsets = tuple(iv.start for iv in self.boxes[i])
-            sizes = tuple(iv.size for iv in self.boxes[i])
-            yield t, ChunkEntry(offsets, sizes, self.name, e.start - a.data_offset, a.size)
-
 
 def _split(
-    tensors: Sequence[TargetTensor], chunks: Sequence[tuple[int, Box]], limit: int
-) -> list[list[tuple[int, Box]]]:
-    """Consecutive chunks ``(tensor index, box)`` in files of at most ``limit`` bytes
-    (a bigger chunk gets a file to itself)."""
-    out: list[list[tuple[int, Box]]] = [[]]
-    sizes: dict[tuple[str, Box], int] = {}
-    acc = 0
-    for i, box in chunks:
-        key = (tensors[i].dtype, box)
-        n = sizes.get(key)
+    tensors: Sequence[TargetTensor], idx: Sequence[int], boxes: Sequence[Box], limit: int
+) -> list[tuple[int, int]]:
+    """Consecutive chunks ``(tensors[idx[k]], boxes[k])`` in files of at most ``limit`` bytes
+    (a bigger chunk gets a file to itself): each file's first and stop position."""
+    out: list[tuple[int, int]] = []
+    sizes: dict[tuple[str, int], int] = {}  # by box identity: boxes are shared per layout
+    first = acc = 0
+    for k, (i, box) in enumerate(zip(idx, boxes)):
+        dtype = tensors[i].dtype
+        n = sizes.get((dtype, id(box)))
         if n is None:
-            n = sizes[key] = chunk_archive(key[0], tuple(iv.size for iv in box)).size
-        if out[-1] and acc + n > limit:
-            out.append([])
-            acc = 0
-        out[-1].append((i, box))
+            n = sizes[(dtype, id(box))] = chunk_archive(dtype, tuple(iv.size for iv in box)).size
+        if k > first and acc + n > limit:
+            out.append((first, k))
+            first, acc = k, 0
         acc += n
+    out.append((first, len(idx)))
     return out
 
 
@@ -117,40 +192,116 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
 
 
 def _rank_files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
-    items = save_items([(t.name, t.layout, DTYPE_SIZES[t.dtype]) for t in tensors])
-    owners = dedup_owners([it for _, _, it in items])
-    index = {t.name: i for i, t in enumerate(tensors)}
-    per_rank: list[list[tuple[int, Box]]] = [[] for _ in range(mesh.size)]
-    for (fqn, box, _), owner in zip(items, owners):
-        per_rank[owner].append((index[fqn], box))
+    per_rank = rank_chunks([(t.name, t.layout, DTYPE_SIZES[t.dtype]) for t in tensors])
+    per_rank += [(array("i"), [])] * (mesh.size - len(per_rank))
     files: list[OutFile] = []
-    for rank, mine in enumerate(per_rank):
-        mine.sort(key=lambda c: c[0])  # a rank holds one box per tensor
-        for k, group in enumerate(_split(tensors, mine, options.max_shard_size)):
-            chosen = [tensors[i] for i, _ in group]
-            files.append(DcpFile(dcp_file_name(rank, k), rank, chosen, [b for _, b in group]))
+    for rank, (idx, boxes) in enumerate(per_rank):
+        for k, (a, b) in enumerate(_split(tensors, idx, boxes, options.max_shard_size)):
+            chosen = [tensors[i] for i in idx[a:b]]
+            files.append(DcpFile(dcp_file_name(rank, k), rank, chosen, boxes[a:b]))
     return files
 
 
-def metadata_bytes(files: Sequence[OutFile], results: Sequence[FileResult]) -> bytes:
-    """``.metadata`` of these files: tensors in order of first appearance, chunks in file order.
+def _box_dims(
+    box: Box, cache: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A box's offsets and sizes (once per box object: the files hold them, so ids stay theirs)."""
+    hit = cache.get(id(box))
+    if hit is None:
+        hit = cache[id(box)] = (tuple(iv.start for iv in box), tuple(iv.size for iv in box))
+    return hit
 
-    ``save_id`` is derived from the files' checksums (torch draws a random one; nothing
-    reads it back), so the same conversion gives the same bytes.
-    """
-    chunks: dict[str, tuple[TargetTensor, list[ChunkEntry]]] = {}
+
+def _records(files: Sequence[DcpFile]) -> tuple[Iterator[TensorRecord], Iterator[StorageRecord]]:
+    """``.metadata``'s tensors (order of first appearance over the files, chunks in file order) and
+    storage items (natural file order, then offset), made as they are written: what is held is
+    a few integers per chunk (tensor and position), not objects."""
+    import numpy as np
+
+    ids: dict[str, int] = {}
+    first: list[TargetTensor] = []
+    per_file: list[array[int]] = []
     for f in files:
-        assert isinstance(f, DcpFile)
-        for t, c in f.chunks():
-            chunks.setdefault(t.name, (t, []))[1].append(c)
-    tensors = [TensorEntry(t.name, t.dtype, t.shape, tuple(cs)) for t, cs in chunks.values()]
+        tids = array("i")
+        for t in f.tensors:
+            k = ids.get(t.name)
+            if k is None:
+                k = ids[t.name] = len(first)
+                first.append(t)
+            tids.append(k)
+        per_file.append(tids)
+    del ids
+    counts = [len(a) for a in per_file]
+    tid = (
+        np.concatenate([np.frombuffer(a, dtype=np.int32) for a in per_file])
+        if files
+        else np.zeros(0, np.int32)
+    )
+    del per_file
+    order = np.argsort(tid, kind="stable")  # each tensor's chunks, in file (plan) order
+    bounds = np.searchsorted(tid[order], np.arange(len(first) + 1))
+    index = np.empty(len(tid), dtype=np.int32)  # each chunk's position among its tensor's chunks
+    index[order] = np.arange(len(tid), dtype=np.int32) - np.repeat(bounds[:-1], np.diff(bounds)).astype(
+        np.int32
+    )
+    del tid
+    base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    file_of = np.repeat(np.arange(len(files), dtype=np.int32), counts)[order]
+    entry_of = (order - base[:-1][file_of]).astype(np.int32)
+    del order
+    cache: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def tensors() -> Iterator[TensorRecord]:
+        fs, es = file_of.tolist(), entry_of.tolist()
+        for k, t in enumerate(first):
+            a, b = int(bounds[k]), int(bounds[k + 1])
+            yield (
+                t.name,
+                t.dtype,
+                t.shape,
+                [_box_dims(files[fi].boxes[ei], cache) for fi, ei in zip(fs[a:b], es[a:b])],
+            )
+
+    def storage() -> Iterator[StorageRecord]:
+        for fi in sorted(range(len(files)), key=lambda i: natural_key(files[i].name)):
+            f = files[fi]
+            name = f.name
+            idx = index[int(base[fi]) : int(base[fi + 1])].tolist()
+            for t, box, i, start, a in zip(f.tensors, f.boxes, idx, f.starts(), f._archives()):
+                yield t.name, i, _box_dims(box, cache)[0], name, start, a.size
+
+    return tensors(), storage()
+
+
+def _save_id(results: Sequence[FileResult]) -> str:
+    """``save_id`` derived from the files' checksums (torch draws a random one; nothing reads
+    it back), so the same conversion gives the same bytes."""
     digest = hashlib.sha256("\n".join(f"{r.name} {r.checksum}" for r in results).encode()).digest()
-    return encode_metadata(tensors, save_id=str(uuid.UUID(bytes=digest[:16], version=4)))
+    return str(uuid.UUID(bytes=digest[:16], version=4))
+
+
+def write_metadata_to(
+    write: Callable[[bytes], object], files: Sequence[OutFile], results: Sequence[FileResult]
+) -> None:
+    """``.metadata`` of these files, handed to ``write`` a MiB at a time: tensors in order of
+    first appearance, chunks in file order."""
+    dcp = [f for f in files if isinstance(f, DcpFile)]
+    assert len(dcp) == len(files)
+    with no_gc():
+        tensors, storage = _records(dcp)
+        write_metadata(write, tensors, storage, save_id=_save_id(results))
+
+
+def metadata_bytes(files: Sequence[OutFile], results: Sequence[FileResult]) -> bytes:
+    """The bytes of ``.metadata`` of these files (:func:`write_metadata_to`, gathered)."""
+    out: list[bytes] = []
+    write_metadata_to(out.append, files, results)
+    return b"".join(out)
 
 
 def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
     """``.metadata`` (what makes a checkpoint to torch: durable before the rename), then ``reshard.json``."""
-    write_atomic(dst / METADATA, metadata_bytes(plan.files, results), fsync=True)
+    write_atomic_with(dst / METADATA, lambda write: write_metadata_to(write, plan.files, results), fsync=True)
     complete_with_manifest(dst, plan, results)
 
 

@@ -159,6 +159,8 @@ class ChunkArchive:
     _cd_version: bytes
     _end: bytes  # zip64 end record, locator, end record
     _limit: int
+    _seed: int  # _fold(_seen): where the serialization id's fold of CRC32s goes on from
+    _cut: tuple[bytes, ...]  # the trailer's fixed bytes around its four CRC32 fields
 
     def trailer(self, crc32: int, data_head: bytes) -> bytes:
         """The bytes after the tensor data: its data descriptor, the last records and the directory.
@@ -170,27 +172,17 @@ class ChunkArchive:
                 serialization id, the tensor data included; the id then matches
                 torch's exactly.
         """
-        seen = list(self._seen)
+        seed = self._seed
         if len(data_head) >= 8 and data_head[:4] == b"PK\x07\x08":
-            seen.append(struct.unpack_from("<I", data_head, 4)[0])
+            seed = _fold_one(seed, struct.unpack_from("<I", data_head, 4)[0])
         if self.data_size:
-            seen.append(crc32)
-        seen.append(_VERSION_CRC)
-        sid = f"{_NAME_HASH:020d}{_fold(seen):020d}".encode()
-        sid_crc = zlib.crc32(sid)
-        return b"".join(
-            (
-                _descriptor(crc32, self._data),
-                self._middle,
-                sid,
-                _descriptor(sid_crc, self._sid),
-                self._cd_head,
-                _cd_entry(self._data, crc32, self._limit),
-                self._cd_version,
-                _cd_entry(self._sid, sid_crc, self._limit),
-                self._end,
-            )
-        )
+            seed = _fold_one(seed, crc32)
+        sid = f"{_NAME_HASH:020d}{_fold_one(seed, _VERSION_CRC):020d}".encode()
+        c, s = _U32.pack(crc32), _U32.pack(zlib.crc32(sid))
+        a, b, d, e, f, g = self._cut
+        if not self.data_size:  # an empty record has no data descriptor
+            return b"".join((b, sid, d, s, e, c, f, s, g))
+        return b"".join((a, c, b, sid, d, s, e, c, f, s, g))
 
 
 def _gf2_times(mat: Sequence[int], vec: int) -> int:
@@ -242,8 +234,15 @@ def _fold(crcs: Sequence[int]) -> int:
     """``c10::hash_combine`` over the CRC32s torch saw in data descriptors, in write order."""
     seed = 0
     for v in crcs:
-        seed = (seed ^ ((v + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _MASK64)) & _MASK64
+        seed = _fold_one(seed, v)
     return seed
+
+
+def _fold_one(seed: int, v: int) -> int:
+    return (seed ^ ((v + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _MASK64)) & _MASK64
+
+
+_U32 = struct.Struct("<I")
 
 
 def _u32(v: int, limit: int) -> int:
@@ -357,4 +356,19 @@ def _chunk_archive(dtype: str, shape: tuple[int, ...], prefix: str, limit: int) 
     middle = version.header + _VERSION + _descriptor(_VERSION_CRC, version) + sid.header
     total = sid.end + cd_size + len(end)
     fixed = (middle, cd_head, cd_version, end, limit)
-    return ChunkArchive(bytes(out), len(out), data.size, total, data, sid, tuple(crcs), *fixed)
+    # the trailer cut around its CRC32 fields (data: C, serialization id: S) and the id:
+    # descriptor signature | C | descriptor + middle | id | signature | S | descriptor + directory
+    # ... | C | ... | S | ... + end records (no data descriptor for an empty record)
+    desc, sid_desc = _descriptor(0, data), _descriptor(0, sid)
+    cd_data, cd_sid = _cd_entry(data, 0, limit), _cd_entry(sid, 0, limit)
+    cut = (
+        desc[:4],
+        desc[8:] + middle,
+        sid_desc[:4],
+        sid_desc[8:] + cd_head + cd_data[:16],
+        cd_data[20:] + cd_version + cd_sid[:16],
+        cd_sid[20:] + end,
+    )
+    return ChunkArchive(
+        bytes(out), len(out), data.size, total, data, sid, tuple(crcs), *fixed, _fold(crcs), cut
+    )

@@ -30,6 +30,7 @@ __all__ = [
     "TmpFile",
     "write_json",
     "write_atomic",
+    "write_atomic_with",
     "TEMP_PREFIX",
     "temp_name",
     "is_temp",
@@ -227,10 +228,18 @@ class TmpFile:
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = False) -> None:
     """Write ``path`` through a fresh temporary and a rename (``fsync``: durable before the rename)."""
+    write_atomic_with(path, lambda write: write(data), fsync=fsync)
+
+
+def write_atomic_with(
+    path: Path, fill: Callable[[Callable[[bytes], object]], object], *, fsync: bool = False
+) -> None:
+    """:func:`write_atomic` of the bytes ``fill`` hands to the write function it is given, in
+    order (a large file made piece by piece is never held whole)."""
     tmp = path.with_name(temp_name(path.name))
     try:
         with open(create_exclusive(tmp), "wb") as f:
-            f.write(data)
+            fill(f.write)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())

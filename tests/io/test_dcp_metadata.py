@@ -5,6 +5,8 @@ The expected objects are constructed with torch's classes directly (as
 comparison covers every attribute, including ``MetadataIndex.index`` which
 dataclass equality skips. Also: the globals named, big offsets (LONG1 ints),
 hundreds of tensors (memo indexes past 255) and FileSystemReader.read_metadata.
+The streaming encoder gives exactly the bytes of the value-tree encoder it replaced
+(``tests/dcp_metadata_ref.py``) on random tensor lists, and writes as it goes.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import io
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path, PosixPath
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -29,8 +34,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from reshard.io.dcp_metadata import DCP_VERSION, ChunkEntry, TensorEntry, encode_metadata
+from reshard.io.dcp_metadata import (
+    DCP_VERSION,
+    ChunkEntry,
+    StorageRecord,
+    TensorEntry,
+    TensorRecord,
+    encode_metadata,
+    write_metadata,
+)
 from reshard.torch_ops import torch_dtype
+from tests.dcp_metadata_ref import encode_metadata as reference
 
 
 def state(obj: Any) -> Any:
@@ -157,3 +171,107 @@ def test_pure_modules_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- the streaming encoder
+
+KEYS = ["w", "offsets", "sizes", "chunks", "fqn", "index", "torch.strided", "__0_0.distcp", "é.λ"]
+PATHS = ["__0_0.distcp", "__10_0.distcp", "__2_1.distcp", "offsets", "w"]
+INTS = st.sampled_from([0, 1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**40, 2**64])
+
+
+@st.composite
+def tensor_lists(draw: st.DrawFn) -> list[TensorEntry]:
+    """Tensors with keys that collide with the pickle's own strings, boxes of 0-5 dims with
+    every int encoding, zero chunks to 1001 (APPENDS batches), many tensors (SETITEMS batches)."""
+    count = draw(st.sampled_from([0, 1, 2, 7, 300, 1001]))
+    out = []
+    for k in range(count):
+        nd = draw(st.integers(0, 5))
+        shape = tuple(draw(st.lists(INTS, min_size=nd, max_size=nd)))
+        if k < 4:
+            nchunks = draw(st.sampled_from([0, 1, 3, 1001]))
+        else:
+            nchunks = draw(st.integers(0, 2))
+        chunks = []
+        for _ in range(nchunks):
+            offs = tuple(draw(st.lists(INTS, min_size=nd, max_size=nd)))
+            sizes = tuple(draw(st.lists(INTS, min_size=nd, max_size=nd)))
+            path, at, n = draw(st.sampled_from(PATHS)), draw(INTS), draw(INTS)
+            chunks.append(ChunkEntry(offs, sizes, path, at, n))
+        fqn = draw(st.sampled_from(KEYS)) + (str(k) if k >= len(KEYS) or draw(st.booleans()) else "")
+        if any(t.fqn == fqn for t in out):
+            fqn += f".{k}"
+        dtype = draw(st.sampled_from(["BF16", "F32", "F8_E4M3", "U16", "I64", "BOOL"]))
+        out.append(TensorEntry(fqn, dtype, shape, tuple(chunks)))
+    return out
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(tensor_lists(), st.sampled_from([None, "/", "/a", "/a/b/c", "/a/b/c/d", "rel/x"]))
+def test_same_bytes_as_the_value_tree_encoder(tensors: list[TensorEntry], checkpoint_id: str | None) -> None:
+    assert encode_metadata(tensors, checkpoint_id=checkpoint_id, save_id="s") == reference(
+        tensors, checkpoint_id=checkpoint_id, save_id="s"
+    )
+
+
+def test_many_chunks_load_as_torchs_own_structures() -> None:
+    """Slots past 255 (a Size's opcodes made once per box), 2-D and scalar boxes, 1000+ items."""
+    tensors = [
+        TensorEntry(
+            f"layers.{i}.w",
+            "BF16" if i % 3 else "F32",
+            (8, 6) if i % 5 else (),
+            tuple(
+                ChunkEntry((2 * r, 0), (2, 6), f"__{r}_0.distcp", i * 1577, 1577)
+                if i % 5
+                else ChunkEntry((), (), f"__{r}_0.distcp", i * 1577, 1577)
+                for r in range(4 if i % 5 else 1)
+            ),
+        )
+        for i in range(700)
+    ]
+    data = encode_metadata(tensors, save_id="s")
+    assert data == reference(tensors, save_id="s")
+    assert state(pickle.loads(data)) == state(expected(tensors, None, "s"))
+
+
+def test_written_as_made_in_pieces() -> None:
+    """``write_metadata`` hands the pickle out about a MiB at a time while it still reads its
+    inputs (nothing holds the whole), and the pieces are ``encode_metadata``'s bytes."""
+    n = 20000
+    chunk = ((0, 0), (4, 4))
+    consumed = []
+
+    def tensors() -> Iterator[TensorRecord]:
+        for i in range(n):
+            consumed.append(i)
+            yield f"t.{i}", "BF16", (8, 4), [chunk, ((4, 0), (4, 4))]
+
+    def storage() -> Iterator[StorageRecord]:
+        for r in range(2):
+            for i in range(n):
+                yield f"t.{i}", r, (4 * r, 0), f"__{r}_0.distcp", i * 1577, 1577
+
+    pieces: list[bytes] = []
+    seen_at: list[int] = []
+
+    def write(b: bytes) -> None:
+        pieces.append(b)
+        seen_at.append(len(consumed))
+
+    write_metadata(write, tensors(), storage(), save_id="s")
+    assert len(pieces) > 3 and max(map(len, pieces)) < 2 << 20
+    assert seen_at[0] < n  # the first MiB went out before the last tensor was read
+    entries = [
+        TensorEntry(
+            f"t.{i}",
+            "BF16",
+            (8, 4),
+            tuple(ChunkEntry((4 * r, 0), (4, 4), f"__{r}_0.distcp", i * 1577, 1577) for r in range(2)),
+        )
+        for i in range(n)
+    ]
+    assert b"".join(pieces) == encode_metadata(entries, save_id="s")

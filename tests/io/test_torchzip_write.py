@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zipfile
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,3 +176,37 @@ def test_crc32_combine_matches_zlib(a: bytes, b: bytes) -> None:
 def test_crc32_combine_long_run() -> None:
     head, tail = b"PK\x07\x08 head", bytes(range(256)) * 40_000  # 10 MB second piece
     assert crc32_combine(zlib.crc32(head), zlib.crc32(tail), len(tail)) == zlib.crc32(head + tail)
+
+
+def _joined_trailer(a: Any, crc32: int, head: bytes) -> bytes:
+    """The trailer as the records' helpers build it, field by field (what ``trailer`` cuts up)."""
+    from reshard.io import torchzip_write as z
+
+    seen = list(a._seen)
+    if len(head) >= 8 and head[:4] == b"PK\x07\x08":
+        seen.append(struct.unpack_from("<I", head, 4)[0])
+    if a.data_size:
+        seen.append(crc32)
+    seen.append(z._VERSION_CRC)
+    sid = f"{z._NAME_HASH:020d}{z._fold(seen):020d}".encode()
+    sid_crc = zlib.crc32(sid)
+    parts = (z._descriptor(crc32, a._data), a._middle, sid, z._descriptor(sid_crc, a._sid), a._cd_head)
+    cds = (z._cd_entry(a._data, crc32, a._limit), a._cd_version, z._cd_entry(a._sid, sid_crc, a._limit))
+    return b"".join((*parts, *cds, a._end))
+
+
+@given(
+    st.sampled_from(["BF16", "F32", "U8", "F8_E4M3", "I64"]),
+    st.lists(st.integers(0, 5), max_size=3),
+    st.sampled_from([ZIP64_LIMIT, 0, 64, 700, 1500]),
+    st.integers(0, 2**32 - 1),
+    st.binary(max_size=8) | st.binary(min_size=4, max_size=4).map(lambda b: b"PK\x07\x08" + b),
+)
+def test_trailer_equals_its_fields_joined(
+    dtype: str, shape: list[int], limit: int, crc32: int, head: bytes
+) -> None:
+    """``trailer`` fills pieces cut once per archive; the same bytes as building each field
+    (zip64 forced at low limits, empty chunks, heads that look like a descriptor)."""
+    a = chunk_archive(dtype, tuple(shape), zip64_limit=limit)
+    crc = crc32 if a.data_size else 0
+    assert a.trailer(crc, head) == _joined_trailer(a, crc, head)

@@ -5,7 +5,8 @@ For random layouts, a rank's box (when reshard says there is one) is exactly the
 gives the local data torch's own placement splitting gives. When reshard says there
 is none, torch's recorded box would point at other data: DCP cannot express it.
 The owners of replicated chunks are checked against torch's ``dedup_save_plans``
-itself, fed plans built from the same boxes.
+itself, fed plans built from the same boxes (both ``dedup_owners`` and the writer's
+array form, ``rank_chunks``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from reshard.formats.dcp_boxes import WriteItem as RWriteItem
-from reshard.formats.dcp_boxes import dedup_owners, rank_box, save_items
+from reshard.formats.dcp_boxes import dedup_owners, rank_box, rank_chunks, save_items
 from reshard.intervals import block_volume
 from reshard.layout import TensorLayout
 from reshard.mesh import Mesh
@@ -104,6 +105,7 @@ def test_dedup_owners_match_torch(tensors: list[tuple[str, TensorLayout, int]]) 
     if not tensors:
         return
     world = tensors[0][1].mesh.size
+    names = [fqn for fqn, _, _ in tensors]
     items = save_items(tensors)
     owners = dedup_owners([it for _, _, it in items])
     ours = {(fqn, tuple(iv.start for iv in box)): o for (fqn, box, _), o in zip(items, owners)}
@@ -112,6 +114,15 @@ def test_dedup_owners_match_torch(tensors: list[tuple[str, TensorLayout, int]]) 
         for item in plan.items:
             theirs[(item.index.fqn, tuple(item.index.offset))] = rank
     assert ours == theirs
+    # rank_chunks: the same owners, each rank's chunks in tensor order, boxes as save_items has them
+    per_rank = rank_chunks(tensors)
+    assert len(per_rank) == world
+    for rank, (idx, boxes) in enumerate(per_rank):
+        want = sorted(
+            ((names.index(fqn), box) for (fqn, box, _), o in zip(items, owners) if o == rank),
+            key=lambda x: x[0],
+        )
+        assert list(idx) == [i for i, _ in want] and boxes == [b for _, b in want]
 
 
 def test_dedup_counts_unique_chunks_too() -> None:
