@@ -367,8 +367,11 @@ def rank_checkpoint(
             path=str(directory),
         )
     uniform = _uniform_order(files)
+    positional = None if uniform is not None else _positional_order(files)
     if uniform is not None:  # every rank lists the same entries: paired without name lookups
         tensors = _uniform_sources(files, uniform, mesh, describe)
+    elif positional is not None and (found := _positional_sources(files, positional, mesh, describe)):
+        tensors = found  # the same names in the same order (uneven shards): paired by position
     else:
         tensors = _named_sources(files, mesh, describe)
     return Checkpoint(
@@ -427,6 +430,67 @@ def _uniform_sources(
         tensors[en.name] = tensor_source(
             en.name, en.dtype, shape, pfiles, offsets, blocks, signature, partials, op, placements
         )
+    return tensors
+
+
+def _positional_order(files: RankFiles) -> tuple[int, ...] | None:
+    """Each rank's file index when every rank has one file and all list the same names in the
+    same order (their entries differing: uneven shards, where some ranks hold empty ones)."""
+    if files.names or not all(len(r) == 1 for r in files.ranks):
+        return None
+    order = tuple(r[0] for r in files.ranks)
+    first = files.headers[order[0]]
+    names = first.names
+    checked = {id(first.entries)}
+    for i in order[1:]:
+        h = files.headers[i]
+        if id(h.entries) not in checked:
+            if h.names != names:
+                return None
+            checked.add(id(h.entries))
+    return order
+
+
+def _positional_sources(
+    files: RankFiles, order: tuple[int, ...], mesh: Mesh, describe: Describe
+) -> dict[str, TensorSource] | None:
+    """:func:`rank_checkpoint`'s tensors when every rank lists the same names in the same order
+    (``order``), paired by position: a few distinct entry sections, not a dict of names per
+    rank (100k tensors at 64 ranks: 6.4M entries, 1.6 GB). Ranks of one section and data start
+    share each tensor's offset. None when dtypes differ (the named pairing says which)."""
+    coords = list(mesh.coordinates())
+    paths = [files.paths[i] for i in order]
+    sections: list[Sequence[TensorEntry]] = []
+    index: dict[int, int] = {}
+    groups: dict[tuple[int, int], int] = {}  # (section, data start) -> its number
+    rank_section, rank_group = [], []
+    for i in order:
+        h = files.headers[i]
+        sec = index.setdefault(id(h.entries), len(index))
+        if sec == len(sections):
+            sections.append(h.entries)
+        rank_section.append(sec)
+        rank_group.append(groups.setdefault((sec, h.data_start), len(groups)))
+    group_starts = list(groups)
+    locals_of: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = {}
+    geometries: dict[tuple[object, ...], _Geometry] = {}
+    tensors: dict[str, TensorSource] = {}
+    for t, en in enumerate(sections[0]):
+        ents = [sec[t] for sec in sections]
+        if any(e.dtype != en.dtype for e in ents):
+            return None
+        shapes = tuple(e.shape for e in ents)
+        local = locals_of.get(shapes)
+        if local is None:
+            local = locals_of[shapes] = tuple(map(shapes.__getitem__, rank_section))
+        shape, pls = describe(en.name, local)
+        key = (shapes, shape, tuple(pls))
+        geo = geometries.get(key)
+        if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
+            entries = [ents[sec] for sec in rank_section]
+            geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
+        offsets = [start + ents[sec].start for sec, start in group_starts]
+        tensors[en.name] = _tensor_source(en.name, en.dtype, geo, tuple(map(offsets.__getitem__, rank_group)))
     return tensors
 
 
