@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
 
 from .checkpoint import Checkpoint, TensorSource
 from .dtypes import DTYPE_SIZES, FLOAT_DTYPES
@@ -37,6 +37,7 @@ __all__ = [
     "natural_sorted",
     "WriteOptions",
     "OutEntry",
+    "LazySequence",
     "FileLayout",
     "OutFile",
     "OutputFormat",
@@ -314,6 +315,30 @@ class WriteOptions:
     """Split a rank's (or the consolidated) output into files of at most this many bytes."""
     file_names: Mapping[str, str] | None = None
     """Tensor name -> its name inside rank files, where not its own (``Own(NAME, local)``)."""
+
+
+T = TypeVar("T")
+
+
+class LazySequence(Sequence[T]):
+    """A sequence whose items are made as they are read (a writer's layout of 100k entries holds
+    arrays, not objects): a subclass gives ``__len__`` and ``_item(i)`` (and a faster ``__iter__``)."""
+
+    __slots__ = ()
+
+    def _item(self, i: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | Sequence[T]:
+        if isinstance(i, slice):
+            return [self._item(k) for k in range(*i.indices(len(self)))]
+        return self._item(i)
 
 
 class OutEntry(NamedTuple):

@@ -25,7 +25,6 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import overload
 
 from ..dtypes import DTYPE_SIZES
 from ..intervals import Box
@@ -34,7 +33,7 @@ from ..io.header import no_gc
 from ..io.torchzip_write import ChunkArchive, chunk_archive
 from ..io.writer import FileResult, write_atomic_with
 from ..mesh import Mesh
-from ..plan import FileLayout, OutEntry, OutFile, Plan, TargetTensor, WriteOptions
+from ..plan import FileLayout, LazySequence, OutEntry, OutFile, Plan, TargetTensor, WriteOptions
 from .base import Writer
 from .dcp_boxes import rank_chunks
 from .manifest import complete_with_manifest
@@ -49,7 +48,7 @@ def dcp_file_name(rank: int, k: int = 0) -> str:
     return f"__{rank}_{k}.distcp"
 
 
-class _Fixed(Sequence[tuple[int, bytes]]):
+class _Fixed(LazySequence[tuple[int, bytes]]):
     """A DCP file's fixed byte runs, made as they are read: each chunk's archive prefix at its
     start (a 100k-chunk file holds its archives' starts, not 100k byte runs)."""
 
@@ -61,22 +60,14 @@ class _Fixed(Sequence[tuple[int, bytes]]):
     def __len__(self) -> int:
         return len(self._starts)
 
-    @overload
-    def __getitem__(self, i: int) -> tuple[int, bytes]: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[tuple[int, bytes]]: ...
-
-    def __getitem__(self, i: int | slice) -> tuple[int, bytes] | Sequence[tuple[int, bytes]]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
+    def _item(self, i: int) -> tuple[int, bytes]:
         return self._starts[i], self._archives[i].prefix
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         return zip(self._starts, (a.prefix for a in self._archives))
 
 
-class _Entries(Sequence[OutEntry]):
+class _Entries(LazySequence[OutEntry]):
     """A DCP file's entries (each chunk's tensor data inside its archive), made as they are read."""
 
     __slots__ = ("_tensors", "_rank", "_archives", "_starts")
@@ -89,17 +80,8 @@ class _Entries(Sequence[OutEntry]):
     def __len__(self) -> int:
         return len(self._starts)
 
-    @overload
-    def __getitem__(self, i: int) -> OutEntry: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[OutEntry]: ...
-
-    def __getitem__(self, i: int | slice) -> OutEntry | Sequence[OutEntry]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        a = self._archives[i]
-        return OutEntry(self._tensors[i], self._rank, self._starts[i] + a.data_offset, a.data_size)
+    def _item(self, i: int) -> OutEntry:
+        return _entry(self._tensors[i], self._rank, self._archives[i], self._starts[i])
 
     def __iter__(self) -> Iterator[OutEntry]:
         return map(_entry, self._tensors, repeat(self._rank), self._archives, self._starts)

@@ -16,13 +16,12 @@ from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from itertools import groupby, repeat
 from operator import attrgetter
-from typing import overload
 
 from ..dtypes import DTYPE_RANK, DTYPE_SIZES
 from ..intervals import block_shape
 from ..io.header import entry_head, joined_entries, prefix_parts
 from ..layout import TensorLayout
-from ..plan import FileLayout, OutEntry, OutFile, TargetTensor, local_nbytes
+from ..plan import FileLayout, LazySequence, OutEntry, OutFile, TargetTensor, local_nbytes
 
 __all__ = ["SafetensorsFile", "header_order", "metadata_text", "split_parts"]
 
@@ -108,7 +107,7 @@ def _section(tensors: Sequence[TargetTensor], names: Sequence[str] | None = None
         return sec
 
 
-class _Entries(Sequence[OutEntry]):
+class _Entries(LazySequence[OutEntry]):
     """A safetensors file's entries, made as they are read: a 100k-tensor file holds two
     arrays of offsets and sizes (shared with its siblings), not 100k objects."""
 
@@ -123,15 +122,7 @@ class _Entries(Sequence[OutEntry]):
     def __len__(self) -> int:
         return len(self._sizes)
 
-    @overload
-    def __getitem__(self, i: int) -> OutEntry: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[OutEntry]: ...
-
-    def __getitem__(self, i: int | slice) -> OutEntry | Sequence[OutEntry]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
+    def _item(self, i: int) -> OutEntry:
         return OutEntry(self._tensors[i], self._rank, self._base + self._starts[i], self._sizes[i])
 
     def columns(self) -> tuple[Sequence[TargetTensor], int, int, array[int], array[int]]:
