@@ -606,7 +606,6 @@ class Spans:
         self.used = [0] * len(self.slots)
         self.clock = 0
         self.shared = False  # sibling files read through these spans too: read whole windows
-        self.reads = 0  # spans read (tests: siblings share them)
 
     def locate(self, fi: int, lo: int, hi: int) -> tuple[bytearray, int]:
         """The buffer holding file ``fi``'s bytes ``[lo, hi)`` (at most :attr:`span`), and where
@@ -623,7 +622,6 @@ class Spans:
         self.sources.pread(fi, memoryview(self.bufs[j])[: hi - lo], lo)
         self.slots[j] = (fi, lo, hi)
         self.used[j] = self.clock
-        self.reads += 1
         return self.bufs[j], 0
 
     def gather(self, jobs: Sequence[Job], buf: bytearray) -> None:
