@@ -287,6 +287,12 @@ class _Pickle:
         self.memo[s] = self.n
         self.put()
 
+    def dict_field(self, name: str) -> None:
+        """A field ``name`` whose value is a new dict (``EMPTY_DICT``, memoized), its items next."""
+        self.text(name)
+        self.out += b"}"
+        self.put()
+
     def integer(self, v: int) -> None:
         self.out += _int(v)
 
@@ -444,18 +450,14 @@ def write_metadata(
     """
     p = _Pickle(write)
     p.new((_MD, "Metadata"))
-    p.text("state_dict_metadata")
-    p.out += b"}"
-    p.put()
+    p.dict_field("state_dict_metadata")
     fqns: list[str] = []
     for group in p.batches(tensors, b"s", b"u"):
         for fqn, dtype, shape, chunks in group:
             fqns.append(fqn)
             p.text(fqn)
             _tensor_md(p, dtype, shape, chunks)
-    p.text("planner_data")
-    p.out += b"}"
-    p.put()
+    p.dict_field("planner_data")
     for names in p.batches(fqns, b"s", b"u"):
         for fqn in names:
             p.text(fqn)
@@ -463,9 +465,7 @@ def write_metadata(
             p.out += b"\x85"
             p.put()
     del fqns
-    p.text("storage_data")
-    p.out += b"}"
-    p.put()
+    p.dict_field("storage_data")
     for items in p.batches(storage, b"s", b"u"):
         for item in items:
             p.storage_item(item)
