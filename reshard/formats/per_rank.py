@@ -848,16 +848,55 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
 
 
 def exact_rules(ckpt: Checkpoint) -> LayoutConfig:
-    """One exact-name rule per tensor, from a self-described checkpoint's placements."""
+    r"""Rules giving each tensor of a self-described checkpoint its own placements, compactly.
+
+    Names that differ only in their numbers (``layers.{i}.experts.{j}.w``) share one rule
+    ``re:layers\.\d+\.experts\.\d+\.w`` when they share placements: ``\d`` (RE2:
+    ASCII digits) spans whole digit runs only, as the literal text between them holds no
+    digit, so the rule matches exactly the names of its shape. Names placed otherwise than
+    most of their shape come first as exact-name rules. 100k tensors give a handful of
+    rules, not 100k (which took seconds to build and filled a reused layout's manifest).
+
+    >>> from types import SimpleNamespace as T
+    >>> ts = [T(name=f"l.{i}.w", placements=("R" if i == 1 else "S(0)",)) for i in range(3)]
+    >>> ts.append(T(name="l.2x", placements=("R",)))
+    >>> ck = T(mesh=Mesh(("tp",), (2,)), path="ck", tensors={t.name: t for t in ts})
+    >>> [(r.pattern, [str(p) for _, p in r.spec]) for r in exact_rules(ck).rules]
+    [('l.1.w', ['R']), ('re:l\\.\\d+\\.w', ['S(0)']), ('l.2x', ['R'])]
+    """
     from ..config import LayoutConfig
 
     assert ckpt.mesh is not None
-    rules = [
-        ["re:" + re.escape(t.name), [str(p) for p in (t.placements or ())]] for t in ckpt.tensors.values()
-    ]
+    # shape of a name (its text between digit runs) -> placements -> names
+    shapes: dict[tuple[str, ...], dict[tuple[str, ...], list[str]]] = {}
+    strs: dict[object, tuple[str, ...]] = {}
+    for t in ckpt.tensors.values():
+        pls = t.placements or ()
+        text = strs.get(pls)
+        if text is None:
+            text = strs[pls] = tuple(str(p) for p in pls)
+        shapes.setdefault(tuple(_DIGIT_RUNS.split(t.name)), {}).setdefault(text, []).append(t.name)
+    exact: list[list[object]] = []
+    shared: list[list[object]] = []
+    for parts, by_placements in shapes.items():
+        ranked = sorted(by_placements.items(), key=lambda kv: -len(kv[1]))
+        (most, names), rest = ranked[0], ranked[1:]
+        exact.extend([_exact_pattern(n), list(pls)] for pls, ns in rest for n in ns)
+        pattern = _exact_pattern(names[0]) if len(names) == 1 else "re:" + r"\d+".join(map(re.escape, parts))
+        shared.append([pattern, list(most)])
     return LayoutConfig.from_json(
-        {"mesh": ckpt.mesh.to_json(), "rules": rules}, source=f"{ckpt.path} (file metadata)"
+        {"mesh": ckpt.mesh.to_json(), "rules": exact + shared}, source=f"{ckpt.path} (file metadata)"
     )
+
+
+_DIGIT_RUNS = re.compile("[0-9]+")
+
+
+def _exact_pattern(name: str) -> str:
+    """A rule pattern matching ``name`` alone: itself, unless it reads as a glob or regex."""
+    if name.startswith("re:") or any(c in name for c in "*?["):
+        return "re:" + re.escape(name)
+    return name
 
 
 READER = Reader(

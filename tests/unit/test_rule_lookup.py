@@ -231,3 +231,56 @@ def test_layouts_of_one_rules_tuple_share_their_index() -> None:
     for name in ["m.layers.1.w", "m.layers.2.w", "m.layers.12.w"]:
         assert on_eight.match(name) == src.match(name)
     assert [other.match(n).pattern for n in ["m.layers.1.w", "m.layers.2.w"]] == ["*", "*.layers.2.*"]
+
+
+PLACED = ["R", "S(0)", "S(1)"]
+# digits, glob and regex characters, a "re:" prefix, a non-ASCII digit (not a \d of RE2)
+name_parts = st.sampled_from(["a", ".", "0", "1", "12", "007", "*", "?", "[", "re:", "\u0663", "x"])
+
+
+@given(
+    st.dictionaries(
+        st.lists(name_parts, min_size=1, max_size=6).map("".join),
+        st.sampled_from(PLACED),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_self_described_rules_give_every_tensor_its_own_placements(placed: dict[str, str]) -> None:
+    """formats.per_rank.exact_rules: one rule per name shape, exact rules for the exceptions."""
+    from types import SimpleNamespace
+
+    from reshard.formats.per_rank import exact_rules
+    from reshard.placements import parse_placement
+
+    tensors = {n: SimpleNamespace(name=n, placements=(parse_placement(p),)) for n, p in placed.items()}
+    cfg = exact_rules(SimpleNamespace(mesh=MESH, path="ck", tensors=tensors))
+    for name, p in placed.items():
+        assert [str(q) for q in cfg.placements_for(name)] == [p], name
+        # and the naive first match over the same patterns agrees (Python's re for RE2's \d: ASCII here)
+        first = naive_first([r.pattern.replace("\\d", "[0-9]") for r in cfg.rules], name)
+        assert first is not None and str(cfg.rules[first].spec[0][1]) == p
+
+
+def test_self_described_rules_are_one_per_name_shape() -> None:
+    """100k expert tensors placed alike by shape: a few rules, not one per tensor."""
+    from types import SimpleNamespace
+
+    from reshard.formats.per_rank import exact_rules
+    from reshard.placements import parse_placement
+
+    r, s0 = parse_placement("R"), parse_placement("S(0)")
+    tensors = {}
+    for i in range(200):
+        for j in range(64):
+            n = f"model.layers.{i}.mlp.experts.{j}.up_proj.weight"
+            tensors[n] = SimpleNamespace(name=n, placements=(s0,))
+        n = f"model.layers.{i}.input_layernorm.weight"
+        tensors[n] = SimpleNamespace(name=n, placements=(s0 if i == 7 else r,))
+    cfg = exact_rules(SimpleNamespace(mesh=MESH, path="ck", tensors=tensors))
+    assert [(ru.pattern, str(ru.spec[0][1])) for ru in cfg.rules] == [
+        ("model.layers.7.input_layernorm.weight", "S(0)"),
+        (r"re:model\.layers\.\d+\.mlp\.experts\.\d+\.up_proj\.weight", "S(0)"),
+        (r"re:model\.layers\.\d+\.input_layernorm\.weight", "R"),
+    ]
+    assert all(cfg.placements_for(n) == t.placements for n, t in tensors.items())
