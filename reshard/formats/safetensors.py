@@ -14,7 +14,7 @@ import weakref
 from array import array
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
-from itertools import groupby, repeat
+from itertools import accumulate, groupby, repeat
 from operator import attrgetter
 
 from ..dtypes import DTYPE_RANK, DTYPE_SIZES
@@ -36,11 +36,13 @@ class SafetensorsFile(OutFile):
         name: str,
         rank: int | None,
         tensors: Sequence[TargetTensor],
-        meta: str | None,
+        meta: str | Sequence[bytes] | None,
         names: Sequence[str] | None = None,
     ) -> None:
-        """``tensors`` in header order (:func:`header_order`); ``meta`` the JSON text of ``__metadata__``
-        (None: no ``__metadata__``, as ``save_file`` without metadata writes); ``names`` the
+        """``tensors`` in header order (:func:`header_order`); ``meta`` the JSON text of ``__metadata__``,
+        or its UTF-8 parts (one shared by sibling files is held once; see
+        :func:`reshard.io.header.prefix_parts`), or None (no ``__metadata__``, as ``save_file``
+        without metadata writes); ``names`` the
         entries' names when not the tensors' own (``Own(NAME, local)`` rank files)."""
         super().__init__(name, rank, tensors)
         self._meta = meta
@@ -58,9 +60,11 @@ class SafetensorsFile(OutFile):
             text, offsets = joined_entries(sec.quoted(), list(map(heads.__getitem__, sec.geometry)), sizes)
             last = sec.last = (texts, text, array("q", offsets), sizes)
         _, text, starts, sizes = last
-        head, body, tail = prefix_parts(text, self._meta)
-        base = len(head) + len(body) + len(tail)
-        fixed = ((0, head), (len(head), body), (len(head) + len(body), tail)) if body else ((0, head + tail),)
+        parts = prefix_parts(text, self._meta)
+        fixed: tuple[tuple[int, bytes], ...] = ((0, b"".join(parts)),)
+        if text:
+            fixed = tuple((at, p) for at, p in zip(accumulate(map(len, parts), initial=0), parts) if p)
+        base = sum(map(len, parts))
         size = base + (starts[-1] + sizes[-1] if sizes else 0)
         return FileLayout(fixed, _Entries(self.tensors, r, base, starts, sizes), size)
 

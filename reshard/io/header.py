@@ -1046,15 +1046,21 @@ def joined_entries(
     return b",".join(parts), starts
 
 
-def prefix_parts(entries: bytes, metadata: str | None) -> tuple[bytes, bytes, bytes]:
+def prefix_parts(entries: bytes, metadata: str | Sequence[bytes] | None) -> tuple[bytes, ...]:
     """The header prefix of :func:`entries_text`'s ``entries`` and ``metadata`` (as :func:`header_prefix`),
-    in three parts whose concatenation it is: what precedes the entries, the entries, what follows.
+    in parts whose concatenation it is: what precedes the entries, the entries, what follows.
 
     Sibling files then share the entries' bytes (a 100k-tensor header is 10 MB) instead of
-    each holding a prefix of its own.
+    each holding a prefix of its own. ``metadata`` may come as the UTF-8 parts of its text:
+    each is a part of what precedes the entries, so one shared by sibling files (the per-tensor
+    part of a per-rank description) stays one object too.
     """
-    head = b"{"
-    if metadata is not None:
-        head += f'"{_METADATA_KEY}":{metadata}'.encode() + (b"," if entries else b"")
-    size = len(head) + len(entries) + 1
-    return struct.pack("<Q", size + (-size % 8)) + head, entries, b"}" + b" " * (-size % 8)
+    if metadata is None:
+        head = [b"{"]
+    else:
+        head = [metadata.encode()] if isinstance(metadata, str) else list(metadata)
+        head[0] = f'{{"{_METADATA_KEY}":'.encode() + head[0]
+        head[-1] += b"," if entries else b""
+    size = sum(map(len, head)) + len(entries) + 1
+    head[0] = struct.pack("<Q", size + (-size % 8)) + head[0]
+    return (*head, entries, b"}" + b" " * (-size % 8))

@@ -46,3 +46,38 @@ def _shape(e: object) -> list[int]:
 
     t = e.tensor  # type: ignore[attr-defined]
     return list(block_shape(t.layout.blocks()[e.rank]))  # type: ignore[attr-defined]
+
+
+def test_rank_files_share_one_copy_of_the_per_tensor_description(tmp_path: Path) -> None:
+    """Unevenly split tensors put every global shape in each rank file's metadata: the planned
+    files hold that text once (64 ranks x 100k tensors held 64 copies, 947 MiB), and a reader
+    keeps past rank 0 only what it compares across ranks."""
+    from reshard.formats.per_rank import RankFiles, open_per_rank, self_description
+
+    w = torch.arange(7 * 3, dtype=torch.int16).reshape(7, 3)
+    tensors = {f'layers.{i}.w\u00e9"q': w.clone() for i in range(300)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "l.yaml").write_text('mesh: {tp: 4}\nplacements:\n  "*": {tp: S(0)}\n')
+    ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
+    plan = build_plan(ck, resolve_target(ck, TargetSpec(layout=str(tmp_path / "l.yaml"))))
+    # per file, its largest fixed run other than the entries (second to last)
+    biggest = [max((b for _, b in f.layout.fixed[:-2]), key=len) for f in plan.files]
+    assert len(biggest[0]) > 300 * 20  # the global shapes, one per tensor
+    assert all(b is biggest[0] for b in biggest)  # one object, not one per file
+
+    out = tmp_path / "out"
+    from typer.testing import CliRunner
+
+    from reshard.cli import app
+
+    src, layout = str(tmp_path / "model.safetensors"), str(tmp_path / "l.yaml")
+    assert CliRunner().invoke(app, ["convert", src, str(out), "--target-layout", layout]).exit_code == 0
+    paths = sorted(out.glob("rank-*.safetensors"))
+    files = RankFiles.one_per_rank(paths)
+    texts = [(h.metadata or {})["reshard"] for h in files.headers]
+    assert len(texts[0]) > 300 * 20 and all(len(t) < 200 for t in texts[1:])
+    for r, (h, p) in enumerate(zip(files.headers, paths)):
+        d = self_description(h, p, tensors=False)
+        assert d is not None and d["rank"] == r and d["coordinate"] == [r]
+    got = open_per_rank(out, mesh=None, placements_for=None)
+    assert {n: t.shape for n, t in got.tensors.items()} == {n: (7, 3) for n in tensors}
