@@ -56,6 +56,7 @@ from .io.checksum import CHECKSUM_PREFIX, file_checksum
 from .io.reader import MappedFiles, read_box
 from .io.readhash import ReadHashes, Region, xxh3_regions
 from .plan import natural_key, natural_sorted
+from .select import LEFT_OUT
 
 __all__ = [
     "check_checkpoint",
@@ -336,8 +337,9 @@ def _check_manifest(ckpt: Checkpoint, out: list[Problem], max_bytes: int, *, has
     if isinstance(tensors, dict):  # format version 1 lists them
         _check_listed_tensors(ckpt, where, tensors, out)
     count = man.get("tensor_count")  # version 2 counts them (the files describe them)
-    if count is not None and count != len(ckpt.tensors):
-        msg = f"{where}: says the checkpoint holds {count!r} tensors, but the files hold {len(ckpt.tensors)}"
+    held = len(ckpt.tensors) + man.get(LEFT_OUT, 0)  # type: ignore[operator]
+    if count is not None and count != held:
+        msg = f"{where}: says the checkpoint holds {count!r} tensors, but the files hold {held}"
         out.append(_problem("manifest", msg, path=where))
 
 

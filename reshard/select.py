@@ -58,6 +58,11 @@ def selected(
     return kept, [u for u in unused if u not in used]
 
 
+LEFT_OUT = "(left out by --include/--exclude)"
+"""Key of a filtered checkpoint's manifest copy: how many of the tensors ``tensor_count`` counts
+its files hold but the patterns left out (not a key ``reshard.json`` can have: it is never written)."""
+
+
 def _unmatched(unused: Sequence[tuple[str, str]], where: str) -> list[CheckpointWarning]:
     return [CheckpointWarning(f'{opt} "{p}" matches nothing in {where}') for opt, p in unused]
 
@@ -106,6 +111,8 @@ def _select(
         listed = manifest["tensors"]
         assert isinstance(listed, dict)
         manifest = {**manifest, "tensors": {k: v for k, v in listed.items() if k in keep}}
+    if manifest is not None and "tensor_count" in manifest:  # version 2 counts them: the check adds these
+        manifest = {**manifest, LEFT_OUT: len(ckpt.tensors) - sum(1 for k in ckpt.tensors if k in keep)}
     out = dataclasses.replace(
         ckpt,
         tensors={k: v for k, v in ckpt.tensors.items() if k in keep},

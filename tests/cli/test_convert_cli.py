@@ -421,3 +421,37 @@ def test_rule_matching_nothing_is_a_warning(tp4: Path, tmp_path: Path) -> None:
     assert warnings[0] == f"{lay}:6: rule '*.never' matches no tensor"
     assert len(warnings) == 2 and "no config.json" in warnings[1]  # hf output without model files
     assert "matches no tensor" in p.stderr
+
+
+def test_exclude_from_a_checkpoint_reshard_wrote(tp4: Path, tmp_path: Path) -> None:
+    """--exclude on a source whose reshard.json counts its tensors: the count of what is kept is
+    compared, so a sound checkpoint converts, and one whose files lost a tensor is still refused."""
+    lay = str(tmp_path / "tp.yaml")
+    assert (
+        run("convert", str(tp4), str(tmp_path / "hf"), "--source-layout", lay, "--consolidate").returncode
+        == 0
+    )
+    assert "tensor_count" in json.loads((tmp_path / "hf" / "reshard.json").read_text())
+    for cmd in (
+        (
+            "convert",
+            str(tmp_path / "hf"),
+            str(tmp_path / "tp2"),
+            "--target-layout",
+            lay,
+            "--target-mesh",
+            "tp=2",
+        ),
+        ("inspect", str(tmp_path / "hf"), "--check"),
+        ("verify", str(tmp_path / "hf"), str(tp4), "--layout-b", lay),
+    ):
+        p = run(*cmd, "--exclude", "layers.0.w*")
+        assert p.returncode == 0, (cmd, p.stderr)
+    got = load_file(str(tmp_path / "tp2" / "rank-00001-of-00002.safetensors"))
+    assert sorted(got) == ["layers.0.gate_up", "layers.0.norm", "scalar", "tiny"]
+    # the files lose a tensor the manifest counts: refused with or without --exclude
+    ref = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    del ref["tiny"]
+    save_file(ref, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    p = run("inspect", str(tmp_path / "hf"), "--check", "--exclude", "layers.0.w*")
+    assert p.returncode == 1 and "holds 6 tensors, but the files hold 5" in p.stderr, p.stderr
