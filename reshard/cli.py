@@ -710,11 +710,15 @@ def verify(
     from .verify import verify_checkpoints, with_repeats
 
     with _errors(json_):
-        from .select import select_pair
+        from .select import select_pair, without_excluded
 
         ca = open_source(SourceSpec(a, None, layout_a, None))
         cb = open_source(SourceSpec(b, None, layout_b, None))
         from .transform_plan import transforms_for
+
+        matched: list[str] = []
+        if transforms and exclude:
+            ca, matched = without_excluded(ca, exclude)
 
         tf = transforms_for(
             ca,
@@ -727,7 +731,7 @@ def verify(
         source = ca
         if tf is not None:
             ca = tf.checkpoint(ca)
-        ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or ())
+        ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or (), matched)
         for w in unmatched:
             console().print(f"warning: {w}")
         doc = verify_checkpoints(ca, cb)

@@ -23,7 +23,7 @@ from .checkpoint import Checkpoint, CheckpointWarning
 from .config import Matcher, _compile
 from .errors import ConfigError, UsageError
 
-__all__ = ["select_checkpoint", "select_pair", "selected"]
+__all__ = ["select_checkpoint", "select_pair", "selected", "without_excluded"]
 
 
 def _patterns(option: str, patterns: Sequence[str]) -> list[tuple[str, Matcher]]:
@@ -86,17 +86,35 @@ def select_checkpoint(
     return out, warnings
 
 
+def without_excluded(ckpt: Checkpoint, exclude: Sequence[str]) -> tuple[Checkpoint, list[str]]:
+    """``ckpt`` less what ``exclude`` matches, without warnings, and the patterns that matched
+    (``verify --transforms``: A's own entries go before the transforms, as ``convert`` drops
+    them, e.g. an incomplete last layer; the patterns then filter both sides after them).
+
+    Raises:
+        UsageError: a pattern is not a valid glob or ``re:`` regex.
+    """
+    out, unused = _select(ckpt, (), exclude)
+    return out, [p for p in exclude if ("--exclude", p) not in unused]
+
+
 def select_pair(
-    a: Checkpoint, b: Checkpoint, include: Sequence[str] = (), exclude: Sequence[str] = ()
+    a: Checkpoint,
+    b: Checkpoint,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    matched: Sequence[str] = (),
 ) -> tuple[Checkpoint, Checkpoint, list[CheckpointWarning]]:
-    """Both checkpoints filtered alike (``verify``); a pattern warns only when it matches in neither.
+    """Both checkpoints filtered alike (``verify``); a pattern warns only when it matches in neither
+    (nor is one of the exclusions ``matched`` already, see :func:`without_excluded`).
 
     Raises:
         UsageError: a pattern is not a valid glob or ``re:`` regex.
     """
     sa, ua = _select(a, include, exclude)
     sb, ub = _select(b, include, exclude)
-    return sa, sb, _unmatched([u for u in ua if u in ub], f"{a.path} or {b.path}")
+    done = {("--exclude", p) for p in matched}
+    return sa, sb, _unmatched([u for u in ua if u in ub and u not in done], f"{a.path} or {b.path}")
 
 
 def _select(

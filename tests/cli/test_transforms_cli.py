@@ -809,3 +809,22 @@ def test_verify_compares_the_kv_copies_vllm_ranks_hold(hf: Path, tmp_path: Path)
     got = compare_checkpoints(vllm, hf, transforms="hf-to-vllm", sets=["tp=4"], inverse=True,
                               model_config=str(hf / "config.json"))  # fmt: skip
     assert not got["equal"] and [x["kind"] for x in got["differences"]] == ["replica"]
+
+
+def test_verify_with_transforms_drops_excluded_source_tensors_first(tmp_path: Path) -> None:
+    """A checkpoint cut mid-layer (an expert's w3 missing) stacks once that layer is excluded:
+    convert drops it before the transforms, and so must verify, with no 'matches nothing' warning."""
+    sd = moe_hf()
+    del sd["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    src = save_hf(tmp_path / "moe", sd, {**LLAMA, "num_local_experts": 4})
+    cut = ("--transforms", "mixtral-experts-stack", "--exclude", "model.layers.1.*")
+    p = run("convert", str(src), str(tmp_path / "out"), *cut, "--consolidate")
+    assert p.returncode == 0, p.stderr
+    p = run("verify", str(src), str(tmp_path / "out"), *cut)
+    assert p.returncode == 0, p.stderr
+    assert "matches nothing" not in p.stderr and "equal:" in p.stderr
+    p = run("verify", str(src), str(tmp_path / "out"), "--transforms", "mixtral-experts-stack")
+    assert p.returncode == 2 and "missing [3]" in p.stderr  # without it, the cut layer cannot stack
+    bad = (*cut, "--exclude", "nothing.*")  # an exclusion matching nowhere is still said
+    p = run("verify", str(src), str(tmp_path / "out"), *bad)
+    assert p.returncode == 0 and 'warning: --exclude "nothing.*" matches nothing' in p.stdout + p.stderr
