@@ -109,6 +109,17 @@ class Part:
         if len(set(walked + pinned)) != len(walked) + len(pinned):
             raise ValueError(f"part reads a source dim twice: {self!r}")
 
+    @classmethod
+    def of_checked(
+        cls, source: str | None, dims: tuple[DimMap, ...], fixed: tuple[tuple[int, int], ...]
+    ) -> Part:
+        """A part with the dims and pins of one already made (so already checked): no check again."""
+        p = object.__new__(cls)
+        object.__setattr__(p, "source", source)
+        object.__setattr__(p, "dims", dims)
+        object.__setattr__(p, "fixed", fixed)
+        return p
+
 
 def identity_part(name: str, shape: Sequence[int]) -> Part:
     """The whole tensor ``name`` read as is (no part for an empty tensor's empty dims)."""

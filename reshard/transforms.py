@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -93,6 +94,7 @@ _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
 _CALLS: dict[str, Callable[..., int]] = {"min": min, "max": max}
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # per tensor of every rule: parsed once (True is not 1)
 def _parse_expr(expr: Expr) -> ast.expr:
     if isinstance(expr, bool) or not isinstance(expr, (int, str)):
         raise ConfigError(f"a size must be an integer or an expression such as heads*head_dim, got {expr!r}")
@@ -146,6 +148,9 @@ class _Env:
         self.own = own
         self.external = external
         self.stack: list[str] = []
+        # values found (the names' values are fixed for a run): 100k tensors evaluate a rule's
+        # sizes 100k times
+        self._values: dict[tuple[type, Expr], int] = {}
 
     def name(self, key: str) -> int:
         if key in self.own:
@@ -168,7 +173,11 @@ class _Env:
         )
 
     def eval(self, expr: Expr) -> int:
-        return self._node(_parse_expr(expr), expr)
+        key = (type(expr), expr)
+        v = self._values.get(key)
+        if v is None:
+            v = self._values[key] = self._node(_parse_expr(expr), expr)
+        return v
 
     def _node(self, n: ast.expr, expr: Expr) -> int:
         if isinstance(n, ast.Constant):
@@ -1165,11 +1174,60 @@ def _advance(
 
 
 def _composed(o: _Out, state: State) -> TransformedTensor:
-    """Output ``o`` with its parts (reading tensors of ``state``) composed with theirs."""
-    inner = {p.source: state[p.source].parts for p in o.parts if p.source is not None}
-    parts = merge_parts([c for p in o.parts for c in compose(p, inner)])
-    assert sum(part_numel(p) for p in parts) == math.prod(o.shape), o.name
+    """Output ``o`` with its parts (reading tensors of ``state``) composed with theirs.
+
+    Composing depends on the parts' index maps and on which parts read the same tensor, not
+    on the tensors' names: outputs alike but for names (the 64 experts of each of 500 layers
+    stacked, or unstacked) are composed once, and the others take the result with their own
+    names.
+    """
+    middle: dict[str, int] = {}
+    outer = tuple(
+        (p.dims, p.fixed, -1 if p.source is None else middle.setdefault(p.source, len(middle)))
+        for p in o.parts
+    )
+    inner = [_structure(state[n].parts) for n in middle]
+    ids: dict[str, int] = {}  # the tensors the middle ones read, numbered as first met
+    same = tuple(ids.setdefault(n, len(ids)) for _, names in inner for n in names)
+    key = (outer, tuple(k for k, _ in inner), same)
+    made = _COMPOSED.get(key)
+    if made is None:
+        parts = merge_parts([c for p in o.parts for c in compose(p, {n: state[n].parts for n in middle})])
+        assert sum(part_numel(p) for p in parts) == math.prod(o.shape), o.name
+        if all(p.source is None or p.source in ids for p in parts):
+            if len(_COMPOSED) >= _COMPOSED_MAX:
+                _COMPOSED.clear()
+            _COMPOSED[key] = tuple(
+                (p.dims, p.fixed, -1 if p.source is None else ids[p.source]) for p in parts
+            )
+        return TransformedTensor(o.name, o.shape, o.dtype, parts)
+    order = list(ids)
+    parts = tuple(Part.of_checked(None if i < 0 else order[i], dims, fixed) for dims, fixed, i in made)
     return TransformedTensor(o.name, o.shape, o.dtype, parts)
+
+
+def _structure(parts: tuple[Part, ...]) -> tuple[tuple[object, ...], list[str]]:
+    """``parts`` with the tensors they read numbered as first met, and those tensors (remembered
+    for the parts tuple itself: the 64 experts unstacked from one tensor read its parts)."""
+    hit = _STRUCTURES.get(id(parts))
+    if hit is not None and hit[0] is parts:
+        return hit[1], hit[2]
+    names: dict[str, int] = {}
+    key = tuple(
+        (p.dims, p.fixed, -1 if p.source is None else names.setdefault(p.source, len(names))) for p in parts
+    )
+    if len(_STRUCTURES) >= _COMPOSED_MAX:
+        _STRUCTURES.clear()
+    _STRUCTURES[id(parts)] = (parts, key, list(names))  # holds parts: its id stays its own
+    return key, list(names)
+
+
+_STRUCTURES: dict[int, tuple[tuple[Part, ...], tuple[object, ...], list[str]]] = {}
+_COMPOSED: dict[
+    tuple[object, ...], tuple[tuple[tuple[DimMap, ...], tuple[tuple[int, int], ...], int], ...]
+] = {}
+""":func:`_composed`'s results by the shape of their inputs, names as numbers (pure: index maps only)."""
+_COMPOSED_MAX = 4096
 
 
 def apply(

@@ -382,3 +382,51 @@ def test_concat_shards_repeat_chunks_and_split_reads_the_first_copy() -> None:
     assert torch.equal(torch.from_numpy(back["a"]), a) and torch.equal(torch.from_numpy(back["b"]), b)
     with pytest.raises(ConfigError, match=r"shards \[4, 3\] do not fit: each must divide groups: 4"):
         apply(spec.with_values({"n": 3}), {"a": (8, 3), "b": (4, 3)})
+
+
+class _NoMemo(dict):  # type: ignore[type-arg]
+    def get(self, *_a: object) -> None:  # type: ignore[override]
+        return None
+
+    def __setitem__(self, *_a: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_remembered_compositions_equal_composing_each_output(
+    stacked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs alike but for names are composed once (transforms._composed): the parts of every
+    output are those composing it on its own gives, and torch agrees on the values; a tensor
+    read twice by one output (concat of x with itself) is not taken for two tensors."""
+    import reshard.transforms as tr
+
+    base = """
+        config: {ffn: 4}
+        transforms:
+          - concat:
+              from: ["layers.{l}.experts.{e}.gate", "layers.{l}.experts.{e}.up"]
+              to: "layers.{l}.experts.{e}.gate_up"
+              sizes: [ffn, ffn]
+          - stack: {from: "layers.{l}.experts.{e}.gate_up", to: "layers.{l}.experts.gate_up", index: e}
+    """
+    spec = spec_of(base + '      - concat: {from: ["twice.{k}", "twice.{k}"], to: "doubled.{k}"}\n')
+    shapes: dict[str, tuple[int, ...]] = {
+        f"layers.{i}.experts.{e}.{w}": (4, 3) for i in range(3) for e in range(5) for w in ("gate", "up")
+    }
+    shapes |= {"twice.0": (2, 3), "twice.1": (2, 3)}
+    if stacked:  # the inverse: unstack and split, 5 outputs reading each stacked tensor
+        shapes = {f"layers.{i}.experts.gate_up": (5, 8, 3) for i in range(3)}
+        spec = inverse(spec_of(base))
+    tr._COMPOSED.clear()
+    remembered = apply(spec, shapes)
+    monkeypatch.setattr(tr, "_COMPOSED", _NoMemo())
+    each = apply(spec, shapes)
+    assert remembered == each
+    if stacked:
+        check(spec, shapes)
+        return
+    check(spec_of(base), {n: s for n, s in shapes.items() if not n.startswith("twice")})
+    src = arange_sources(shapes)  # the torch reference pops each input once: concat x with x by hand
+    got = run_spec(spec, src, None)
+    assert got["doubled.1"].tobytes() == np.concatenate([src["twice.1"]] * 2).tobytes()
