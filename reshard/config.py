@@ -53,7 +53,7 @@ import yaml
 from .errors import ConfigError, LayoutError
 from .io.safe import MAX_LAYOUT_BYTES, read_document
 from .mesh import Mesh
-from .placements import Owned, Placement, Replicate, StridedShard, parse_placement
+from .placements import Placement, Replicate, StridedShard, owned, parse_placement
 
 __all__ = [
     "Own",
@@ -456,7 +456,7 @@ class LayoutConfig:
                 path=self.source,
             )
         i = mesh.names.index(dim)
-        return (*out[:i], Owned(number // (count // size)), *out[i + 1 :])
+        return (*out[:i], owned(number // (count // size)), *out[i + 1 :])
 
     def with_mesh(self, mesh: Mesh) -> LayoutConfig:
         """The same rules on another mesh (e.g. ``--target-mesh tp=8``).

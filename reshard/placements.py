@@ -9,6 +9,7 @@ no torch counterpart.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = [
     "StridedShard",
     "Partial",
     "Owned",
+    "owned",
     "REDUCE_OPS",
     "MAX_SPLIT_FACTOR",
     "chunk_interval",
@@ -202,6 +204,13 @@ class Owned:
 Placement = Replicate | Shard | StridedShard | Partial | Owned
 
 
+@functools.lru_cache(maxsize=4096)
+def owned(owner: int) -> Owned:
+    """``Owned(owner)``, one object per owner: the planner shares a layout's work between tensors
+    by the identity of their placements (100k experts dealt to 8 ranks: 8 layouts, not 100k)."""
+    return Owned(owner)
+
+
 def _norm_dim(dim: int, ndim: int, p: object) -> int:
     if not -ndim <= dim < ndim:
         raise ConfigError(f"{p} does not fit a {ndim}-d tensor (dim out of range)")
@@ -342,7 +351,7 @@ def _owned(pos: list[str], kw: dict[str, str], text: str) -> Placement:
             f"placement {_short(text)}: Own(NAME) (the owner by a number the pattern captures) goes in "
             "a layout rule's {dim: Own(NAME)} mapping; as a placement, Own takes a mesh coordinate: Own(3)"
         )
-    return Owned(_int(owner, "the owner", text))
+    return owned(_int(owner, "the owner", text))
 
 
 _BUILD = {"R": _replicate, "P": _partial, "S": _shard, "SS": _strided, "O": _owned}

@@ -272,24 +272,38 @@ _ACROSS_RANKS = ("format_version", "mesh", "rank", "coordinate", "local_names")
 """What a self-description past rank 0's is read for (:func:`_rank_mesh`, :func:`local_names`)."""
 
 
-def _rank_header(path: Path, rank: int) -> Header:
-    """The header of rank ``rank``'s file; past rank 0, a format-2 self-description is kept only
-    for what is compared across ranks (:data:`_ACROSS_RANKS`).
+_DESCRIPTION_HEAD = re.compile(
+    r'\{"format_version":[12],"mesh":\{[^{}]*\},"rank":\d+,"coordinate":\[[\d,]*\],'
+)
+"""The members :func:`rank_metadata` writes first, up to the per-tensor part."""
 
-    Its per-tensor part (placement codes, uneven global shapes) is read from rank 0's file
-    alone: 64 rank files of 100k unevenly split tensors held 64 copies of it (6 MB each).
+
+def _rank_header(path: Path, rank: int) -> Header:
+    """The header of rank ``rank``'s file; past rank 0, a self-description is kept only for
+    what is compared across ranks (:data:`_ACROSS_RANKS`).
+
+    Its per-tensor part (format 2: placement codes, uneven global shapes; format 1, which
+    ``Own`` layouts write: every tensor's shape and placements) is read from rank 0's file
+    alone: 64 rank files of 100k unevenly split tensors held 64 copies of it (6 MB each),
+    and 8 expert-parallel files of 100k tensors took 8 s to check theirs.
     """
     h = read_header(path)
     raw = (h.metadata or {}).get("reshard")
     if rank == 0 or raw is None or len(raw) < 4096:
         return h
+    head = _DESCRIPTION_HEAD.match(raw)
     try:
-        data = load_json(raw.encode(), path=str(path), what="reshard metadata", error=HeaderError)
-    except HeaderError:
+        if head is not None and '"local_names"' not in raw:  # what reshard writes: the head alone
+            data = json.loads(head.group(0)[:-1] + "}")
+        else:  # Python's own decoder (C): load_json's checks would cost seconds on a part never read
+            data = json.loads(raw)
+    except (ValueError, RecursionError):
         return h  # reported where it is read
-    if isinstance(data, dict) and data.get("format_version") == 2:
+    if isinstance(data, dict) and data.get("format_version") in (1, 2):
         assert h.metadata is not None
         kept = {k: data[k] for k in _ACROSS_RANKS if k in data}
+        if data["format_version"] == 1:
+            kept["tensors"] = {}  # every tensor's shape and placements: rank 0's are read
         h.metadata["reshard"] = json.dumps(kept, separators=(",", ":"))
     return h
 
@@ -527,10 +541,11 @@ def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str
     tensors: dict[str, TensorSource] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
     where = files.entries()
+    absent: dict[tuple[object, ...], tuple[tuple[int, ...], ...]] = {}
     for name in _all_names(where):
         found, missing = _rank_entries(name, files, where)
         if missing:
-            found, shape, pls = _fill_absent(name, found, missing, files, describe, mesh, coords)
+            found, shape, pls = _fill_absent(name, found, missing, files, describe, mesh, coords, absent)
         entries = [en for _, en in found]
         local_shapes = tuple(en.shape for en in entries)
         if not missing:
@@ -626,7 +641,7 @@ def _rank_mesh(
     if described:
         assert desc0 is not None
         for r, (p, h) in enumerate(zip(paths, headers)):
-            d = self_description(h, p, tensors=False)
+            d = desc0 if r == 0 else self_description(h, p, tensors=False)  # rank 0's: read once
             if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"]:
                 raise HeaderError(
                     f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
@@ -664,30 +679,38 @@ def _fill_absent(
     describe: Describe,
     mesh: Mesh,
     coords: Sequence[tuple[int, ...]],
+    absent: dict[tuple[object, ...], tuple[tuple[int, ...], ...]] | None = None,
 ) -> tuple[list[tuple[int, TensorEntry]], tuple[int, ...], Sequence[Placement | str]]:
     """Every rank's entry, global shape and placements of a tensor some ranks' files leave out.
 
     Its ``Own`` placement must leave out exactly those ranks: each gets an empty entry. Any
     other missing rank is an error (every rank holds every tensor; an empty shard has a
-    0-size dim).
+    0-size dim). ``absent`` remembers the empty entries' shapes per global shape, placements
+    and missing ranks (the 100k experts of an expert-parallel checkpoint: a few layouts).
     """
     first = found[0]
     shapes = [en.shape for _, en in found]
     for r in missing:  # Own empties dim 0; the other dims as a holder's (for a layout deriving the shape)
         shapes.insert(r, (0, *first[1].shape[1:]))
     shape, pls = describe(name, tuple(shapes))
-    layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
+    key = (shape, tuple(map(str, pls)), tuple(missing))
+    empties = absent.get(key) if absent is not None else None
+    if empties is None:  # the first tensor of this shape, placements and absences: checked
+        layout = TensorLayout.for_tensor(name, shape, mesh, list(pls))
+        for r in missing:
+            p = files.paths[files.ranks[r][0]]
+            if layout.holds(coords[r]):
+                raise TensorNotFoundError(
+                    f'{p}: tensor "{name}" is missing (it is in {files.paths[first[0]].name})',
+                    path=str(p),
+                    tensor=name,
+                )
+        empties = tuple(layout.local_shape(coords[r]) for r in missing)
+        if absent is not None:
+            absent[key] = empties
     out = list(found)
-    for r in missing:
-        p = files.paths[files.ranks[r][0]]
-        if layout.holds(coords[r]):
-            raise TensorNotFoundError(
-                f'{p}: tensor "{name}" is missing (it is in {files.paths[first[0]].name})',
-                path=str(p),
-                tensor=name,
-            )
-        empty = TensorEntry(name, first[1].dtype, layout.local_shape(coords[r]), 0, 0)
-        out.insert(r, (files.ranks[r][0], empty))
+    for r, local in zip(missing, empties):
+        out.insert(r, (files.ranks[r][0], TensorEntry(name, first[1].dtype, local, 0, 0)))
     return out, shape, pls
 
 
@@ -943,11 +966,19 @@ def rank_file_name(rank: int, world: int) -> str:
 
 
 def tensors_text(tensors: Iterable[tuple[str, Sequence[int], Sequence[str]]]) -> str:
-    """Format version 1's ``tensors`` member: name -> global shape and placements."""
-    return '"tensors":' + json.dumps(
-        {name: {"shape": list(shape), "placements": list(pls)} for name, shape, pls in tensors},
-        separators=(",", ":"),
-    )
+    """Format version 1's ``tensors`` member: name -> global shape and placements (as ``json.dumps``
+    of that mapping writes it; each distinct value's text made once, not a dict per tensor)."""
+    values: dict[tuple[tuple[int, ...], tuple[str, ...]], str] = {}
+    items = []
+    for name, shape, pls in tensors:
+        key = (tuple(shape), tuple(pls))
+        value = values.get(key)
+        if value is None:
+            value = values[key] = json.dumps(
+                {"shape": list(shape), "placements": list(pls)}, separators=(",", ":")
+            )
+        items.append(f"{json.dumps(name)}:{value}")
+    return '"tensors":{' + ",".join(items) + "}"
 
 
 def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[int, str]:
@@ -1029,7 +1060,7 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
         return _owned_files(ordered, mesh, options.file_names or {})
     # header order is the metadata's order (dtype, then name: names are unique)
     version, text = _described([t.name for t in ordered], layouts)
-    shared = _escaped(text + "}")
+    shared = _escaped(text)
     return [
         SafetensorsFile(
             rank_file_name(rank, mesh.size), rank, ordered, _metadata_parts(mesh, rank, version, shared)
@@ -1043,9 +1074,11 @@ def _escaped(text: str) -> bytes:
     return json.dumps(text, ensure_ascii=False)[1:-1].encode()
 
 
-def _metadata_parts(mesh: Mesh, rank: int, version: int, shared: bytes) -> tuple[bytes, bytes, bytes]:
-    """``metadata_text(rank_metadata(mesh, rank, (version, text)))`` in three parts, the second
-    ``shared`` (``_escaped(text + "}")``, the same object in every rank's file: 64 ranks of 100k
+def _metadata_parts(
+    mesh: Mesh, rank: int, version: int, shared: bytes, extra: str = ""
+) -> tuple[bytes, bytes, bytes]:
+    """``metadata_text(rank_metadata(mesh, rank, (version, text + extra)))`` in three parts, the
+    second ``shared`` (``_escaped(text)``, the same object in every rank's file: 64 ranks of 100k
     unevenly split tensors held 64 copies of its 12 MB). JSON escaping maps each character on
     its own, so escaping the parts apart gives the escaped whole.
     """
@@ -1053,7 +1086,7 @@ def _metadata_parts(mesh: Mesh, rank: int, version: int, shared: bytes) -> tuple
     end = _escaped("}") + b'"}'
     head = whole.encode()
     assert head.endswith(end), head[-8:]
-    return head[: -len(end)], shared, b'"}'
+    return head[: -len(end)], shared, _escaped(extra + "}") + b'"}'
 
 
 def _owned_files(ordered: Sequence[TargetTensor], mesh: Mesh, renamed: Mapping[str, str]) -> list[OutFile]:
@@ -1063,9 +1096,13 @@ def _owned_files(ordered: Sequence[TargetTensor], mesh: Mesh, renamed: Mapping[s
     maps them back: ``"local_names": {name in this file: tensor name}``.
     """
     text = tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in ordered)
+    shared = _escaped(text)  # every tensor's: one object in all the files (8 ranks x 100k: 180 MiB)
+    del text
     out: list[OutFile] = []
+    layouts = distinct_layouts(t.layout for t in ordered)
     for rank, coord in enumerate(mesh.coordinates()):
-        mine = [t for t in ordered if t.layout.holds(coord)]
+        held = {id(lay) for lay in layouts if lay.holds(coord)}  # tensors share a few layouts
+        mine = [t for t in ordered if id(t.layout) in held]
         names, extra = None, ""
         if renamed:
             pairs = sorted(
@@ -1076,7 +1113,7 @@ def _owned_files(ordered: Sequence[TargetTensor], mesh: Mesh, renamed: Mapping[s
             mine, names = [t for _, t in pairs], [n for n, _ in pairs]
             local = {n: t.name for n, t in pairs if n != t.name}
             extra = ',"local_names":' + json.dumps(local, separators=(",", ":")) if local else ""
-        meta = metadata_text(rank_metadata(mesh, rank, (1, text + extra)))
+        meta = _metadata_parts(mesh, rank, 1, shared, extra)
         out.append(SafetensorsFile(rank_file_name(rank, mesh.size), rank, mine, meta, names))
     return out
 

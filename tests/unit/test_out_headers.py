@@ -81,3 +81,44 @@ def test_rank_files_share_one_copy_of_the_per_tensor_description(tmp_path: Path)
         assert d is not None and d["rank"] == r and d["coordinate"] == [r]
     got = open_per_rank(out, mesh=None, placements_for=None)
     assert {n: t.shape for n, t in got.tensors.items()} == {n: (7, 3) for n in tensors}
+
+
+def test_expert_parallel_files_share_their_description_and_layouts(tmp_path: Path) -> None:
+    """Own(expert) files (format 1: each describes every tensor): the planner makes one layout per
+    owner, not per tensor; the files hold the description once; a reader keeps it for rank 0."""
+    from typer.testing import CliRunner
+
+    from reshard.cli import app
+    from reshard.formats.per_rank import RankFiles, open_per_rank
+    from reshard.plan import distinct_layouts
+
+    w = torch.arange(6 * 4, dtype=torch.bfloat16).reshape(6, 4)
+    tensors = {
+        f"model.layers.{i}.block_sparse_moe.experts.{e}.w{k}.weight": w.clone()
+        for i in range(3)
+        for e in range(8)
+        for k in (1, 2, 3)
+    }
+    tensors["model.norm.weight"] = torch.ones(4, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
+    plan = build_plan(ck, resolve_target(ck, TargetSpec(layout="mixtral-moe", mesh="ep=4")))
+    assert len(distinct_layouts(t.layout for t in plan.tensors)) == 4 + 1  # an owner each, and R
+    shared = [max((b for _, b in f.layout.fixed[:-2]), key=len) for f in plan.files]
+    assert len(shared[0]) > 72 * 40 and all(b is shared[0] for b in shared)
+
+    out = tmp_path / "ep4"
+    src = str(tmp_path / "model.safetensors")
+    run = CliRunner().invoke(
+        app, ["convert", src, str(out), "--target-layout", "mixtral-moe", "--target-mesh", "ep=4"]
+    )
+    assert run.exit_code == 0, run.output
+    files = RankFiles.one_per_rank(sorted(out.glob("rank-*.safetensors")))
+    texts = [(h.metadata or {})["reshard"] for h in files.headers]
+    assert '"format_version":1' in texts[0] and len(texts[0]) > 72 * 40
+    assert all(len(t) < 200 and t.endswith('"tensors":{}}') for t in texts[1:])
+    got = open_per_rank(out, mesh=None, placements_for=None)
+    assert {n: (t.shape, [str(p) for p in t.placements or ()]) for n, t in got.tensors.items()} == {
+        n: ((6, 4), [f"Own({int(n.split('.')[5]) // 2})"]) if "experts" in n else ((4,), ["R"])
+        for n in tensors
+    }
