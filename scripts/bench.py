@@ -26,6 +26,9 @@ take the commands whose cost grows with the tensor count:
 
   inspect   reshard inspect TP8 --json        plan    reshard plan SRC --target-mesh tp=8
   check     reshard inspect TP8 --check       verify  reshard verify TP8 HF
+  hf-ep8    (--mix moe, not a default job: --jobs hf-ep8) reshard convert HF OUT --target-layout
+            mixtral-moe --target-mesh ep=8: each expert whole on one of 8 ranks (Own(expert)),
+            an incomplete last layer excluded
 
 (TP8: the self-described TP-8 checkpoint reshard wrote from SRC)
 
@@ -653,6 +656,11 @@ def main() -> int:
         "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
     jobs["hf-tt8"] = (transform_job(reshard, base, hf, w), [hf])
+    if args.tensors and args.mix == "moe":  # expert parallel: each expert whole on one of 8 ranks
+        per_layer = 2 + 3 * EXPERTS
+        cut = ["--exclude", f"model.layers.{args.tensors // per_layer}.*"] if args.tensors % per_layer else []
+        ep = ["--target-layout", "mixtral-moe", "--target-mesh", "ep=8", *cut, "--quiet", *w]
+        jobs["hf-ep8"] = ([reshard, "convert", str(hf), "OUT", *ep], [hf])
     default_jobs = "tp4-tp8,tp4-hf,hf-tp8" + (",inspect,plan,check,verify" if args.tensors else "")
     chosen = (
         ["cp"] + [j for j in (args.jobs or default_jobs).split(",") if j] + (["dcp-hf"] if args.dcp else [])
