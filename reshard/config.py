@@ -537,6 +537,8 @@ class LayoutConfig:
         """
         mesh = self.mesh if mesh is None else mesh
         out: dict[str, str] = {}
+        if not any(r.own is not None and r.own[1].local for r in self.rules):
+            return out  # no rule renumbers: no name lookups (100k experts: 100k of them)
         for name, (number, count, start, stop) in self.numbers.items():
             own = self.match(name).own
             if own is None or not own[1].local:
