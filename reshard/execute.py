@@ -39,6 +39,7 @@ from .bulk import Geometries
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
+from .io import checksum
 from .io.pages import PageWindow, Seen, SourceFiles
 from .io.reader import (
     DENSE,
@@ -372,12 +373,31 @@ class _Writer:
         False (nothing written) when the spans they read would not all stay for the sibling
         files written next in lockstep (more than the slots), and there are entries to spare.
         """
-        import numpy as np
-
         bufs = self.bufs
         buf = bufs.columns(size)
         s0 = int(st[i])
         q0 = base + s0
+        if not self._gather_columns(geos, rank, st, s0, i, j, buf):
+            return False
+        out = memoryview(buf)
+        step = bufs.budget
+        for a in range(0, size, step):
+            self.sink.submit(out[a : min(size, a + step)], q0 + a)
+        self.bytes_read += size
+        if self.progress:
+            self.progress(size)
+        return True
+
+    def _gather_columns(
+        self, geos: Geometries, rank: int, st: Any, s0: int, i: int, j: int, buf: Any
+    ) -> bool:
+        """Entries ``i`` to ``j`` (plain runs) into ``buf``, entry ``k`` at ``st[k] - s0``: per
+        geometry and run, the pieces of each source file in one call. False (nothing read) when
+        their spans would not all stay for lockstep siblings (more than the slots), and there
+        are entries to spare."""
+        import numpy as np
+
+        bufs = self.bufs
         gs = geos.group[i:j]
         if gs.min() == gs.max():
             parts = [(int(gs[0]), np.arange(i, j))]
@@ -407,13 +427,91 @@ class _Writer:
             if sum((b - a) // span + 2 for a, b, _ in job_reach(jobs).values()) > SPAN_SLOTS:
                 return False
         bufs.spans.gather(jobs, buf)
+        return True
+
+    def chunk_steps(self, f: OutFile, geos: Geometries, first: int = 0, stop: int = -1) -> Iterator[None]:
+        """:meth:`file_steps` for a file of archives, each its fixed bytes, an entry and a trailer
+        made from the entry's CRC32 (DCP, :meth:`OutFile.trailer`): items ``first`` to ``stop``
+        (even: an archive's first item) of :func:`_in_file_order`, whole archives a buffer at a
+        time, their entries gathered as :meth:`column_steps` does, then each one's prefix, CRC32
+        and trailer put around it in the buffer. Archives larger than the buffer, or whose entry
+        is not plain runs, go the per-entry way."""
+        import numpy as np
+
+        lay = f.layout
+        tensors, rank, base, starts, sizes = lay.entries.columns()  # type: ignore[attr-defined]
+        arcs, prefixes = f.chunk_columns()  # type: ignore[attr-defined]
+        count = len(sizes)
+        lo, hi = first // 2, count if stop < 0 else stop // 2
+        most = COLUMN_WRITES * self.bufs.budget
+        st = np.frombuffer(starts, dtype=np.int64, count=count)
+        sz = np.frombuffer(sizes, dtype=np.int64, count=count)
+        ast = np.frombuffer(arcs, dtype=np.int64, count=count)
+        ends = np.append(ast[1:], f.size)  # each archive's end: the next one's start
+        plain = np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
+        bad = np.flatnonzero(~plain[geos.group] | (ends - ast > most))
+        i = lo
+        while i < hi:
+            _check(self.stop)
+            b = int(np.searchsorted(bad, i))
+            if b < len(bad) and bad[b] == i:
+                self._flush()
+                e = OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i]))
+                yield from self.file_steps(f, iter([(int(ast[i]), prefixes[i]), (i, e)]))
+                i += 1
+                continue
+            j = int(np.searchsorted(ends, ast[i] + most, "right"))
+            j = max(i + 1, min(j, hi, int(bad[b]) if b < len(bad) else hi))
+            self._flush()
+            while not self._copy_chunks(f, geos, rank, base, st, sz, ast, ends, prefixes, i, j):
+                j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer archives
+            yield
+            i = j
+        self._flush()
+
+    def _copy_chunks(
+        self,
+        f: OutFile,
+        geos: Geometries,
+        rank: int,
+        base: int,
+        st: Any,
+        sz: Any,
+        ast: Any,
+        ends: Any,
+        prefixes: Sequence[bytes],
+        i: int,
+        j: int,
+    ) -> bool:
+        """Write archives ``i`` to ``j`` through the column buffer (see :meth:`chunk_steps`)."""
+        lo = int(ast[i])
+        size = int(ends[j - 1]) - lo
+        buf = self.bufs.columns(size)
+        if not self._gather_columns(geos, rank, st, lo - base, i, j, buf):
+            return False
         out = memoryview(buf)
-        step = bufs.budget
+        want = f.head_bytes
+        for k, a, d, n, e in zip(
+            range(i, j), (ast[i:j] - lo).tolist(), (st[i:j] + base - lo).tolist(), sz[i:j].tolist(),
+            (ends[i:j] - lo).tolist(),
+        ):  # fmt: skip
+            p = prefixes[k]
+            out[a : a + len(p)] = p
+            data = out[d : d + n]
+            crc = self.crc32s[k] = checksum.crc32(data, 0)
+            tail = f.trailer(k, crc, bytes(data[:want]))
+            if d + n + len(tail) != e:
+                raise AssertionError(
+                    f"{f.name}: archive {k} is laid out {d + n + len(tail) - a} bytes, not {e - a}"
+                )
+            out[d + n : e] = tail
+        step = self.bufs.budget
         for a in range(0, size, step):
-            self.sink.submit(out[a : min(size, a + step)], q0 + a)
-        self.bytes_read += size
+            self.sink.submit(out[a : min(size, a + step)], lo + a)
+        nbytes = int(sz[i:j].sum())
+        self.bytes_read += nbytes
         if self.progress:
-            self.progress(size)
+            self.progress(nbytes)
         return True
 
     def entry_steps(self, e: OutEntry) -> Iterator[None]:
@@ -641,6 +739,17 @@ class _GeometriesOf:
         tensors, _, base, starts, _ = columns()
         if starts and any(off + len(b) > base + starts[0] for off, b in lay.fixed):
             return None
+        return self._of(tensors)
+
+    def of_chunks(self, f: OutFile) -> Geometries | None:
+        """The geometries of ``f``'s tensor list when ``f`` is archives written by columns
+        (:meth:`_Writer.chunk_steps`: entries as columns, each archive's fixed bytes and trailer)."""
+        columns = getattr(f.layout.entries, "columns", None)
+        if columns is None or not f.needs_crc32 or not hasattr(f, "chunk_columns"):
+            return None
+        return self._of(columns()[0])
+
+    def _of(self, tensors: Sequence[TargetTensor]) -> Geometries:
         with self._lock:
             hit = self._made.get(id(tensors))
             if hit is None or hit[0] is not tensors:
@@ -654,6 +763,9 @@ def _steps(w: _Writer, f: OutFile, geos: _GeometriesOf, first: int = 0, stop: in
     g = geos.of(f)
     if g is not None:
         return w.column_steps(f, g, first, stop)
+    g = geos.of_chunks(f)
+    if g is not None and first % 2 == 0 and (stop < 0 or stop % 2 == 0):  # whole archives
+        return w.chunk_steps(f, g, first, stop)
     return w.file_steps(f, _items_of(f, first, stop))
 
 

@@ -70,12 +70,22 @@ class _Fixed(LazySequence[tuple[int, bytes]]):
 class _Entries(LazySequence[OutEntry]):
     """A DCP file's entries (each chunk's tensor data inside its archive), made as they are read."""
 
-    __slots__ = ("_tensors", "_rank", "_archives", "_starts")
+    __slots__ = ("_tensors", "_rank", "_archives", "_starts", "_columns")
 
     def __init__(
         self, tensors: Sequence[TargetTensor], rank: int, archives: Sequence[ChunkArchive], starts: array[int]
     ) -> None:
         self._tensors, self._rank, self._archives, self._starts = tensors, rank, archives, starts
+        self._columns: tuple[array[int], array[int]] | None = None
+
+    def columns(self) -> tuple[Sequence[TargetTensor], int, int, array[int], array[int]]:
+        """The entries as columns (as a safetensors file's, see ``formats.safetensors._Entries``):
+        entry ``i`` is rank ``rank``'s block of ``tensors[i]``, ``sizes[i]`` bytes at ``starts[i]``."""
+        if self._columns is None:
+            arcs = self._archives
+            starts = array("q", (a + arc.data_offset for a, arc in zip(self._starts, arcs)))
+            self._columns = (starts, array("q", (arc.data_size for arc in arcs)))
+        return self._tensors, self._rank, 0, *self._columns
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -140,6 +150,11 @@ class DcpFile(OutFile):
 
     def trailer(self, index: int, crc32: int, head: bytes) -> bytes:
         return self.archive(index).trailer(crc32, head)
+
+    def chunk_columns(self) -> tuple[array[int], Sequence[bytes]]:
+        """Per chunk, where its archive starts and the archive's bytes before the data (the
+        executor's column path: a window of whole archives at a time, see ``execute._Writer``)."""
+        return self.starts(), [a.prefix for a in self._archives()]
 
 
 def _split(
