@@ -296,21 +296,23 @@ class _Writer:
         self, f: OutFile, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]
     ) -> Iterator[None]:
         """Write ``items`` (fixed bytes and entries, in file order), yielding after each slab."""
-        crc = f.needs_crc32
+        crcs, keep = f.needs_crc32, _patches(f)
         for i, item in items:
             _check(self.stop)
             if isinstance(item, bytes):
                 self._flush()
                 self.sink.submit(item, i)
                 continue
-            if crc:
+            if crcs:
                 self._flush()
                 self.sink.start_crc(f.head_bytes)
             yield from self.entry_steps(item)
-            if crc:
+            if crcs:
                 self._flush()
-                self.crc32s[i], head = self.sink.end_crc()
-                tail = f.trailer(i, self.crc32s[i], head)
+                crc, head = self.sink.end_crc()
+                if keep:
+                    self.crc32s[i] = crc
+                tail = f.trailer(i, crc, head)
                 if tail:
                     self.sink.submit(tail, item.start + item.nbytes)
         self._flush()
@@ -491,6 +493,7 @@ class _Writer:
             return False
         out = memoryview(buf)
         want = f.head_bytes
+        keep = _patches(f)
         for k, a, d, n, e in zip(
             range(i, j), (ast[i:j] - lo).tolist(), (st[i:j] + base - lo).tolist(), sz[i:j].tolist(),
             (ends[i:j] - lo).tolist(),
@@ -498,7 +501,9 @@ class _Writer:
             p = prefixes[k]
             out[a : a + len(p)] = p
             data = out[d : d + n]
-            crc = self.crc32s[k] = checksum.crc32(data, 0)
+            crc = checksum.crc32(data, 0)
+            if keep:
+                self.crc32s[k] = crc
             tail = f.trailer(k, crc, bytes(data[:want]))
             if d + n + len(tail) != e:
                 raise AssertionError(
@@ -721,6 +726,13 @@ def _split_items(
     return [(lo, a, b) for lo, a, b in out]
 
 
+def _patches(f: OutFile) -> bool:
+    """Whether ``f`` writes bytes from its entries' CRC32s once they are all known (its own
+    :meth:`OutFile.finish`): only then are they kept (a DCP file's 800k chunks put theirs in
+    their trailers as they go)."""
+    return type(f).finish is not OutFile.finish
+
+
 class _GeometriesOf:
     """The :class:`~reshard.bulk.Geometries` of each tensor list whose files are written by
     columns, made once for the sibling files that share the list (held for the run)."""
@@ -825,7 +837,7 @@ def _write_group(
         del writers, bufs  # free the buffers before reading back unhashed pieces
         results = []
         for f, tmp, (digests, crc32s, bytes_read) in zip(files, opened, done):
-            if f.needs_crc32:
+            if f.needs_crc32 and _patches(f):
                 tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
             results.append(tmp.finish(digests, bytes_read))
         return results
@@ -897,7 +909,7 @@ def _write_split(
         for d, c, _ in parts_done:
             digests.update(d)
             crc32s.update(c)
-        if f.needs_crc32:
+        if f.needs_crc32 and _patches(f):
             tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
         return tmp.finish(digests, sum(n for _, _, n in parts_done))
     except BaseException:

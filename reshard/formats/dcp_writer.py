@@ -192,9 +192,13 @@ def _rank_files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptio
     per_rank = rank_chunks([(t.name, t.layout, DTYPE_SIZES[t.dtype]) for t in tensors])
     per_rank += [(array("i"), [])] * (mesh.size - len(per_rank))
     files: list[OutFile] = []
+    lists: dict[bytes, list[TargetTensor]] = {}  # the ranks that hold the same tensors share one list
     for rank, (idx, boxes) in enumerate(per_rank):
         for k, (a, b) in enumerate(_split(tensors, idx, boxes, options.max_shard_size)):
-            chosen = [tensors[i] for i in idx[a:b]]
+            key = idx[a:b].tobytes()
+            chosen = lists.get(key)
+            if chosen is None:  # (the executor's per-list tables are then made once for them)
+                chosen = lists[key] = [tensors[i] for i in idx[a:b]]
             files.append(DcpFile(dcp_file_name(rank, k), rank, chosen, boxes[a:b]))
     return files
 
