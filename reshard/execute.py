@@ -442,7 +442,7 @@ class _Writer:
 
         lay = f.layout
         tensors, rank, base, starts, sizes = lay.entries.columns()  # type: ignore[attr-defined]
-        arcs, prefixes = f.chunk_columns()  # type: ignore[attr-defined]
+        arcs, archives = f.chunk_columns()  # type: ignore[attr-defined]
         count = len(sizes)
         lo, hi = first // 2, count if stop < 0 else stop // 2
         most = COLUMN_WRITES * self.bufs.budget
@@ -459,13 +459,13 @@ class _Writer:
             if b < len(bad) and bad[b] == i:
                 self._flush()
                 e = OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i]))
-                yield from self.file_steps(f, iter([(int(ast[i]), prefixes[i]), (i, e)]))
+                yield from self.file_steps(f, iter([(int(ast[i]), archives[i].prefix), (i, e)]))
                 i += 1
                 continue
             j = int(np.searchsorted(ends, ast[i] + most, "right"))
             j = max(i + 1, min(j, hi, int(bad[b]) if b < len(bad) else hi))
             self._flush()
-            while not self._copy_chunks(f, geos, rank, base, st, sz, ast, ends, prefixes, i, j):
+            while not self._copy_chunks(f, geos, rank, base, st, sz, ast, ends, archives, i, j):
                 j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer archives
             yield
             i = j
@@ -481,7 +481,7 @@ class _Writer:
         sz: Any,
         ast: Any,
         ends: Any,
-        prefixes: Sequence[bytes],
+        archives: Sequence[Any],
         i: int,
         j: int,
     ) -> bool:
@@ -498,13 +498,14 @@ class _Writer:
             range(i, j), (ast[i:j] - lo).tolist(), (st[i:j] + base - lo).tolist(), sz[i:j].tolist(),
             (ends[i:j] - lo).tolist(),
         ):  # fmt: skip
-            p = prefixes[k]
+            arc = archives[k]
+            p = arc.prefix
             out[a : a + len(p)] = p
             data = out[d : d + n]
             crc = checksum.crc32(data, 0)
             if keep:
                 self.crc32s[k] = crc
-            tail = f.trailer(k, crc, bytes(data[:want]))
+            tail = arc.trailer(crc, bytes(data[:want]))  # f.trailer(k, ...), without finding it
             if d + n + len(tail) != e:
                 raise AssertionError(
                     f"{f.name}: archive {k} is laid out {d + n + len(tail) - a} bytes, not {e - a}"

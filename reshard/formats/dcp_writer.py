@@ -151,10 +151,11 @@ class DcpFile(OutFile):
     def trailer(self, index: int, crc32: int, head: bytes) -> bytes:
         return self.archive(index).trailer(crc32, head)
 
-    def chunk_columns(self) -> tuple[array[int], Sequence[bytes]]:
-        """Per chunk, where its archive starts and the archive's bytes before the data (the
-        executor's column path: a window of whole archives at a time, see ``execute._Writer``)."""
-        return self.starts(), [a.prefix for a in self._archives()]
+    def chunk_columns(self) -> tuple[array[int], Sequence[ChunkArchive]]:
+        """Per chunk, where its archive starts and the archive (its ``prefix``, the bytes before the
+        data, and its ``trailer(crc32, head)``, as :meth:`trailer`): the executor's column path
+        writes a window of whole archives at a time (``execute._Writer.chunk_steps``)."""
+        return self.starts(), self._archives()
 
 
 def _split(
