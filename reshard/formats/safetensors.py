@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from itertools import accumulate, groupby, repeat
 from operator import attrgetter
+from typing import overload
 
 from ..dtypes import DTYPE_RANK, DTYPE_SIZES
 from ..intervals import block_shape
@@ -89,10 +90,31 @@ class _Section:
             self.geometry.append(g)
         self.last: tuple[tuple[tuple[str, int], ...], bytes, array[int], array[int]] | None = None
 
-    def quoted(self) -> list[str]:
-        """The entries' names as JSON text, made when an entries text is (not kept: 200k names
-        are 20 MB, and the files of a tensor list mostly share one entries text)."""
-        return _quoted_names(list(self.names) if self.names is not None else [t.name for t in self.tensors])
+    def quoted(self) -> Sequence[str]:
+        """The entries' names as JSON text, made a slice at a time as an entries text takes them
+        (not kept, nor made at once: 200k names are 20 MB, at the peak of planning 200k tensors)."""
+        return _QuotedNames(list(self.names) if self.names is not None else [t.name for t in self.tensors])
+
+
+class _QuotedNames(Sequence[str]):
+    """``_quoted_names(names)``, each slice quoted when it is taken."""
+
+    __slots__ = ("_names",)
+
+    def __init__(self, names: list[str]) -> None:
+        self._names = names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return _quoted_names(self._names[i])
+        return _quoted_names([self._names[i]])[0]
 
 
 _SECTIONS: weakref.WeakValueDictionary[int, _Section] = weakref.WeakValueDictionary()

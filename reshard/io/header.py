@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import array
 import difflib
 import gc
 import hashlib
@@ -987,7 +988,7 @@ def _checked_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[st
 
 def header_prefix(
     tensors: Sequence[tuple[str, str, str, int]], metadata: str | None
-) -> tuple[bytes, list[int]]:
+) -> tuple[bytes, Sequence[int]]:
     """The bytes before a safetensors file's data section: the one place they are made.
 
     No validation and no sorting (callers pass checked values in file order), so
@@ -1010,7 +1011,7 @@ def header_prefix(
     return b"".join(prefix_parts(text, metadata)), starts
 
 
-def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[bytes, list[int]]:
+def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[bytes, Sequence[int]]:
     """The tensor entries of a header (``tensors`` as :func:`header_prefix` takes them), comma-joined
     UTF-8, and each tensor's data offset: what sibling rank files with equal local shapes share."""
     heads = [entry_head(dtype, shape_text) for _, dtype, shape_text, _ in tensors]
@@ -1025,14 +1026,14 @@ def entry_head(dtype: str, shape_text: str) -> str:
 
 def joined_entries(
     quoted: Sequence[str], heads: Sequence[str], sizes: Sequence[int]
-) -> tuple[bytes, list[int]]:
+) -> tuple[bytes, array.array[int]]:
     """:func:`entries_text` from per tensor its quoted name, :func:`entry_head` and data bytes.
 
     The heads are shared per dtype and shape, so an entry costs one short format (100k entries:
     a third of formatting each one whole).
     """
-    stops = list(itertools.accumulate(sizes))
-    starts = [0, *stops[:-1]] if stops else []
+    stops = array.array("q", itertools.accumulate(sizes))  # 200k as lists: 9 MiB
+    starts = array.array("q", [0]) + stops[:-1] if stops else array.array("q")
     step = 16384  # entries formatted at a time: 200k entries' strings at once held 29 MiB
     parts = [
         ",".join(
