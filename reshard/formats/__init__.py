@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
 from ..errors import UsageError
+from ..io.header import forget_shared
 from . import dcp, dcp_safetensors, dcp_writer, hf, per_rank, pt, sharded_state
 from .base import NO, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, read_manifest
@@ -149,7 +150,10 @@ def open_checkpoint(
     r = reader(fmt)
     if not p.exists():
         raise UsageError(f"{p}: no such file or directory", path=str(p))
-    ckpt = r.open(p, ReadOptions(layout, mesh_sizes))
+    try:
+        ckpt = r.open(p, ReadOptions(layout, mesh_sizes))
+    finally:
+        forget_shared()
     if ckpt.manifest is None and p.is_dir():
         ckpt.manifest = read_manifest(p)
     return ckpt

@@ -66,6 +66,7 @@ __all__ = [
     "read_header",
     "encode_header",
     "header_prefix",
+    "forget_shared",
     "entries_text",
     "entry_head",
     "joined_entries",
@@ -752,6 +753,16 @@ and offsets and differ only in their metadata (rank, coordinate): their entry se
 byte-identical, so each sibling file costs a hash of its section and its metadata's decoding
 instead of a 100k-entry JSON parse, and every rank shares one entry per tensor. The digest,
 not the section, is kept: 200k entries are 23 MB of text."""
+
+
+def forget_shared() -> None:
+    """Let the entries of the header last decoded go (a checkpoint is open: its siblings are read).
+
+    Kept for the next header, they outlived the checkpoint (opening a second one, as ``verify``
+    does, held both checkpoints' 200k entries at once: 36 MiB)."""
+    global _SHARED
+    _SHARED = None
+
 
 _META_START = b'{"' + _METADATA_KEY.encode() + b'":'
 
