@@ -473,9 +473,10 @@ def _file_order(paths: list[str], starts: Sequence[int]) -> Sequence[int]:
 class _Chunk:
     """One box of one tensor's metadata, as its pieces share it (compared by identity)."""
 
-    __slots__ = ("offsets", "sizes", "block", "layout", "stored")
+    __slots__ = ("meta", "offsets", "sizes", "block", "layout", "stored")
 
-    def __init__(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+    def __init__(self, meta: TensorMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        self.meta = meta
         self.offsets = offsets
         self.sizes = sizes
         # the layout of the last archive of this box (likely the next's) and its check
@@ -516,7 +517,6 @@ class _Reader:
         self.warnings: list[CheckpointWarning] = []
         self.blobs: dict[Any, Header] = {}
         self.chunks: dict[tuple[int, tuple[int, ...] | None], _Chunk] = {}
-        self.alive: dict[int, TensorMeta] = {}
         self.pickles: dict[ArchiveLayout, StoredTensor] = {}
         self.stored: dict[tuple[ArchiveLayout, str, tuple[int, ...]], _Stored] = {}
 
@@ -537,12 +537,13 @@ class _Reader:
         sizes = files.sizes  # never the spool's: data files only
         mp = str(mpath)
         fis: dict[str, int] = {}
-        here: dict[str, Any] = {}  # this file's stored chunk offsets per tensor: one, or a list
         order = _file_order(paths, starts)
         chunks, stored_cache, pieces = self.chunks, self.stored, self.pieces
         reader: ArchiveReader | None = None
         reader_fi = -1
         from_bytes = int.from_bytes
+        rel = None
+        fi = fsize = -1
         for i in order:
             fqn = fqns[i]
             m = entries.get(fqn)
@@ -552,12 +553,14 @@ class _Reader:
                     path=mp,
                     tensor=fqn,
                 )
-            rel = paths[i]
-            fi = fis.get(rel)
-            if fi is None:
-                fi = fis[rel] = files.index(rel, mp)
+            if paths[i] != rel:
+                rel = paths[i]
+                fi = fis.get(rel, -1)
+                if fi < 0:
+                    fi = fis[rel] = files.index(rel, mp)
+                fsize = sizes[fi]
             start, length = starts[i], lengths[i]
-            if start + length > sizes[fi]:
+            if start + length > fsize:
                 where = f"{files.paths[fi]} (bytes {start}..{start + length})"
                 raise HeaderError(
                     f'{where}: item "{fqn}" runs past the end of the file ({sizes[fi]} bytes); '
@@ -578,29 +581,30 @@ class _Reader:
             chunk = chunks.get((id(m), off))
             if chunk is None:
                 chunk = self._chunk(m, off, fqn, fi, start, length)
-            h = here.get(fqn, here)
-            if h is here:
-                here[fqn] = off  # one chunk (the common case): no list
-            elif type(h) is list:
-                h.append(off)
-            else:
-                here[fqn] = [h, off]
             got = None
-            if i not in transforms:
-                if fi != reader_fi:
-                    reader, reader_fi = files.archives(fi), fi
-                assert reader is not None
-                got = reader.read(start, length, chunk.layout)
+            try:
+                if not transforms or i not in transforms:
+                    if fi != reader_fi:
+                        reader, reader_fi = files.archives(fi), fi
+                    assert reader is not None
+                    got = reader.read(start, length, chunk.layout)
+                if got is not None:
+                    lay, crcs = got
+                    if lay is chunk.layout:
+                        s = chunk.stored
+                    else:
+                        key = (lay, m.dtype, chunk.sizes)
+                        s = stored_cache.get(key)
+                        if s is None:
+                            s = self._stored(lay, key, fqn, m, chunk, fi, start, length)
+                        chunk.layout, chunk.stored = lay, s
+            except HeaderError as e:
+                if e.tensor is not None:
+                    raise
+                raise type(e)(
+                    f'{e.message} (a chunk of tensor "{fqn}")', path=e.path, tensor=fqn, hint=e.hint
+                ) from None
             if got is not None:
-                lay, crcs = got
-                if lay is chunk.layout:
-                    s = chunk.stored
-                else:
-                    key = (lay, m.dtype, chunk.sizes)
-                    s = stored_cache.get(key)
-                    if s is None:
-                        s = self._stored(lay, key, fqn, m, chunk, fi, start, length)
-                    chunk.layout, chunk.stored = lay, s
                 if s.order is None:
                     slot = s.slot
                     piece = (
@@ -624,14 +628,12 @@ class _Reader:
                 pieces[fqn] = [p, piece]
         for fqn, m in entries.items():
             if type(m) is TensorMeta:
-                got_offs = here.get(fqn, here)
-                if got_offs is here:
-                    got_offs = []
-                elif type(got_offs) is not list:
-                    if len(m.chunks) == 1 and m.chunks[0].offsets == got_offs:
-                        continue
-                    got_offs = [got_offs]
-                have = set(got_offs)
+                p = pieces.get(fqn, ())
+                if type(p) is tuple:  # one piece
+                    if p and p[1].meta is m and len(m.chunks) == 1:
+                        continue  # its chunk is m's only one (found by chunk_at)
+                    p = [p] if p else []
+                have = {c.offsets for _, c, _, _ in p if c.meta is m}  # this file's chunks only
                 lost = [c for c in m.chunks if c.offsets not in have]
                 if lost:
                     msg = (
@@ -665,9 +667,8 @@ class _Reader:
                 path=where,
                 tensor=fqn,
             )
-        chunk = self.chunks[(id(m), offset)] = _Chunk(c.offsets, _full_sizes(c, len(m.size)))
-        self.alive[id(m)] = m  # the key's id stays this metadata's
-        return chunk
+        chunk = self.chunks[(id(m), offset)] = _Chunk(m, c.offsets, _full_sizes(c, len(m.size)))
+        return chunk  # (the chunk keeps m alive: the key's id stays m's)
 
     def _stored(
         self,

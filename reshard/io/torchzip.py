@@ -326,6 +326,9 @@ def crc32_range(fd: int, offset: int, size: int, path: str, *, block: int = _CRC
 
 #: The records whose bytes a reader checks (their CRC32 and bytes are part of a layout).
 CHECKED_RECORDS = ("data.pkl", "byteorder")
+#: Records torch.save writes the same in every archive: a layout takes their bytes as they are
+#: (an archive where they differ is another layout); the others (storages, the save's id) vary.
+_CONSTANT_RECORDS = (".format_version", ".storage_alignment", "version")
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _MAX_LAYOUTS = 64  # per archive length: past this, archives of new layouts are parsed one by one
 _RELEASE = 8 << 20  # give the map's pages back every this many bytes of the file
@@ -345,6 +348,7 @@ class ArchiveLayout:
         varying: the storage records (``<prefix>/data/...``) whose CRC32 each archive gives.
         split: ``[start, stop)`` of the largest unchecked record's bytes, never read.
         head: matches the archive's bytes before ``split``.
+        head_bytes: those bytes, when none of them varies (compared, faster than a match).
         tail: matches the bytes after it; its groups are the ``varying`` CRC32s.
     """
 
@@ -355,7 +359,20 @@ class ArchiveLayout:
     varying: tuple[str, ...]
     split: tuple[int, int]
     head: re.Pattern[bytes]
+    head_bytes: bytes | None
     tail: re.Pattern[bytes]
+
+    def match(self, mm: mmap.mmap, base: int) -> tuple[bytes, ...] | None:
+        """The ``varying`` CRC32s of the archive at ``base`` of ``mm`` if it has this layout."""
+        a, b = self.split
+        hb = self.head_bytes
+        if hb is not None:
+            if mm[base : base + a] != hb:
+                return None
+        elif self.head.fullmatch(mm, base, base + a) is None:
+            return None
+        t = self.tail.fullmatch(mm, base + b, base + self.length)
+        return None if t is None else t.groups()
 
 
 class ArchiveReader:
@@ -406,15 +423,14 @@ class ArchiveReader:
         if base - self._released > _RELEASE:
             self._release(base)
         if hint is not None and hint.length == length:
-            if hint.head.fullmatch(mm, base, base + hint.split[0]) is not None:
-                t = hint.tail.fullmatch(mm, base + hint.split[1], base + length)
-                if t is not None:
-                    return hint, t.groups()
+            crcs = hint.match(mm, base)
+            if crcs is not None:
+                return hint, crcs
         for lay in self.layouts.get(length, ()):
-            if lay is not hint and lay.head.fullmatch(mm, base, base + lay.split[0]) is not None:
-                t = lay.tail.fullmatch(mm, base + lay.split[1], base + length)
-                if t is not None:
-                    return lay, t.groups()
+            if lay is not hint:
+                crcs = lay.match(mm, base)
+                if crcs is not None:
+                    return lay, crcs
         if mm[base : base + 4] != _LOCAL_SIG:
             return None
         return self._learn(mm, base, length)
@@ -427,15 +443,17 @@ class ArchiveReader:
             if rec is not None:
                 checked[sfx] = read_record(self.fd, tz, rec)
         records = {n: _relative(r, base) for n, r in tz.records.items()}
-        names = {f"{tz.prefix}/{sfx}" for sfx in checked}
+        names = {f"{tz.prefix}/{sfx}" for sfx in (*checked, *_CONSTANT_RECORDS)}
         store = f"{tz.prefix}/data/"
-        # (start, stop, group): unchecked bytes and every CRC32 of unchecked records vary
+        # (start, stop, group): the varying records' bytes and CRC32s
         ranges: list[tuple[int, int, bool]] = []
         wild = [r for r in records.values() if r.name not in names]
         for r in wild:
             end = r.offset + r.compressed_size
             ranges.append((r.offset, end, False))
-            ranges.append((r.header + 14, r.header + 18, False))
+            at = r.header + 14
+            if not (r.flags & 8) or mm[base + at : base + at + 4] != b"\0\0\0\0":
+                ranges.append((at, at + 4, False))  # (zero when a data descriptor holds it)
             if r.flags & 8:  # the data descriptor after the bytes: [signature] crc32 sizes
                 at = end + 4 if mm[base + end : base + end + 4] == _DESCRIPTOR_SIG else end
                 ranges.append((at, at + 4, False))
@@ -446,13 +464,13 @@ class ArchiveReader:
         big = max(wild, key=lambda r: r.compressed_size, default=None)
         split = (big.offset, big.offset + big.compressed_size) if big is not None else (length, length)
         head = _layout_rx(mm, base, 0, split[0], ranges)
+        fixed = not any(a < split[0] for a, _, _ in ranges)
         tail = _layout_rx(mm, base, split[1], length, ranges)
         varying = tuple(r.name for r in sorted(wild, key=lambda r: r.entry) if r.name.startswith(store))
-        lay = ArchiveLayout(length, tz.prefix, records, checked, varying, split, head, tail)
+        head_bytes = mm[base : base + split[0]] if fixed else None
+        lay = ArchiveLayout(length, tz.prefix, records, checked, varying, split, head, head_bytes, tail)
         crcs = tuple(tz.records[n].crc32.to_bytes(4, "little") for n in varying)
-        same = lay.head.fullmatch(mm, base, base + split[0])
-        t = lay.tail.fullmatch(mm, base + split[1], base + length)
-        if same is None or t is None or t.groups() != crcs:
+        if lay.match(mm, base) != crcs:
             return self._unlearnt(tz, records, checked)
         known = self.layouts.setdefault(length, [])
         if len(known) < _MAX_LAYOUTS:
@@ -465,7 +483,7 @@ class ArchiveReader:
         """A layout for this archive alone (records the expressions cannot describe)."""
         varying = tuple(n for n in records if n.startswith(f"{tz.prefix}/data/"))
         never = re.compile(rb"(?!)")
-        lay = ArchiveLayout(tz.length, tz.prefix, records, checked, varying, (0, 0), never, never)
+        lay = ArchiveLayout(tz.length, tz.prefix, records, checked, varying, (0, 0), never, None, never)
         return lay, tuple(tz.records[n].crc32.to_bytes(4, "little") for n in varying)
 
     def _release(self, upto: int) -> None:

@@ -632,7 +632,7 @@ def load_dcp_metadata(data: bytes | mmap.mmap, *, path: str) -> DcpMetadata:
         HeaderError: not a pickled ``Metadata``, or fields of the wrong kind.
     """
     try:
-        return _MetaDecoder(data).decode()
+        return _MetaDecoder(data, path).decode()
     except _Unsupported:
         pass
     return _reference_metadata(bytes(data), path)
@@ -668,9 +668,14 @@ class _Compact:
 
 
 class _SdmAcc(dict):  # type: ignore[type-arg]
-    """``state_dict_metadata`` as the decoder reads it: fqn -> TensorMeta | BytesMeta."""
+    """``state_dict_metadata`` as the decoder reads it: fqn -> TensorMeta | BytesMeta (equal
+    values one object: ``metas``, the decoder's)."""
 
-    __slots__ = ()
+    __slots__ = ("metas",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metas: dict[Any, Any] = {}
 
     def vm_items(self, items: list[Any]) -> None:
         for i in range(0, len(items), 2):
@@ -680,7 +685,8 @@ class _SdmAcc(dict):  # type: ignore[type-arg]
             elif type(k) is not str:
                 raise _Unsupported
             else:
-                self[k] = _tensor_meta(v, k)
+                m = _tensor_meta(v, k)
+                self[k] = self.metas.setdefault(m, m)
 
 
 class _StorageAcc(StorageTable):
@@ -731,6 +737,14 @@ _FIXED_ARG = {
 #: Length-prefixed opcodes: size of the length field.
 _LEN_ARG = {ord("X"): 4, 0x8C: 1, 0x8D: 8, ord("B"): 4, ord("C"): 1, 0x8E: 8, 0x8A: 1, 0x8B: 4}
 _PUT_OPS = frozenset(b"qr\x94")
+#: Bytes each opcode's argument (or its length field) takes.
+_ARG_WIDTH = {**{op: n for op, n in _FIXED_ARG.items() if n}, **_LEN_ARG}
+#: Stack items each opcode takes (or looks at) above the last MARK.
+_POPS = {
+    **dict.fromkeys(b"\x94qr\x85.2", 1),
+    **dict.fromkeys(b"\x86aRb\x81\x93", 2),
+    **dict.fromkeys(b"\x87s\x92", 3),
+}
 _DIGITS = b"0123456789"
 _RELEASE = 8 << 20  # give mapped pages of .metadata back every this many bytes read
 
@@ -783,8 +797,14 @@ _INT_RE = re.compile(rb"K.|M..|J....|\x8a\x00|\x8a\x01.|\x8a\x02..|\x8a\x03...|\
 
 
 def _int_tuple_of(b: bytes) -> tuple[int, ...]:
-    """The ints of a tuple's opcodes (``K.K.\\x86``, ``)``, ``(K.K.K.K.t``)."""
-    return tuple(_int_of(m.group()) for m in _INT_RE.finditer(b))
+    """The ints of a tuple's opcodes (``K.K.\\x86``, ``)``, ``(K.K.K.K.t``), read in order up to
+    the tuple opcode (what follows, a memo put, is not read: its argument may look like an int)."""
+    out = []
+    pos = 1 if b[:1] == b"(" else 0
+    while (m := _INT_RE.match(b, pos)) is not None:
+        out.append(_int_of(m.group()))
+        pos = m.end()
+    return tuple(out)
 
 
 #: The items of ``Metadata``'s dicts as torch's and reshard's picklers write them, in
@@ -867,17 +887,21 @@ class _Template:
 
 
 _MAX_TEMPLATES = 256
+_NO_FRAME = 1 << 62
+_MAX_MEMO = 1 << 24
 
 
 class _MetaDecoder:
     """The pickle machine (see the comment above)."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Any, path: str = "<metadata>") -> None:
         self.data = data
+        self.path = path
         self.stack: list[Any] = []
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
         self.memo_len = 0  # MEMOIZE's next index (protocol 4)
+        self.frame_end = _NO_FRAME  # where the open protocol-4 frame ends
         self.family: bool | None = None  # True: MEMOIZE, False: BINPUT indexes
         self.pats: _Patterns | None = None
         self.items: Callable[[int], int] | None = None
@@ -896,7 +920,7 @@ class _MetaDecoder:
         try:
             obj = self._run()
             return self._convert(obj)
-        except _Unsupported:
+        except (_Unsupported, HeaderError):
             raise
         except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, struct.error,
                 RecursionError, MemoryError):  # fmt: skip
@@ -911,6 +935,7 @@ class _MetaDecoder:
             entries: dict[str, TensorMeta | BytesMeta] = sdm
         elif type(sdm) is dict:
             acc = _SdmAcc()
+            acc.metas = self.metas
             acc.vm_items([x for kv in sdm.items() for x in kv])
             entries = acc
         else:
@@ -929,6 +954,13 @@ class _MetaDecoder:
         )
 
     def _put(self, idx: int, obj: Any) -> None:
+        if idx > max(len(self.data), _MAX_MEMO):
+            # no pickler numbers past its opcodes; the C unpickler would size its memo array by it
+            raise HeaderError(
+                f"{self.path}: not a valid DCP metadata pickle (memo index {idx} in a "
+                f"{len(self.data)}-byte pickle); the file is damaged or not written by torch",
+                path=self.path,
+            )
         if self.family is None:
             self._family(False)
         elif self.family:
@@ -965,10 +997,19 @@ class _MetaDecoder:
                     pos = items(pos)
                     if pos - self.released > _RELEASE:
                         self._release(pos)
+            if pos >= self.frame_end:  # a protocol-4 frame ends here (an opcode across its end: refused)
+                if pos > self.frame_end:
+                    raise _Unsupported
+                self.frame_end = _NO_FRAME
             if pos >= end:
                 raise _Unsupported
             op = data[pos]
             pos += 1
+            # as strict as the C unpickler: arguments inside the data, no pop below the last MARK
+            if pos + _ARG_WIDTH.get(op, 0) > end:
+                raise _Unsupported
+            if len(stack) - (marks[-1] if marks else 0) < _POPS.get(op, 0):
+                raise _Unsupported
             if op == 0x94:  # MEMOIZE
                 if self.family is None:
                     self._family(True)
@@ -1041,7 +1082,7 @@ class _MetaDecoder:
                 stack[-1].append(v)
             elif op == 0x65:  # APPENDS
                 k = self._pop_mark()
-                if type(stack[k - 1]) is not list:
+                if k <= self._fence() or type(stack[k - 1]) is not list:
                     raise _Unsupported
                 stack[k - 1].extend(stack[k:])
                 del stack[k:]
@@ -1067,7 +1108,7 @@ class _MetaDecoder:
                 k = self._pop_mark()
                 kv = stack[k:]
                 del stack[k:]
-                if len(kv) % 2 or k == 0:
+                if len(kv) % 2 or k <= self._fence():
                     raise _Unsupported
                 self._setitems(stack[k - 1], kv)
             elif op == 0x28:  # MARK
@@ -1134,7 +1175,7 @@ class _MetaDecoder:
                 stack.append(set())
             elif op == 0x90:  # ADDITEMS
                 k = self._pop_mark()
-                if type(stack[k - 1]) is not set:
+                if k <= self._fence() or type(stack[k - 1]) is not set:
                     raise _Unsupported
                 stack[k - 1].update(stack[k:])
                 del stack[k:]
@@ -1147,12 +1188,19 @@ class _MetaDecoder:
                 if data[pos] > 5:
                     raise _Unsupported
                 pos += 1
-            elif op == 0x95:  # FRAME
+            elif op == 0x95:  # FRAME: only where no frame is open
+                n = int.from_bytes(data[pos : pos + 8], "little")
+                if n > end - pos - 8 or self.frame_end != _NO_FRAME:
+                    raise _Unsupported
                 pos += 8
+                self.frame_end = pos + n
             elif op == 0x2E:  # STOP
                 return stack.pop()
             else:  # text-mode, extension, persistent-id and buffer opcodes: not in these files
                 raise _Unsupported
+
+    def _fence(self) -> int:
+        return self.marks[-1] if self.marks else 0
 
     def _pop_mark(self) -> int:
         k = self.marks.pop()
@@ -1186,6 +1234,8 @@ class _MetaDecoder:
         key, top = stack[-2], stack[-1]
         if type(top) is dict and not top and type(key) is str and key in _ACCUMULATORS:
             top = stack[-1] = _ACCUMULATORS[key]()
+            if type(top) is _SdmAcc:
+                top.metas = self.metas
         kind = type(top)
         if kind is _SdmAcc:
             self.items = self._sdm_items
@@ -1206,6 +1256,7 @@ class _MetaDecoder:
         hints, templates = self.sdm_hints, self.sdm_templates
         p4 = self.family
         base = self.base
+        fend = self.frame_end
         idx = 0
         while True:
             op = data[pos]
@@ -1240,6 +1291,9 @@ class _MetaDecoder:
                     return pos
                 t, m = found
                 hints[hint] = t
+            stop = m.end()
+            if stop > fend:  # across the frame's end: the machine refuses it
+                return pos
             try:
                 fqn = str(kb, "utf-8", "surrogatepass")
             except UnicodeDecodeError:
@@ -1254,7 +1308,9 @@ class _MetaDecoder:
             else:
                 stack.append(fqn)
                 stack.append(_Compact(t.value))
-            pos = m.end()
+            pos = stop
+            if stop == fend:
+                return pos  # the machine closes the frame
 
     def _learn_sdm(self, body: int) -> tuple[_Template, re.Match[bytes]] | None:
         """Match the generic item expression at ``body``, check what its memo references are, and
@@ -1315,6 +1371,7 @@ class _MetaDecoder:
         fqns, offsets, paths = acc.fqns.append, acc.offsets.append, acc.paths.append
         starts, lengths = acc.starts.append, acc.lengths.append
         from_bytes = int.from_bytes
+        fend = self.frame_end
         t = templates[0] if templates else None
         puts = 0
         try:
@@ -1325,6 +1382,9 @@ class _MetaDecoder:
                     if found is None:
                         return pos
                     t, m = found
+                stop = m.end()
+                if stop > fend:
+                    return pos
                 fb, ob, pb, sb, lb = m.groups()
                 fqn = memo.get(fb[1] if len(fb) == 2 else from_bytes(fb[1:], "little"))
                 path = memo.get(pb[1] if len(pb) == 2 else from_bytes(pb[1:], "little"))
@@ -1359,7 +1419,9 @@ class _MetaDecoder:
                     stack.append(_Compact((fqn, off, path, start, length, ())))
                     stack.append(None)
                 puts += t.puts
-                pos = m.end()
+                pos = stop
+                if stop == fend:
+                    return pos
         finally:
             self.memo_len += puts
 
@@ -1427,6 +1489,7 @@ class _MetaDecoder:
         assert pats is not None
         same, rx, gets = pats.planner_same, pats.planner, pats.gets
         from_bytes = int.from_bytes
+        fend = self.frame_end
         n = 0
         try:
             while True:
@@ -1446,8 +1509,13 @@ class _MetaDecoder:
                     for g in gets.finditer(m.group(2)):
                         if _gidx(g.group()) not in memo:
                             return pos
+                stop = m.end()
+                if stop > fend:
+                    return pos
                 n += 1
-                pos = m.end()
+                pos = stop
+                if stop == fend:
+                    return pos
         finally:
             if self.family:
                 self.memo_len += n
