@@ -6,15 +6,21 @@
 offset and length (``_StorageInfo``). With ``use_collectives=False`` every rank
 writes ``__{rank}.metadata`` instead, describing what it wrote; those are merged.
 Both are read by :func:`reshard.io.unpickle.load_dcp_metadata`, which refuses
-every class DCP does not use: no pickled code runs.
+every class DCP does not use: no pickled code runs (a 100k-tensor ``.metadata``
+is read in bounded memory, without building its objects: see there), into
+columns (:class:`~reshard.io.unpickle.StorageTable`).
 
 Each tensor chunk is a complete ``torch.save`` zip archive at its offset. Its
 ``data.pkl`` (read by the restricted :func:`~reshard.io.unpickle.load_stored_tensor`)
 names the storage record, dtype, size and stride; the element bytes are record
 ``data/<key>``, stored uncompressed, so a piece is just its absolute offset in
-the ``.distcp`` file and the copy path reads it with ``pread``. Opening parses
-each chunk's zip directory and ``data.pkl`` once and checks that the record is
-stored, little-endian, of the right length and row-major.
+the ``.distcp`` file and the copy path reads it with ``pread``. Opening checks
+that every chunk's record is stored, little-endian, of the right length and
+row-major, and takes its CRC32. A MoE checkpoint has 100k chunks of a few
+layouts: each layout is parsed once (zip directory, ``data.pkl``, byte order)
+and later archives are matched against its bytes through a map
+(:class:`~reshard.io.torchzip.ArchiveReader`); each layout and box is checked
+once, and tensors of one geometry share their blocks and signature.
 
 What the format does not say, and how it is handled:
 
@@ -785,7 +791,7 @@ class _Reader:
         ones: dict[int, tuple[int, ...]] = {}
         for name in sorted(self.meta):
             m = self.meta[name]
-            got = self.pieces.get(name)
+            got = self.pieces.pop(name, None)  # (freed as the sources are made)
             ps: list[tuple[int, _Chunk, int, int | None]] = (
                 [] if got is None else [got] if type(got) is tuple else got
             )

@@ -13,6 +13,8 @@ as an absolute ``[offset, offset + size)`` of the file: tensor bytes are then
 read by ``pread`` straight from the file, never unzipped into memory. Every
 field is bounds-checked against the range; bad input raises
 :class:`~reshard.errors.HeaderError` naming the file and the archive offset.
+:class:`ArchiveReader` reads many archives of one file (DCP chunks), parsing
+each layout once and matching the others against it.
 
 Example:
     >>> import io, os, tempfile, zipfile

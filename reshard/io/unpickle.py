@@ -10,7 +10,10 @@ records, ``tuple``, ``dict``), never torch. Two tables are defined here:
 
 - :data:`DCP_METADATA_GLOBALS` for a DCP ``.metadata`` (plain ``pickle.dump`` of
   ``torch.distributed.checkpoint.metadata.Metadata``), read by
-  :func:`load_dcp_metadata` into frozen dataclasses (:class:`DcpMetadata`);
+  :func:`load_dcp_metadata` into plain values (:class:`DcpMetadata`): by a pickle
+  machine of its own with the same table (:class:`_MetaDecoder`: a 100k-tensor
+  file in bounded memory, its items matched by learnt templates), or by the C
+  unpickler for any pickle that machine leaves;
 - :data:`TORCH_SAVE_TENSOR_GLOBALS` for the ``data.pkl`` of a ``torch.save``
   archive holding one tensor (each DCP chunk), read by :func:`load_stored_tensor`
   into a :class:`StoredTensor` (storage key, dtype, offset, size, stride).
