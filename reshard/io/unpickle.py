@@ -654,6 +654,12 @@ def load_dcp_metadata(data: bytes | mmap.mmap, *, path: str) -> DcpMetadata:
 # (the first of a shape, one cut by a protocol-4 FRAME) run through the machine and are converted
 # as the C path converts them. Anything unusual (an opcode these files do not use, a memo entry it
 # did not keep, a class outside the allow-list, any error) raises _Unsupported: the C path decides.
+# It is as strict as the C unpickler (reading from a file) where that one refuses (mark fences,
+# truncated arguments, an opcode across a FRAME's end), tested on damaged pickles, with one
+# exception: in protocol 2/3 items a template does not read the index of a BINPUT (the picklers
+# number them in order and nothing refers to most of them), so a damaged index reads as written
+# where the C unpickler trips on it; an index past the pickle's size is refused (the C unpickler
+# would size its memo array by it).
 
 
 class _Unsupported(Exception):
