@@ -421,6 +421,8 @@ class ArchiveReader:
         """
         mm = self._map
         if mm is None:
+            if self.fd < 0:
+                raise ValueError(f"{self.path}: archive reader used after close")
             mm = self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
         if base - self._released > _RELEASE:
             self._release(base)
@@ -496,11 +498,12 @@ class ArchiveReader:
         self._released = upto
 
     def close(self) -> None:
-        """Unmap the file (the descriptor stays the caller's)."""
+        """Unmap the file (the descriptor stays the caller's, who may close it now)."""
         if self._map is not None:
             self._map.close()
             self._map = None
         self._released = 0
+        self.fd = -1
 
 
 def _relative(r: ZipRecord, base: int) -> ZipRecord:
