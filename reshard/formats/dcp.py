@@ -6,15 +6,21 @@
 offset and length (``_StorageInfo``). With ``use_collectives=False`` every rank
 writes ``__{rank}.metadata`` instead, describing what it wrote; those are merged.
 Both are read by :func:`reshard.io.unpickle.load_dcp_metadata`, which refuses
-every class DCP does not use: no pickled code runs.
+every class DCP does not use: no pickled code runs (a 100k-tensor ``.metadata``
+is read in bounded memory, without building its objects: see there), into
+columns (:class:`~reshard.io.unpickle.StorageTable`).
 
 Each tensor chunk is a complete ``torch.save`` zip archive at its offset. Its
 ``data.pkl`` (read by the restricted :func:`~reshard.io.unpickle.load_stored_tensor`)
 names the storage record, dtype, size and stride; the element bytes are record
 ``data/<key>``, stored uncompressed, so a piece is just its absolute offset in
-the ``.distcp`` file and the copy path reads it with ``pread``. Opening parses
-each chunk's zip directory and ``data.pkl`` once and checks that the record is
-stored, little-endian, of the right length and row-major.
+the ``.distcp`` file and the copy path reads it with ``pread``. Opening checks
+that every chunk's record is stored, little-endian, of the right length and
+row-major, and takes its CRC32. A MoE checkpoint has 100k chunks of a few
+layouts: each layout is parsed once (zip directory, ``data.pkl``, byte order)
+and later archives are matched against its bytes through a map
+(:class:`~reshard.io.torchzip.ArchiveReader`); each layout and box is checked
+once, and tensors of one geometry share their blocks and signature.
 
 What the format does not say, and how it is handled:
 
@@ -47,25 +53,28 @@ What the format does not say, and how it is handled:
 from __future__ import annotations
 
 import io
+import operator
 import os
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, TensorSource
+from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, TensorSource, tensor_source
 from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, UsageError
-from ..intervals import Block, overlapping_pairs
+from ..intervals import Block, Interval, normalize, overlapping_pairs
 from ..io.header import MAX_HEADER_SIZE, Header, decode_header
 from ..io.pages import scratch_dir
-from ..io.torchzip import STORED, TorchZip, crc32_range, read_record, read_torch_zip
+from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
     ChunkMeta,
     DcpMetadata,
+    StoredTensor,
     TensorMeta,
     load_dcp_metadata,
     load_stored_tensor,
@@ -93,6 +102,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _SPOOL_BLOCK = 1 << 20
 _SPOOL_TILE = 8 << 20
 _MAX_OPEN = 64
+_MAX_STORED = 1 << 16  # remembered (layout, dtype, box) checks
 
 
 def metadata_files(directory: Path) -> list[Path]:
@@ -163,8 +173,11 @@ class _Files:
         self._sizes: list[int] = []
         self._index: dict[str, int] = {}
         self._open: OrderedDict[int, int] = OrderedDict()
+        self._archives: dict[int, ArchiveReader] = {}
         self._spool: int | None = None
         self._spool_fd = -1
+        self.sizes = self._sizes
+        self.layouts: dict[int, list[ArchiveLayout]] = {}  # chunk archive layouts, for every file
 
     def index(self, rel: str, where: str) -> int:
         i = self._index.get(rel)
@@ -196,10 +209,23 @@ class _Files:
             self._open.move_to_end(fi)
             return fd
         if len(self._open) >= _MAX_OPEN:
-            os.close(self._open.popitem(last=False)[1])
+            old, old_fd = self._open.popitem(last=False)
+            ar = self._archives.pop(old, None)
+            if ar is not None:
+                ar.close()
+            os.close(old_fd)
         fd = os.open(self.paths[fi], os.O_RDONLY)
         self._open[fi] = fd
         return fd
+
+    def archives(self, fi: int) -> ArchiveReader:
+        """The chunk archive reader of data file ``fi`` (closed with its descriptor)."""
+        fd = self.fd(fi)
+        ar = self._archives.get(fi)
+        if ar is None:
+            ar = ArchiveReader(fd, str(self.paths[fi]), self._sizes[fi], self.layouts)
+            self._archives[fi] = ar
+        return ar
 
     def size(self, fi: int) -> int:
         return os.fstat(self._spool_fd).st_size if fi == self._spool else self._sizes[fi]
@@ -273,6 +299,9 @@ class _Files:
         return sp, start, pos - start
 
     def close(self) -> None:
+        for ar in self._archives.values():
+            ar.close()
+        self._archives.clear()
         for fd in self._open.values():
             os.close(fd)
         self._open.clear()
@@ -286,19 +315,15 @@ class _Files:
 
 @dataclass(frozen=True, slots=True)
 class _Stored:
-    """A chunk's elements in its archive: offset, CRC32, stored shape, storage order if permuted."""
+    """Where the elements of chunks of one archive layout and one box are: ``start`` relative to
+    the archive, ``slot`` the index of the storage record's CRC32 among the archive's (None when
+    the chunk is not the whole record), the stored shape, the storage order if permuted."""
 
     start: int
-    crc: int | None
+    slot: int | None
     size: tuple[int, ...]
     order: tuple[int, ...] | None
     itemsize: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    chunk: StoredChunk
-    crc: int | None
 
 
 def _storage_order(size: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
@@ -330,22 +355,20 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _zip_piece(
-    files: _Files,
-    fi: int,
+    lay: ArchiveLayout,
+    st: StoredTensor,
     base: int,
-    length: int,
     fqn: str,
     meta: TensorMeta,
     sizes: tuple[int, ...],
     where: str,
+    path: str,
 ) -> _Stored:
-    """Where the chunk archive at ``base`` keeps the chunk's elements, after checking it holds the chunk."""
-    fd, path = files.fd(fi), str(files.paths[fi])
-    tz: TorchZip = read_torch_zip(fd, path, base, length)
-    st = load_stored_tensor(read_record(fd, tz, tz.record("data.pkl")), path=where)
+    """Where archives of layout ``lay`` keep a chunk's elements, after checking they hold the chunk
+    (``st``: what their ``data.pkl`` rebuilds; ``base``: this archive's offset, for messages)."""
     q = f'{where}: tensor "{fqn}"'
-    bo = tz.get("byteorder")
-    if bo is not None and read_record(fd, tz, bo).strip() != b"little":
+    bo = lay.checked.get("byteorder")
+    if bo is not None and bo.strip() != b"little":
         raise HeaderError(
             f"{q} was saved big-endian; re-save it on a little-endian machine", path=path, tensor=fqn
         )
@@ -367,7 +390,15 @@ def _zip_piece(
             path=path,
             tensor=fqn,
         )
-    rec = tz.record(f"data/{st.key}")
+    name = f"{lay.prefix}/data/{st.key}"
+    rec = lay.records.get(name)
+    if rec is None:
+        at = f"{path} (archive at byte {base})" if base else path
+        raise HeaderError(
+            f"{at}: the torch.save archive has no record {name}; the file is damaged or not "
+            "written by torch.save",
+            path=path,
+        )
     isz = DTYPE_SIZES[SAFETENSORS_DTYPES[st.dtype]]
     first, nbytes = st.storage_offset * isz, numel * isz
     if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
@@ -377,10 +408,10 @@ def _zip_piece(
             path=path,
             tensor=fqn,
         )
-    crc = rec.crc32 if first == 0 and nbytes == rec.size else None
+    slot = lay.varying.index(name) if first == 0 and nbytes == rec.size and name in lay.varying else None
     moving = [d for d in order or () if st.size[d] != 1]  # size-1 dims may have any stride
     permuted = bool(numel) and moving != sorted(moving)
-    return _Stored(rec.offset + first, crc, st.size, order if permuted else None, isz)
+    return _Stored(rec.offset + first, slot, st.size, order if permuted else None, isz)
 
 
 def _safetensors_piece(
@@ -418,99 +449,275 @@ def _safetensors_piece(
     return base + h.data_start + e.start
 
 
-def _chunk_for(meta: TensorMeta, offset: tuple[int, ...] | None, fqn: str, where: str) -> ChunkMeta:
-    c = meta.chunk_at(offset)
-    if c is not None:
-        return c
-    raise HeaderError(
-        f'{where}: storage entry of tensor "{fqn}" at offsets {list(offset or ())} matches none '
-        "of its chunks",
-        path=where,
-        tensor=fqn,
-    )
+def _read_metadata(mpath: Path) -> DcpMetadata:
+    """``load_dcp_metadata`` of a file, read through a map (its pages given back as it goes)."""
+    import mmap
+
+    with open(mpath, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return load_dcp_metadata(b"", path=str(mpath))
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return load_dcp_metadata(mm, path=str(mpath))
+    finally:
+        mm.close()
+
+
+def _file_order(paths: list[str], starts: Sequence[int]) -> Sequence[int]:
+    """Rows in file order (by relative path, then offset), stable: the order chunks are read in.
+    Writers write ``storage_data`` in that order, so it is checked first (without a key per row
+    when all rows are of one file)."""
+    n = len(paths)
+    if n and paths.count(paths[0]) == n and all(map(operator.lt, starts, islice(starts, 1, None))):
+        return range(n)
+    keys = list(zip(paths, starts))
+    if all(map(operator.le, keys, islice(keys, 1, None))):
+        return range(n)
+    return sorted(range(n), key=keys.__getitem__)
+
+
+class _Chunk:
+    """One box of one tensor's metadata, as its pieces share it (compared by identity)."""
+
+    __slots__ = ("meta", "offsets", "sizes", "block", "layout", "stored")
+
+    def __init__(self, meta: TensorMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        self.meta = meta
+        self.offsets = offsets
+        self.sizes = sizes
+        # the layout of the last archive of this box (likely the next's) and its check
+        self.layout: ArchiveLayout | None = None
+        self.stored: Any = None
+        self.block: Block = tuple(
+            normalize([Interval(o, o + s)]) for o, s in zip(offsets, sizes, strict=True)
+        )
+
+
+class _Geometry:
+    """What the tensors with one tuple of chunks share: blocks, shape, signature, overlaps."""
+
+    __slots__ = ("blocks", "shape", "signature", "pairs")
+
+    def __init__(
+        self, blocks: tuple[Block, ...], shape: tuple[int, ...], pairs: Sequence[tuple[int, int]]
+    ) -> None:
+        self.blocks = blocks
+        self.shape = shape
+        self.signature = ("boxes", shape, blocks)
+        self.pairs = pairs
 
 
 class _Reader:
-    """What the metadata files of one checkpoint add up to, read one file at a time."""
+    """What the metadata files of one checkpoint add up to, read one file at a time.
+
+    A piece is ``(file, chunk, data offset, CRC32)``; chunks of one tensor metadata and box are
+    one :class:`_Chunk`, archives of one layout are checked once per box (``self.stored``).
+    """
 
     def __init__(self, root: Path) -> None:
         self.files = _Files(root)
         self.meta: dict[str, TensorMeta] = {}
-        self.pieces: dict[str, list[_Piece]] = {}
+        # per tensor: its piece, or a list of its pieces
+        self.pieces: dict[str, Any] = {}
         self.non_tensors: dict[str, NonTensor] = {}
         self.warnings: list[CheckpointWarning] = []
         self.blobs: dict[Any, Header] = {}
+        self.chunks: dict[tuple[int, tuple[int, ...] | None], _Chunk] = {}
+        self.pickles: dict[ArchiveLayout, StoredTensor] = {}
+        self.stored: dict[tuple[ArchiveLayout, str, tuple[int, ...]], _Stored] = {}
 
-    def read(self, mpath: Path) -> None:
-        md = load_dcp_metadata(mpath.read_bytes(), path=str(mpath))
+    def read(self, mpath: Path) -> None:  # noqa: C901 - the per-chunk loop, kept flat for speed
+        md = _read_metadata(mpath)
         self._merge_meta(md, mpath)
-        stored: set[tuple[str, tuple[int, ...] | None]] = set()
-        for e in sorted(md.storage, key=lambda e: (e.info.relative_path, e.info.offset)):  # file order
-            m = md.entries.get(e.fqn)
+        entries = md.entries
+        table = md.storage
+        fqns, offs, paths, starts, lengths = (
+            table.fqns,
+            table.offsets,
+            table.paths,
+            table.starts,
+            table.lengths,
+        )
+        transforms = table.transforms
+        files = self.files
+        sizes = files.sizes  # never the spool's: data files only
+        mp = str(mpath)
+        fis: dict[str, int] = {}
+        order = _file_order(paths, starts)
+        chunks, stored_cache, pieces = self.chunks, self.stored, self.pieces
+        reader: ArchiveReader | None = None
+        reader_fi = -1
+        from_bytes = int.from_bytes
+        rel = None
+        fi = fsize = -1
+        for i in order:
+            fqn = fqns[i]
+            m = entries.get(fqn)
             if m is None:
                 raise HeaderError(
-                    f'{mpath}: storage_data has an item "{e.fqn}" that state_dict_metadata does not list',
-                    path=str(mpath),
-                    tensor=e.fqn,
+                    f'{mpath}: storage_data has an item "{fqn}" that state_dict_metadata does not list',
+                    path=mp,
+                    tensor=fqn,
                 )
-            info = e.info
-            fi = self.files.index(info.relative_path, str(mpath))
-            where = f"{self.files.paths[fi]} (bytes {info.offset}..{info.offset + info.length})"
-            if info.offset + info.length > self.files.size(fi):
+            if paths[i] != rel:
+                rel = paths[i]
+                fi = fis.get(rel, -1)
+                if fi < 0:
+                    fi = fis[rel] = files.index(rel, mp)
+                fsize = sizes[fi]
+            start, length = starts[i], lengths[i]
+            if start + length > fsize:
+                where = f"{files.paths[fi]} (bytes {start}..{start + length})"
                 raise HeaderError(
-                    f'{where}: item "{e.fqn}" runs past the end of the file ({self.files.size(fi)} bytes); '
+                    f'{where}: item "{fqn}" runs past the end of the file ({sizes[fi]} bytes); '
                     "the file is truncated",
-                    path=str(self.files.paths[fi]),
-                    tensor=e.fqn,
+                    path=str(files.paths[fi]),
+                    tensor=fqn,
                 )
-            if not isinstance(m, TensorMeta):
-                if e.fqn not in self.non_tensors:
+            if type(m) is not TensorMeta:
+                if fqn not in self.non_tensors:
                     kind = ""  # compressed: unknown without decompressing
-                    if not info.transform_descriptors:
-                        zipped = os.pread(self.files.fd(fi), 4, info.offset) == _ZIP_MAGIC
+                    if i not in transforms:
+                        zipped = os.pread(files.fd(fi), 4, start) == _ZIP_MAGIC
                         kind = "object" if zipped else "bytes"
-                    self.non_tensors[e.fqn] = NonTensor(e.fqn, info.length, fi, kind)
+                    self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind)
+                    reader_fi = -1
                 continue
-            self.pieces.setdefault(e.fqn, []).append(self._piece(e.fqn, m, e.offset, fi, where, info))
-            stored.add((e.fqn, e.offset))
-        for fqn, m in md.entries.items():
-            if isinstance(m, TensorMeta):
-                lost = [c for c in m.chunks if (fqn, c.offsets) not in stored]
+            off = offs[i]
+            chunk = chunks.get((id(m), off))
+            if chunk is None:
+                chunk = self._chunk(m, off, fqn, fi, start, length)
+            got = None
+            try:
+                if not transforms or i not in transforms:
+                    if fi != reader_fi:
+                        reader, reader_fi = files.archives(fi), fi
+                    assert reader is not None
+                    got = reader.read(start, length, chunk.layout)
+                if got is not None:
+                    lay, crcs = got
+                    if lay is chunk.layout:
+                        s = chunk.stored
+                    else:
+                        key = (lay, m.dtype, chunk.sizes)
+                        s = stored_cache.get(key)
+                        if s is None:
+                            s = self._stored(lay, key, fqn, m, chunk, fi, start, length)
+                        chunk.layout, chunk.stored = lay, s
+            except HeaderError as e:
+                if e.tensor is not None:
+                    raise
+                raise type(e)(
+                    f'{e.message} (a chunk of tensor "{fqn}")', path=e.path, tensor=fqn, hint=e.hint
+                ) from None
+            if got is not None:
+                if s.order is None:
+                    slot = s.slot
+                    piece = (
+                        fi,
+                        chunk,
+                        start + s.start,
+                        None if slot is None else from_bytes(crcs[slot], "little"),
+                    )
+                else:
+                    piece = self._permuted(fqn, fi, start, length, s, crcs, chunk)
+                    reader_fi = -1  # the spool may have taken a descriptor
+            else:
+                piece = self._piece_slow(fqn, m, chunk, fi, start, length, transforms.get(i, ()))
+                reader_fi = -1
+            p = pieces.get(fqn)
+            if p is None:
+                pieces[fqn] = piece  # one piece (the common case): no list
+            elif type(p) is list:
+                p.append(piece)
+            else:
+                pieces[fqn] = [p, piece]
+        for fqn, m in entries.items():
+            if type(m) is TensorMeta:
+                p = pieces.get(fqn, ())
+                if type(p) is tuple:  # one piece
+                    if p and p[1].meta is m and len(m.chunks) == 1:
+                        continue  # its chunk is m's only one (found by chunk_at)
+                    p = [p] if p else []
+                have = {c.offsets for _, c, _, _ in p if c.meta is m}  # this file's chunks only
+                lost = [c for c in m.chunks if c.offsets not in have]
                 if lost:
                     msg = (
                         f'{mpath}: tensor "{fqn}" chunk at offsets {list(lost[0].offsets)}'
                         + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
                         + " has no storage entry, so its data is missing"
                     )
-                    self.warnings.append(CheckpointWarning(msg, True, str(mpath), fqn))
+                    self.warnings.append(CheckpointWarning(msg, True, mp, fqn))
 
-    def _merge_meta(self, md: DcpMetadata, mpath: Path) -> None:
-        for fqn, m in md.entries.items():
-            if not isinstance(m, TensorMeta):
-                continue
-            prev = self.meta.setdefault(fqn, m)
-            if (prev.dtype, prev.size) != (m.dtype, m.size):
-                raise LayoutError(
-                    f'{mpath}: tensor "{fqn}" is {m.dtype} {list(m.size)} but another rank\'s metadata '
-                    f"says {prev.dtype} {list(prev.size)}; the directory mixes two saves",
-                    path=str(mpath),
-                    tensor=fqn,
-                )
+    def _where(self, fi: int, start: int, length: int) -> str:
+        return f"{self.files.paths[fi]} (bytes {start}..{start + length})"
 
-    def _piece(
-        self, fqn: str, m: TensorMeta, offset: tuple[int, ...] | None, fi: int, where: str, info: Any
-    ) -> _Piece:
-        chunk = _chunk_for(m, offset, fqn, where)
-        if len(chunk.offsets) != len(m.size) or len(chunk.sizes) > len(m.size):
+    def _chunk(
+        self, m: TensorMeta, offset: tuple[int, ...] | None, fqn: str, fi: int, start: int, length: int
+    ) -> _Chunk:
+        """The :class:`_Chunk` of ``m`` at ``offset`` (made once per tensor metadata and box)."""
+        c = m.chunk_at(offset)
+        if c is None:
+            where = self._where(fi, start, length)
             raise HeaderError(
-                f'{where}: tensor "{fqn}" of shape {list(m.size)} has a chunk with offsets '
-                f"{list(chunk.offsets)} and sizes {list(chunk.sizes)}",
+                f'{where}: storage entry of tensor "{fqn}" at offsets {list(offset or ())} matches none '
+                "of its chunks",
                 path=where,
                 tensor=fqn,
             )
-        sizes = _full_sizes(chunk, len(m.size))
-        base, length = info.offset, info.length
-        tds = info.transform_descriptors
+        if len(c.offsets) != len(m.size) or len(c.sizes) > len(m.size):
+            where = self._where(fi, start, length)
+            raise HeaderError(
+                f'{where}: tensor "{fqn}" of shape {list(m.size)} has a chunk with offsets '
+                f"{list(c.offsets)} and sizes {list(c.sizes)}",
+                path=where,
+                tensor=fqn,
+            )
+        chunk = self.chunks[(id(m), offset)] = _Chunk(m, c.offsets, _full_sizes(c, len(m.size)))
+        return chunk  # (the chunk keeps m alive: the key's id stays m's)
+
+    def _stored(
+        self,
+        lay: ArchiveLayout,
+        key: tuple[ArchiveLayout, str, tuple[int, ...]],
+        fqn: str,
+        m: TensorMeta,
+        chunk: _Chunk,
+        fi: int,
+        start: int,
+        length: int,
+    ) -> _Stored:
+        """:func:`_zip_piece` of a layout and box not checked yet (then remembered)."""
+        where = self._where(fi, start, length)
+        path = str(self.files.paths[fi])
+        st = self.pickles.get(lay)
+        if st is None:
+            pkl = lay.checked.get("data.pkl")
+            if pkl is None:
+                at = f"{path} (archive at byte {start})" if start else path
+                raise HeaderError(
+                    f"{at}: the torch.save archive has no record {lay.prefix}/data.pkl; the file is "
+                    "damaged or not written by torch.save",
+                    path=path,
+                )
+            st = self.pickles[lay] = load_stored_tensor(pkl, path=where)
+        s = _zip_piece(lay, st, start, fqn, m, chunk.sizes, where, path)
+        if len(self.stored) < _MAX_STORED:
+            self.stored[key] = s
+        return s
+
+    def _piece_slow(
+        self,
+        fqn: str,
+        m: TensorMeta,
+        chunk: _Chunk,
+        fi: int,
+        base: int,
+        length: int,
+        tds: tuple[str, ...],
+    ) -> tuple[int, _Chunk, int, int | None]:
+        """A chunk through transforms (zstd) or in a SAFETENSORS blob."""
+        where = self._where(fi, base, length)
         if tds:
             if tds != (ZSTD_DESCRIPTOR,):
                 raise HeaderError(
@@ -520,53 +727,131 @@ class _Reader:
                     tensor=fqn,
                 )
             fi, base, length = self.files.decompress(fi, base, length, where)
-        crc: int | None = None
-        if os.pread(self.files.fd(fi), 4, base) == _ZIP_MAGIC:
-            stored = _zip_piece(self.files, fi, base, length, fqn, m, sizes, where)
-            start, crc = stored.start, stored.crc
-            if stored.order is not None:
-                fi, start = self._unpermute(fqn, fi, stored, where)
-                crc = None
-        else:
-            start = _safetensors_piece(self.files, fi, base, fqn, m, sizes, where, self.blobs)
-        st_dtype = SAFETENSORS_DTYPES[m.dtype]
-        return _Piece(StoredChunk(fi, chunk.offsets, sizes, st_dtype, start, m.size), crc)
+            ar = ArchiveReader(self.files.fd(fi), str(self.files.paths[fi]), self.files.size(fi))
+            try:
+                got = ar.read(base, length)
+            finally:
+                ar.close()
+            if got is not None:
+                lay, crcs = got
+                s = _zip_piece(
+                    lay, self._pickle(lay, fi, base, where), base, fqn, m, chunk.sizes, where, where
+                )
+                if s.order is not None:
+                    return self._permuted(fqn, fi, base, length, s, crcs, chunk)
+                crc = None if s.slot is None else int.from_bytes(crcs[s.slot], "little")
+                return (fi, chunk, base + s.start, crc)
+        start = _safetensors_piece(self.files, fi, base, fqn, m, chunk.sizes, where, self.blobs)
+        return (fi, chunk, start, None)
 
-    def _unpermute(self, fqn: str, fi: int, stored: _Stored, where: str) -> tuple[int, int]:
+    def _pickle(self, lay: ArchiveLayout, fi: int, base: int, where: str) -> StoredTensor:
+        pkl = lay.checked.get("data.pkl")
+        if pkl is None:
+            path = str(self.files.paths[fi])
+            raise HeaderError(
+                f"{path} (archive at byte {base}): the torch.save archive has no record "
+                f"{lay.prefix}/data.pkl; the file is damaged or not written by torch.save",
+                path=path,
+            )
+        return load_stored_tensor(pkl, path=where)
+
+    def _permuted(
+        self, fqn: str, fi: int, base: int, length: int, s: _Stored, crcs: tuple[bytes, ...], chunk: _Chunk
+    ) -> tuple[int, _Chunk, int, int | None]:
         """Spool a row-major copy of a permuted chunk, checking the stored bytes' CRC32 on the way."""
-        assert stored.order is not None
-        nbytes = _numel(stored.size) * stored.itemsize
-        if (
-            stored.crc is not None
-            and crc32_range(self.files.fd(fi), stored.start, nbytes, where) != stored.crc
-        ):
+        assert s.order is not None
+        start = base + s.start
+        nbytes = _numel(s.size) * s.itemsize
+        where = self._where(fi, base, length)
+        want = None if s.slot is None else int.from_bytes(crcs[s.slot], "little")
+        if want is not None and crc32_range(self.files.fd(fi), start, nbytes, where) != want:
             msg = f'{where}: tensor "{fqn}" chunk bytes fail their CRC32 check; the file is damaged'
             self.warnings.append(CheckpointWarning(msg, True, str(self.files.paths[fi]), fqn))
-        return self.files.permute(fi, stored.start, stored.size, stored.order, stored.itemsize)
+        sp, sstart = self.files.permute(fi, start, s.size, s.order, s.itemsize)
+        return (sp, chunk, sstart, None)
+
+    def _merge_meta(self, md: DcpMetadata, mpath: Path) -> None:
+        for fqn, m in md.entries.items():
+            if type(m) is not TensorMeta:
+                continue
+            prev = self.meta.setdefault(fqn, m)
+            if prev is not m and (prev.dtype, prev.size) != (m.dtype, m.size):
+                raise LayoutError(
+                    f'{mpath}: tensor "{fqn}" is {m.dtype} {list(m.size)} but another rank\'s metadata '
+                    f"says {prev.dtype} {list(prev.size)}; the directory mixes two saves",
+                    path=str(mpath),
+                    tensor=fqn,
+                )
 
     def tensors(self) -> dict[str, TensorSource]:
         out: dict[str, TensorSource] = {}
         paths = self.files.paths
+        geometries: dict[tuple[int, ...], _Geometry] = {}
+        files_seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+        ones: dict[int, tuple[int, ...]] = {}
         for name in sorted(self.meta):
             m = self.meta[name]
-            ps = self.pieces.get(name, [])
-            cs = [p.chunk for p in ps]
-            shape = _global_shape(name, cs, paths) if cs else m.size
-            blocks: tuple[Block, ...] = tuple(c.block for c in cs)
-            pairs = overlapping_pairs(blocks)
-            if pairs:
-                self.warnings.append(_overlap_warning(name, cs, pairs, shape, paths))
-            out[name] = TensorSource(
-                name=name,
-                dtype=SAFETENSORS_DTYPES[m.dtype],
-                shape=shape,
-                piece_files=tuple(c.file for c in cs),
-                piece_offsets=tuple(c.start for c in cs),
-                piece_blocks=blocks,
-                signature=("boxes", shape, blocks),
-                piece_crc32=tuple(p.crc for p in ps),
+            got = self.pieces.pop(name, None)  # (freed as the sources are made)
+            ps: list[tuple[int, _Chunk, int, int | None]] = (
+                [] if got is None else [got] if type(got) is tuple else got
+            )
+            shape: tuple[int, ...] = m.size
+            blocks: tuple[Block, ...] = ()
+            sig: Any = ("boxes", shape, ())
+            fis: tuple[int, ...] = ()
+            offsets: tuple[int, ...] = ()
+            crcs: tuple[int | None, ...] = ()
+            if ps:
+                if len(ps) == 1:  # most tensors: no lists
+                    fi, c, start, crc = ps[0]
+                    key: tuple[int, ...] = (id(m), id(c))
+                    fis = ones.get(fi) or ones.setdefault(fi, (fi,))
+                    offsets, crcs = (start,), (crc,)
+                else:
+                    key = (id(m), *[id(p[1]) for p in ps])
+                    fis = tuple([p[0] for p in ps])
+                    fis = files_seen.setdefault(fis, fis)
+                    offsets = tuple([p[2] for p in ps])
+                    crcs = tuple([p[3] for p in ps])
+                geo = geometries.get(key)
+                if geo is None:
+                    geo = geometries[key] = self._geometry(name, m, ps)
+                shape, blocks, sig = geo.shape, geo.blocks, geo.signature
+                if geo.pairs:
+                    cs = self._stored_chunks(ps, m)
+                    self.warnings.append(_overlap_warning(name, cs, geo.pairs, shape, paths))
+            out[name] = tensor_source(
+                name,
+                SAFETENSORS_DTYPES[m.dtype],
+                shape,
+                fis,
+                offsets,
+                blocks,
+                sig,
+                None,
+                None,
+                None,
+                crcs,
             )
         return out
+
+    def _stored_chunks(
+        self, ps: Sequence[tuple[int, _Chunk, int, int | None]], m: TensorMeta
+    ) -> list[StoredChunk]:
+        st_dtype = SAFETENSORS_DTYPES[m.dtype]
+        return [StoredChunk(fi, c.offsets, c.sizes, st_dtype, start, m.size) for fi, c, start, _ in ps]
+
+    def _geometry(
+        self, name: str, m: TensorMeta, ps: Sequence[tuple[int, _Chunk, int, int | None]]
+    ) -> _Geometry:
+        """Blocks, global shape and overlapping pairs of one tuple of chunks (checked as
+        :func:`_global_shape` checks them)."""
+        shape = m.size
+        for _, c, _, _ in ps:
+            if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)):
+                _global_shape(name, self._stored_chunks(ps, m), self.files.paths)  # raises, naming the file
+        blocks = tuple(c.block for _, c, _, _ in ps)
+        return _Geometry(blocks, shape, overlapping_pairs(blocks))
 
 
 def open_dcp(path: Path) -> Checkpoint:

@@ -13,6 +13,8 @@ as an absolute ``[offset, offset + size)`` of the file: tensor bytes are then
 read by ``pread`` straight from the file, never unzipped into memory. Every
 field is bounds-checked against the range; bad input raises
 :class:`~reshard.errors.HeaderError` naming the file and the archive offset.
+:class:`ArchiveReader` reads many archives of one file (DCP chunks), parsing
+each layout once and matching the others against it.
 
 Example:
     >>> import io, os, tempfile, zipfile
@@ -30,7 +32,9 @@ Example:
 
 from __future__ import annotations
 
+import mmap
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -45,6 +49,9 @@ __all__ = [
     "read_record",
     "crc32_range",
     "MAX_SMALL_RECORD",
+    "CHECKED_RECORDS",
+    "ArchiveLayout",
+    "ArchiveReader",
 ]
 
 #: Zip compression method "stored" (torch writes only this).
@@ -84,6 +91,9 @@ class ZipRecord:
         compressed_size: stored size in bytes (equal to ``size`` when stored).
         compress_type: zip method (0 = stored).
         crc32: the CRC32 the archive records for the uncompressed bytes.
+        header: the record's local header, relative to the archive's first byte.
+        entry: the record's central directory entry, relative to the archive's first byte.
+        flags: the general purpose flags (bit 3: a data descriptor follows the bytes).
     """
 
     name: str
@@ -92,6 +102,9 @@ class ZipRecord:
     compressed_size: int
     compress_type: int
     crc32: int
+    header: int = -1
+    entry: int = -1
+    flags: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +217,7 @@ def _zip64_extra(extra: bytes, sizes: list[int], where: str, path: str) -> None:
 
 
 def _entry(
-    cd: bytes, i: int, fd: int, path: str, where: str, base: int, length: int
+    cd: bytes, i: int, fd: int, path: str, where: str, base: int, length: int, cd_off: int
 ) -> tuple[ZipRecord, int]:
     """The central directory entry at ``cd[i:]``, located through its local header; and the next ``i``."""
     if i + _CDIR.size > len(cd):
@@ -238,7 +251,7 @@ def _entry(
         )
     if method == STORED and csize != usize:
         raise _bad(where, path, f"stored record {name} has compressed size {csize} != size {usize}")
-    return ZipRecord(name, base + start, usize, csize, method, crc), nxt
+    return ZipRecord(name, base + start, usize, csize, method, crc, hoff, cd_off + i, flags), nxt
 
 
 def read_torch_zip(fd: int, path: str, base: int = 0, length: int | None = None) -> TorchZip:
@@ -269,7 +282,7 @@ def read_torch_zip(fd: int, path: str, base: int = 0, length: int | None = None)
     records: dict[str, ZipRecord] = {}
     i = 0
     for _ in range(entries):
-        rec, i = _entry(cd, i, fd, path, where, base, length)
+        rec, i = _entry(cd, i, fd, path, where, base, length, cd_off)
         records[rec.name] = rec
     prefixes = {n.split("/", 1)[0] for n in records}
     if len(prefixes) != 1 or any("/" not in n for n in records):
@@ -309,3 +322,216 @@ def crc32_range(fd: int, offset: int, size: int, path: str, *, block: int = _CRC
         crc = zlib.crc32(_pread(fd, n, offset + pos, path), crc)
         pos += n
     return crc
+
+
+# --------------------------------------------------------------------------- many small archives
+
+#: The records whose bytes a reader checks (their CRC32 and bytes are part of a layout).
+CHECKED_RECORDS = ("data.pkl", "byteorder")
+#: Records torch.save writes the same in every archive: a layout takes their bytes as they are
+#: (an archive where they differ is another layout); the others (storages, the save's id) vary.
+_CONSTANT_RECORDS = (".format_version", ".storage_alignment", "version")
+_DESCRIPTOR_SIG = b"PK\x07\x08"
+_MAX_LAYOUTS = 64  # per archive length: past this, archives of new layouts are parsed one by one
+_RELEASE = 8 << 20  # give the map's pages back every this many bytes of the file
+
+
+@dataclass(eq=False, slots=True)
+class ArchiveLayout:
+    """What every archive of one layout has: the same length, records, and bytes, but for the
+    bytes and CRC32s of the records a reader does not check (tensor storages, the save's id).
+
+    Attributes:
+        length: the archive's size in bytes.
+        prefix: the records' top-level folder (``archive``).
+        records: by full name, offsets relative to the archive (``base`` 0); the CRC32 of a
+            record in ``varying`` is the one of the archive this layout was learnt from.
+        checked: the bytes of :data:`CHECKED_RECORDS` present, by suffix (CRC32-checked).
+        varying: the storage records (``<prefix>/data/...``) whose CRC32 each archive gives.
+        split: ``[start, stop)`` of the largest unchecked record's bytes, never read.
+        head: matches the archive's bytes before ``split``.
+        head_bytes: those bytes, when none of them varies (compared, faster than a match).
+        tail: matches the bytes after it; its groups are the ``varying`` CRC32s.
+    """
+
+    length: int
+    prefix: str
+    records: dict[str, ZipRecord]
+    checked: dict[str, bytes]
+    varying: tuple[str, ...]
+    split: tuple[int, int]
+    head: re.Pattern[bytes]
+    head_bytes: bytes | None
+    tail: re.Pattern[bytes]
+
+    def match(self, mm: mmap.mmap, base: int) -> tuple[bytes, ...] | None:
+        """The ``varying`` CRC32s of the archive at ``base`` of ``mm`` if it has this layout."""
+        a, b = self.split
+        hb = self.head_bytes
+        if hb is not None:
+            if mm[base : base + a] != hb:
+                return None
+        elif self.head.fullmatch(mm, base, base + a) is None:
+            return None
+        t = self.tail.fullmatch(mm, base + b, base + self.length)
+        return None if t is None else t.groups()
+
+
+class ArchiveReader:
+    """The ``torch.save`` archives of one file (DCP chunks: 100k and more back to back), read
+    through a memory map.
+
+    The first archive of each layout is parsed and checked record by record
+    (:func:`read_torch_zip`, :func:`read_record`); the layout is then kept as two regular
+    expressions over its bytes (every byte literal but the unchecked records' bytes and
+    CRC32s). Later archives of the layout are one match of each, with no system call and
+    no bytes copied: equal bytes mean equal records, and the checked records' bytes and
+    CRC32s are the verified ones. Archives that match no layout are parsed in full (which
+    gives the errors). Pages of the map are given back as the reads move on through the
+    file, so memory stays bounded.
+
+    Args:
+        fd: an open descriptor of the file (the map keeps its own).
+        path: the file's name, for messages.
+        size: the file's size in bytes.
+        layouts: layouts by archive length, shared by the readers of one checkpoint's files
+            (a layout is a description of bytes: it holds in any file).
+    """
+
+    def __init__(
+        self, fd: int, path: str, size: int, layouts: dict[int, list[ArchiveLayout]] | None = None
+    ) -> None:
+        self.fd = fd
+        self.path = path
+        self.size = size
+        self.layouts: dict[int, list[ArchiveLayout]] = {} if layouts is None else layouts
+        self._map: mmap.mmap | None = None
+        self._released = 0
+
+    def read(
+        self, base: int, length: int, hint: ArchiveLayout | None = None
+    ) -> tuple[ArchiveLayout, tuple[bytes, ...]] | None:
+        """The layout of the archive at ``[base, base + length)`` and its ``varying`` CRC32s
+        (4 bytes each, little-endian); None when the range does not start with a zip local
+        header (a safetensors blob). ``hint``: the layout to try first.
+
+        Raises:
+            HeaderError: the range is not a well-formed archive (as :func:`read_torch_zip`),
+                or a checked record fails its CRC32.
+        """
+        mm = self._map
+        if mm is None:
+            if self.fd < 0:
+                raise ValueError(f"{self.path}: archive reader used after close")
+            mm = self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+        if base - self._released > _RELEASE:
+            self._release(base)
+        if hint is not None and hint.length == length:
+            crcs = hint.match(mm, base)
+            if crcs is not None:
+                return hint, crcs
+        for lay in self.layouts.get(length, ()):
+            if lay is not hint:
+                crcs = lay.match(mm, base)
+                if crcs is not None:
+                    return lay, crcs
+        if mm[base : base + 4] != _LOCAL_SIG:
+            return None
+        return self._learn(mm, base, length)
+
+    def _learn(self, mm: mmap.mmap, base: int, length: int) -> tuple[ArchiveLayout, tuple[bytes, ...]]:
+        tz = read_torch_zip(self.fd, self.path, base, length)
+        checked = {}
+        for sfx in CHECKED_RECORDS:
+            rec = tz.get(sfx)
+            if rec is not None:
+                checked[sfx] = read_record(self.fd, tz, rec)
+        records = {n: _relative(r, base) for n, r in tz.records.items()}
+        names = {f"{tz.prefix}/{sfx}" for sfx in (*checked, *_CONSTANT_RECORDS)}
+        store = f"{tz.prefix}/data/"
+        # (start, stop, group): the varying records' bytes and CRC32s
+        ranges: list[tuple[int, int, bool]] = []
+        wild = [r for r in records.values() if r.name not in names]
+        for r in wild:
+            end = r.offset + r.compressed_size
+            ranges.append((r.offset, end, False))
+            at = r.header + 14
+            if not (r.flags & 8) or mm[base + at : base + at + 4] != b"\0\0\0\0":
+                ranges.append((at, at + 4, False))  # (zero when a data descriptor holds it)
+            if r.flags & 8:  # the data descriptor after the bytes: [signature] crc32 sizes
+                at = end + 4 if mm[base + end : base + end + 4] == _DESCRIPTOR_SIG else end
+                ranges.append((at, at + 4, False))
+            ranges.append((r.entry + 16, r.entry + 20, r.name.startswith(store)))
+        ranges.sort()
+        if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])) or any(e > length for _, e, _ in ranges):
+            return self._unlearnt(tz, records, checked)
+        big = max(wild, key=lambda r: r.compressed_size, default=None)
+        split = (big.offset, big.offset + big.compressed_size) if big is not None else (length, length)
+        head = _layout_rx(mm, base, 0, split[0], ranges)
+        fixed = not any(a < split[0] for a, _, _ in ranges)
+        tail = _layout_rx(mm, base, split[1], length, ranges)
+        varying = tuple(r.name for r in sorted(wild, key=lambda r: r.entry) if r.name.startswith(store))
+        head_bytes = mm[base : base + split[0]] if fixed else None
+        lay = ArchiveLayout(length, tz.prefix, records, checked, varying, split, head, head_bytes, tail)
+        crcs = tuple(tz.records[n].crc32.to_bytes(4, "little") for n in varying)
+        if lay.match(mm, base) != crcs:
+            return self._unlearnt(tz, records, checked)
+        known = self.layouts.setdefault(length, [])
+        if len(known) < _MAX_LAYOUTS:
+            known.append(lay)
+        return lay, crcs
+
+    def _unlearnt(
+        self, tz: TorchZip, records: dict[str, ZipRecord], checked: dict[str, bytes]
+    ) -> tuple[ArchiveLayout, tuple[bytes, ...]]:
+        """A layout for this archive alone (records the expressions cannot describe)."""
+        varying = tuple(n for n in records if n.startswith(f"{tz.prefix}/data/"))
+        never = re.compile(rb"(?!)")
+        lay = ArchiveLayout(tz.length, tz.prefix, records, checked, varying, (0, 0), never, None, never)
+        return lay, tuple(tz.records[n].crc32.to_bytes(4, "little") for n in varying)
+
+    def _release(self, upto: int) -> None:
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            upto -= upto % mmap.PAGESIZE
+            if upto > self._released:
+                self._map.madvise(mmap.MADV_DONTNEED, self._released, upto - self._released)
+        self._released = upto
+
+    def close(self) -> None:
+        """Unmap the file (the descriptor stays the caller's, who may close it now)."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        self._released = 0
+        self.fd = -1
+
+
+def _relative(r: ZipRecord, base: int) -> ZipRecord:
+    return ZipRecord(
+        r.name,
+        r.offset - base,
+        r.size,
+        r.compressed_size,
+        r.compress_type,
+        r.crc32,
+        r.header,
+        r.entry,
+        r.flags,
+    )
+
+
+def _layout_rx(
+    mm: mmap.mmap, base: int, start: int, stop: int, ranges: list[tuple[int, int, bool]]
+) -> re.Pattern[bytes]:
+    """An expression for the archive bytes ``[start, stop)``: literal, but for ``ranges``
+    (any bytes; a group when the range's flag is set)."""
+    out = []
+    pos = start
+    for a, b, group in ranges:
+        if b <= start or a >= stop:
+            continue
+        out.append(re.escape(mm[base + pos : base + a]))
+        out.append(b"(.{%d})" % (b - a) if group else b".{%d}" % (b - a))
+        pos = b
+    out.append(re.escape(mm[base + pos : base + stop]))
+    return re.compile(b"".join(out), re.S)

@@ -10,7 +10,10 @@ records, ``tuple``, ``dict``), never torch. Two tables are defined here:
 
 - :data:`DCP_METADATA_GLOBALS` for a DCP ``.metadata`` (plain ``pickle.dump`` of
   ``torch.distributed.checkpoint.metadata.Metadata``), read by
-  :func:`load_dcp_metadata` into frozen dataclasses (:class:`DcpMetadata`);
+  :func:`load_dcp_metadata` into plain values (:class:`DcpMetadata`): by a pickle
+  machine of its own with the same table (:class:`_MetaDecoder`: a 100k-tensor
+  file in bounded memory, its items matched by learnt templates), or by the C
+  unpickler for any pickle that machine leaves;
 - :data:`TORCH_SAVE_TENSOR_GLOBALS` for the ``data.pkl`` of a ``torch.save``
   archive holding one tensor (each DCP chunk), read by :func:`load_stored_tensor`
   into a :class:`StoredTensor` (storage key, dtype, offset, size, stride).
@@ -26,9 +29,14 @@ from __future__ import annotations
 
 import collections
 import io
+import mmap
 import os
 import pickle
-from collections.abc import Callable, Mapping
+import re
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +58,7 @@ __all__ = [
     "BytesMeta",
     "StorageInfo",
     "StorageEntry",
+    "StorageTable",
     "DcpMetadata",
     "DCP_METADATA_GLOBALS",
     "TORCH_SAVE_TENSOR_GLOBALS",
@@ -390,19 +399,28 @@ class ChunkMeta:
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
-    """A ``TensorStorageMetadata``: torch dtype name, global size and its chunks."""
+    """A ``TensorStorageMetadata``: torch dtype name, global size and its chunks.
+
+    The decoder gives every tensor whose pickled entry has the same bytes the same object,
+    so a checkpoint of 100k tensors holds one per geometry.
+    """
 
     dtype: str
     size: tuple[int, ...]
     chunks: tuple[ChunkMeta, ...]
-    _by_offsets: dict[tuple[int, ...], ChunkMeta] = field(init=False, repr=False, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_offsets", {c.offsets: c for c in self.chunks})
+    _by_offsets: dict[tuple[int, ...], ChunkMeta] | None = field(
+        default=None, init=False, repr=False, compare=False, hash=False
+    )
 
     def chunk_at(self, offsets: tuple[int, ...] | None) -> ChunkMeta | None:
         """The chunk at these global offsets (how ``storage_data`` keys refer to chunks), or None."""
-        return self._by_offsets.get(offsets) if offsets is not None else None
+        if offsets is None:
+            return None
+        by = self._by_offsets
+        if by is None:
+            by = {c.offsets: c for c in self.chunks}
+            object.__setattr__(self, "_by_offsets", by)
+        return by.get(offsets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +447,62 @@ class StorageEntry:
     info: StorageInfo
 
 
+class StorageTable:
+    """``storage_data`` as columns, in pickle order: one row per stored item.
+
+    A 100k-tensor checkpoint saved at TP-8 has 800k items; a row is references to shared
+    strings and tuples plus two machine integers, not objects of its own. Iterating gives
+    :class:`StorageEntry` values.
+
+    Attributes:
+        fqns: ``MetadataIndex.fqn`` per row.
+        offsets: ``MetadataIndex.offset`` per row (the chunk's global offsets; None for bytes).
+        paths: ``_StorageInfo.relative_path`` per row.
+        starts: ``_StorageInfo.offset`` per row.
+        lengths: ``_StorageInfo.length`` per row.
+        transforms: row -> ``transform_descriptors``, for the rows that have some.
+    """
+
+    __slots__ = ("fqns", "offsets", "paths", "starts", "lengths", "transforms")
+
+    def __init__(self) -> None:
+        self.fqns: list[str] = []
+        self.offsets: list[tuple[int, ...] | None] = []
+        self.paths: list[str] = []
+        self.starts = array("q")
+        self.lengths = array("q")
+        self.transforms: dict[int, tuple[str, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self.fqns)
+
+    def append(
+        self,
+        fqn: str,
+        offset: tuple[int, ...] | None,
+        path: str,
+        start: int,
+        length: int,
+        transforms: tuple[str, ...] = (),
+    ) -> None:
+        if start > _I64 or length > _I64:
+            raise ValueError(f"_StorageInfo of {fqn!r} has an offset or length past 2**63")
+        if transforms:
+            self.transforms[len(self.fqns)] = transforms
+        self.fqns.append(fqn)
+        self.offsets.append(offset)
+        self.paths.append(path)
+        self.starts.append(start)
+        self.lengths.append(length)
+
+    def __getitem__(self, i: int) -> StorageEntry:
+        info = StorageInfo(self.paths[i], self.starts[i], self.lengths[i], self.transforms.get(i, ()))
+        return StorageEntry(self.fqns[i], self.offsets[i], info)
+
+    def __iter__(self) -> Iterator[StorageEntry]:
+        return (self[i] for i in range(len(self.fqns)))
+
+
 @dataclass(frozen=True, slots=True)
 class DcpMetadata:
     """A DCP ``.metadata``, as plain values.
@@ -438,12 +512,17 @@ class DcpMetadata:
         storage: every stored item.
         version: ``Metadata.version`` (``"1.0.0"`` in torch 2.13; None before).
         megatron: True for Megatron-Core's ``MCoreMetadata``.
+        decoder: ``"fast"`` (:class:`_MetaDecoder`) or ``"reference"`` (the C unpickler).
     """
 
     entries: dict[str, TensorMeta | BytesMeta]
-    storage: tuple[StorageEntry, ...]
+    storage: StorageTable
     version: str | None
     megatron: bool
+    decoder: str = "fast"
+
+
+_I64 = (1 << 63) - 1
 
 
 def _state(obj: Any, cls: type[Record], what: str) -> dict[str, Any]:
@@ -482,7 +561,10 @@ def _tensor_meta(obj: Any, fqn: str) -> TensorMeta | BytesMeta:
     return TensorMeta(str(dtype), _dims(st.get("size"), f"size of {fqn!r}"), tuple(chunks))
 
 
-def _storage_entry(key: Any, value: Any) -> StorageEntry:
+def _storage_entry(
+    key: Any, value: Any
+) -> tuple[str, tuple[int, ...] | None, str, int, int, tuple[str, ...]]:
+    """A ``storage_data`` item as a :class:`StorageTable` row."""
     ks = _state(key, _MetadataIndex, "a storage_data key")
     vs = _state(value, _StorageInfo, "a storage_data value")
     fqn = ks.get("fqn")
@@ -501,20 +583,14 @@ def _storage_entry(key: Any, value: Any) -> StorageEntry:
         raise ValueError(f"_StorageInfo of {fqn!r} is not (path, offset, length)")
     if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
         raise ValueError(f"transform_descriptors of {fqn!r} are not strings")
-    return StorageEntry(
-        fqn,
-        None if off is None else _dims(off, "MetadataIndex offset"),
-        StorageInfo(rel, start, length, tuple(tds)),
-    )
+    return (fqn, None if off is None else _dims(off, "MetadataIndex offset"), rel, start, length, tuple(tds))
 
 
-def load_dcp_metadata(data: bytes, *, path: str) -> DcpMetadata:
-    """Read a DCP ``.metadata`` (or ``__{rank}.metadata``) without running any of it.
+def _reference_metadata(data: bytes, path: str) -> DcpMetadata:
+    """:func:`load_dcp_metadata` through the C unpickler: the whole object graph, then values.
 
-    Raises:
-        UnsafePickleError: the pickle refers to a class DCP metadata does not use.
-        HeaderError: not a pickled ``Metadata``, or fields of the wrong kind.
-    """
+    Every pickle the fast decoder leaves (other writers, damaged or hostile files) comes here;
+    its errors are the ones users see."""
     what = "DCP metadata"
     obj = restricted_load(data, path=path, allowed=DCP_METADATA_GLOBALS, what=what)
     try:
@@ -528,13 +604,977 @@ def load_dcp_metadata(data: bytes, *, path: str) -> DcpMetadata:
             if not isinstance(fqn, str):
                 raise ValueError(f"state_dict_metadata key {fqn!r} is not a string")
             entries[fqn] = _tensor_meta(m, fqn)
-        storage = tuple(_storage_entry(k, v) for k, v in sd.items())
+        storage = StorageTable()
+        for k, v in sd.items():
+            storage.append(*_storage_entry(k, v))
         version = st.get("version")
     except ValueError as e:
         raise HeaderError(f"{path}: not a valid {what} ({e})", path=path) from None
     return DcpMetadata(
-        entries, storage, version if isinstance(version, str) else None, isinstance(obj, _MCoreMetadata)
+        entries,
+        storage,
+        version if isinstance(version, str) else None,
+        isinstance(obj, _MCoreMetadata),
+        "reference",
     )
+
+
+def load_dcp_metadata(data: bytes | mmap.mmap, *, path: str) -> DcpMetadata:
+    """Read a DCP ``.metadata`` (or ``__{rank}.metadata``) without running any of it.
+
+    :class:`_MetaDecoder` reads the pickles torch and reshard write (protocols 2-5) in
+    bounded memory; any other pickle goes to the C unpickler with the same allow-list
+    (:data:`DCP_METADATA_GLOBALS`), which also gives the errors.
+
+    Args:
+        data: the file's bytes (or a read-only map of it).
+        path: the file, for messages.
+
+    Raises:
+        UnsafePickleError: the pickle refers to a class DCP metadata does not use.
+        HeaderError: not a pickled ``Metadata``, or fields of the wrong kind.
+    """
+    try:
+        return _MetaDecoder(data, path).decode()
+    except _Unsupported:
+        pass
+    return _reference_metadata(bytes(data), path)
+
+
+# --------------------------------------------------------------------------- fast DCP metadata decoder
+#
+# A DCP ``.metadata`` of 100k tensors is a 36 MB pickle of ~10M opcodes. The C unpickler keeps
+# every object it memoizes (all of them: torch's and reshard's picklers memoize everything) until
+# the load ends: ~2.5 KB a tensor, 600 MB at 200k tensors. _MetaDecoder is a pickle machine of
+# its own for the same opcodes and the same allow-list whose memo keeps only what a later opcode
+# of these files refers to (strings, classes), and which reads the items of ``state_dict_metadata``,
+# ``storage_data`` and ``planner_data`` without building their objects: each item is matched by a
+# regular expression (a template learnt from the first item of its shape: the bytes of the item
+# with its variable fields as groups) and turned straight into values. Items no template matches
+# (the first of a shape, one cut by a protocol-4 FRAME) run through the machine and are converted
+# as the C path converts them. Anything unusual (an opcode these files do not use, a memo entry it
+# did not keep, a class outside the allow-list, any error) raises _Unsupported: the C path decides.
+# It is as strict as the C unpickler (reading from a file) where that one refuses (mark fences,
+# truncated arguments, an opcode across a FRAME's end), tested on damaged pickles, with one
+# exception: in protocol 2/3 items a template does not read the index of a BINPUT (the picklers
+# number them in order and nothing refers to most of them), so a damaged index reads as written
+# where the C unpickler trips on it; an index past the pickle's size is refused (the C unpickler
+# would size its memo array by it).
+
+
+class _Unsupported(Exception):
+    """The fast decoder leaves this pickle to the reference (C unpickler) path."""
+
+
+class _Compact:
+    """An item an item reader converted, pushed on the machine's stack (key or value) while items
+    the machine built wait for their SETITEMS: items keep their pickle order."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _SdmAcc(dict):  # type: ignore[type-arg]
+    """``state_dict_metadata`` as the decoder reads it: fqn -> TensorMeta | BytesMeta (equal
+    values one object: ``metas``, the decoder's)."""
+
+    __slots__ = ("metas",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metas: dict[Any, Any] = {}
+
+    def vm_items(self, items: list[Any]) -> None:
+        for i in range(0, len(items), 2):
+            k, v = items[i], items[i + 1]
+            if type(v) is _Compact:
+                self[k] = v.value
+            elif type(k) is not str:
+                raise _Unsupported
+            else:
+                m = _tensor_meta(v, k)
+                self[k] = self.metas.setdefault(m, m)
+
+
+class _StorageAcc(StorageTable):
+    """``storage_data`` as the decoder reads it: rows in pickle order."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys: set[int] = set()
+
+    def vm_items(self, items: list[Any]) -> None:
+        for i in range(0, len(items), 2):
+            k, v = items[i], items[i + 1]
+            if type(k) is _Compact:
+                self.append(*k.value)
+                continue
+            if id(k) in self._keys:  # one key object twice: a dict would keep one item
+                raise _Unsupported
+            self._keys.add(id(k))  # k lives on in the memo: ids stay unique
+            self.append(*_storage_entry(k, v))
+
+
+class _PlannerAcc(dict):  # type: ignore[type-arg]
+    """``planner_data``: read and dropped (nothing reads it)."""
+
+    __slots__ = ()
+
+    def vm_items(self, items: list[Any]) -> None:
+        for i in range(0, len(items), 2):
+            hash(items[i])  # a dict would refuse an unhashable key
+
+
+_ACCUMULATORS: dict[str, type[Any]] = {
+    "state_dict_metadata": _SdmAcc,
+    "storage_data": _StorageAcc,
+    "planner_data": _PlannerAcc,
+}
+
+#: Argument bytes of the fixed-size opcodes (for tokenizing).
+_FIXED_ARG = {
+    **dict.fromkeys(b"(.012NaebdlstuR)]}\x85\x86\x87\x88\x89\x81\x92\x93\x94\x8f\x90\x91", 0),
+    **dict.fromkeys(b"Khq\x80", 1),
+    **dict.fromkeys(b"M", 2),
+    **dict.fromkeys(b"Jjr", 4),
+    **dict.fromkeys(b"G\x95", 8),
+}
+#: Length-prefixed opcodes: size of the length field.
+_LEN_ARG = {ord("X"): 4, 0x8C: 1, 0x8D: 8, ord("B"): 4, ord("C"): 1, 0x8E: 8, 0x8A: 1, 0x8B: 4}
+_PUT_OPS = frozenset(b"qr\x94")
+#: Bytes each opcode's argument (or its length field) takes.
+_ARG_WIDTH = {**{op: n for op, n in _FIXED_ARG.items() if n}, **_LEN_ARG}
+#: Stack items each opcode takes (or looks at) above the last MARK.
+_POPS = {
+    **dict.fromkeys(b"\x94qr\x85.2", 1),
+    **dict.fromkeys(b"\x86aRb\x81\x93", 2),
+    **dict.fromkeys(b"\x87s\x92", 3),
+}
+_DIGITS = b"0123456789"
+_RELEASE = 8 << 20  # give mapped pages of .metadata back every this many bytes read
+
+
+def _tokens(data: Any, start: int, end: int) -> list[tuple[int, int, int]]:
+    """``(opcode, start, end)`` of each opcode in ``data[start:end]`` (which the caller knows parse)."""
+    out = []
+    pos = start
+    while pos < end:
+        op = data[pos]
+        n = _FIXED_ARG.get(op)
+        if n is not None:
+            stop = pos + 1 + n
+        elif op in _LEN_ARG:
+            w = _LEN_ARG[op]
+            stop = pos + 1 + w + int.from_bytes(data[pos + 1 : pos + 1 + w], "little")
+        elif op == 0x63:  # GLOBAL module\nname\n
+            nl = data.find(b"\n", data.find(b"\n", pos) + 1)
+            if nl < 0:
+                raise _Unsupported
+            stop = nl + 1
+        else:
+            raise _Unsupported
+        out.append((op, pos, stop))
+        pos = stop
+    if pos != end:
+        raise _Unsupported
+    return out
+
+
+def _gidx(b: bytes) -> int:
+    """The memo index of a BINGET / LONG_BINGET."""
+    return b[1] if b[0] == 0x68 else int.from_bytes(b[1:5], "little")
+
+
+def _int_of(b: bytes) -> int:
+    """The value of a BININT1 / BININT2 / BININT / LONG1."""
+    op = b[0]
+    if op == 0x4B:
+        return b[1]
+    if op == 0x4D:
+        return int.from_bytes(b[1:3], "little")
+    if op == 0x4A:
+        return int.from_bytes(b[1:5], "little", signed=True)
+    return int.from_bytes(b[2:], "little", signed=True)
+
+
+_INT_RE = re.compile(rb"K.|M..|J....|\x8a\x00|\x8a\x01.|\x8a\x02..|\x8a\x03...|\x8a\x04....|\x8a\x05.....|"
+                     rb"\x8a\x06......|\x8a\x07.......|\x8a\x08........", re.S)  # fmt: skip
+
+
+def _int_tuple_of(b: bytes) -> tuple[int, ...]:
+    """The ints of a tuple's opcodes (``K.K.\\x86``, ``)``, ``(K.K.K.K.t``), read in order up to
+    the tuple opcode (what follows, a memo put, is not read: its argument may look like an int)."""
+    out = []
+    pos = 1 if b[:1] == b"(" else 0
+    while (m := _INT_RE.match(b, pos)) is not None:
+        out.append(_int_of(m.group()))
+        pos = m.end()
+    return tuple(out)
+
+
+#: The items of ``Metadata``'s dicts as torch's and reshard's picklers write them, in
+#: ``re.VERBOSE`` syntax with placeholders: ``<G>`` a memo GET, ``<P>`` a memo PUT (MEMOIZE, or
+#: BINPUT / LONG_BINPUT), ``<I>`` an int, ``<T>`` a tuple of ints, ``<NEWOBJ>`` an instance of
+#: the class just got with its state dict opened, ``<CHUNK>`` a ``ChunkStorageMetadata``.
+_ITEM_PARTS = {
+    b"<NEWOBJ>": rb"\)\x81 <P> \} <P> \(",
+    b"<T>": rb"(?: \) | <I>\x85<P> | <I>{2}\x86<P> | <I>{3}\x87<P> | \(<I>*t<P> )",
+    b"<I>": b"(?:" + _INT_RE.pattern + b")",
+    b"<G>": rb"(?:h.|j....)",
+}
+_CHUNK = rb"""
+    (<G>) <NEWOBJ>                          # ChunkStorageMetadata(
+    (<G>) (<G>) (<T>) \x85<P> R<P>           #   offsets=torch.Size(...),
+    (<G>) (<G>) (<T>) \x85<P> R<P>           #   sizes=torch.Size(...))
+    u b
+"""
+_SDM_ITEM = rb"""
+    (?P<tsm><G>) <NEWOBJ>                   # (the fqn is read before) TensorStorageMetadata(
+    (?P<kprop><G>) (?P<tp><G>) \)\x81<P> \(  #   properties=TensorProperties((dtype,
+    (?P<dtype><G>)
+    (?: (?P<lay><G>) <G> \x85<P> R<P> | <G> )         # _get_layout('torch.strided') or its result,
+    [\x88\x89]                                      # requires_grad,
+    (?: (?P<mf><G>) <I> \x85<P> R<P> | <G> )          # _MEM_FORMAT_ENCODING(i) or its result,
+    [\x88\x89] t<P> b                               # pin_memory)),
+    (?P<ksize><G>) (?P<szc><G>) (?P<size><T>) \x85<P> R<P>       # size=torch.Size(...),
+    (?P<kchunks><G>) \]<P> (?P<chunks> (?: <CHUNK>a | (?: \( (?:<CHUNK>)+ e )+ )? )  # chunks=[...])
+    u b
+"""
+_STORAGE_ITEM = rb"""
+    (?P<mi><G>) <NEWOBJ>                                  # MetadataIndex(
+    (?P<kf><G>) (?P<fqn><G>)                              #   fqn=,
+    (?P<ki><G>) (?P<idx><I>)                              #   index=,
+    (?P<ko><G>) (?P<szc><G>) (?P<off><T>) \x85<P> R<P>    #   offset=torch.Size(...))
+    u b
+    (?P<si><G>) <NEWOBJ>                                  # _StorageInfo(
+    (?P<kp><G>) (?P<path><G>)                             #   relative_path=,
+    (?P<ko2><G>) (?P<start><I>)                           #   offset=,
+    (?P<kl><G>) (?P<len><I>)                              #   length=)
+    u b
+"""
+_PLANNER_ITEM = rb"(<G>) ( <G>\x85 | <G>{2}\x86 | <G>{3}\x87 | \(<G>*t ) <P>"
+
+
+class _Patterns:
+    """The item regular expressions of one pickle family: protocol 2/3 (``BINPUT`` indexes)
+    or protocol 4/5 (``MEMOIZE``)."""
+
+    def __init__(self, p4: bool) -> None:
+        self.put = rb"\x94" if p4 else rb"(?:q.|r....)"
+        self.int = _ITEM_PARTS[b"<I>"]
+        self.get = _ITEM_PARTS[b"<G>"]
+        self.chunk = self._compile(_CHUNK)
+        no_groups = re.sub(rb"(?<!\\)\((?!\?)", b"(?:", _CHUNK)
+        self.sdm = self._compile(_SDM_ITEM.replace(b"<CHUNK>", no_groups))
+        self.storage = self._compile(_STORAGE_ITEM)
+        self.planner = self._compile(_PLANNER_ITEM)
+        self.planner_same = self._compile(rb"(<G>) (<G>) \x85<P>")
+        self.gets = self._compile(b"<G>")
+
+    def _compile(self, pattern: bytes) -> re.Pattern[bytes]:
+        for k, v in _ITEM_PARTS.items():
+            pattern = pattern.replace(k, v)
+        return re.compile(pattern.replace(b"<P>", self.put), re.S | re.X)
+
+
+class _Template:
+    """A learnt item: its regular expression and what a match means.
+
+    ``value`` is the converted item (a TensorMeta) when the template leaves no field variable;
+    ``puts`` counts its MEMOIZE opcodes (protocol 4: the memo index of what comes next)."""
+
+    __slots__ = ("rx", "value", "puts")
+
+    def __init__(self, rx: re.Pattern[bytes], value: Any, puts: int) -> None:
+        self.rx = rx
+        self.value = value
+        self.puts = puts
+
+
+_MAX_TEMPLATES = 256
+_NO_FRAME = 1 << 62
+_MAX_MEMO = 1 << 24
+
+
+class _MetaDecoder:
+    """The pickle machine (see the comment above)."""
+
+    def __init__(self, data: Any, path: str = "<metadata>") -> None:
+        self.data = data
+        self.path = path
+        self.stack: list[Any] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Any] = {}
+        self.memo_len = 0  # MEMOIZE's next index (protocol 4)
+        self.frame_end = _NO_FRAME  # where the open protocol-4 frame ends
+        self.family: bool | None = None  # True: MEMOIZE, False: BINPUT indexes
+        self.pats: _Patterns | None = None
+        self.items: Callable[[int], int] | None = None
+        self.acc: Any = None
+        self.base = 0
+        self.released = 0
+        self.metas: dict[TensorMeta, TensorMeta] = {}
+        self.sdm_templates: list[_Template] = []
+        self.sdm_hints: dict[bytes, _Template] = {}
+        self.storage_templates: list[_Template] = []
+        self.tuples: dict[bytes, tuple[int, ...] | None] = {}
+
+    # ------------------------------------------------------------------ the machine
+
+    def decode(self) -> DcpMetadata:
+        try:
+            obj = self._run()
+            return self._convert(obj)
+        except (_Unsupported, HeaderError):
+            raise
+        except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, struct.error,
+                RecursionError, MemoryError):  # fmt: skip
+            raise _Unsupported from None  # the C path gives the verdict (and the message)
+
+    def _convert(self, obj: Any) -> DcpMetadata:
+        if not isinstance(obj, _Metadata) or not isinstance(obj.state, dict):
+            raise _Unsupported
+        st = obj.state
+        sdm, sd = st.get("state_dict_metadata"), st.get("storage_data")
+        if isinstance(sdm, _SdmAcc):
+            entries: dict[str, TensorMeta | BytesMeta] = sdm
+        elif type(sdm) is dict:
+            acc = _SdmAcc()
+            acc.metas = self.metas
+            acc.vm_items([x for kv in sdm.items() for x in kv])
+            entries = acc
+        else:
+            raise _Unsupported
+        if isinstance(sd, _StorageAcc):
+            storage: StorageTable = sd
+        elif type(sd) is dict:
+            sacc = _StorageAcc()
+            sacc.vm_items([x for kv in sd.items() for x in kv])
+            storage = sacc
+        else:
+            raise _Unsupported
+        version = st.get("version")
+        return DcpMetadata(
+            entries, storage, version if isinstance(version, str) else None, isinstance(obj, _MCoreMetadata)
+        )
+
+    def _put(self, idx: int, obj: Any) -> None:
+        if idx > max(len(self.data), _MAX_MEMO):
+            # no pickler numbers past its opcodes; the C unpickler would size its memo array by it
+            raise HeaderError(
+                f"{self.path}: not a valid DCP metadata pickle (memo index {idx} in a "
+                f"{len(self.data)}-byte pickle); the file is damaged or not written by torch",
+                path=self.path,
+            )
+        if self.family is None:
+            self._family(False)
+        elif self.family:
+            raise _Unsupported  # BINPUT and MEMOIZE mixed: no pickler writes that
+        self.memo[idx] = obj
+
+    def _family(self, p4: bool) -> None:
+        self.family = p4
+        self.pats = _Patterns(p4)
+
+    def _release(self, pos: int) -> None:
+        """Give back the mapped pages already read (a map's pages count as the process's memory)."""
+        madvise = getattr(self.data, "madvise", None)
+        if madvise is None or not hasattr(mmap, "MADV_DONTNEED"):
+            self.released = pos
+            return
+        upto = pos - pos % mmap.PAGESIZE
+        if upto > self.released:
+            madvise(mmap.MADV_DONTNEED, self.released, upto - self.released)
+            self.released = upto
+
+    def _run(self) -> Any:  # noqa: C901 - one opcode per branch, as pickle.py's dispatch table
+        data = self.data
+        stack = self.stack
+        marks = self.marks
+        memo = self.memo
+        end = len(data)
+        pos = 0
+        while True:
+            items = self.items
+            if items is not None and len(marks) == 2:
+                n = len(stack) - self.base
+                if not n & 1 and (n == 0 or _complete(stack[-1])):
+                    pos = items(pos)
+                    if pos - self.released > _RELEASE:
+                        self._release(pos)
+            if pos >= self.frame_end:  # a protocol-4 frame ends here (an opcode across its end: refused)
+                if pos > self.frame_end:
+                    raise _Unsupported
+                self.frame_end = _NO_FRAME
+            if pos >= end:
+                raise _Unsupported
+            op = data[pos]
+            pos += 1
+            # as strict as the C unpickler: arguments inside the data, no pop below the last MARK
+            if pos + _ARG_WIDTH.get(op, 0) > end:
+                raise _Unsupported
+            if len(stack) - (marks[-1] if marks else 0) < _POPS.get(op, 0):
+                raise _Unsupported
+            if op == 0x94:  # MEMOIZE
+                if self.family is None:
+                    self._family(True)
+                elif not self.family:
+                    raise _Unsupported
+                memo[self.memo_len] = stack[-1]
+                self.memo_len += 1
+            elif op == 0x71:  # BINPUT
+                self._put(data[pos], stack[-1])
+                pos += 1
+            elif op == 0x72:  # LONG_BINPUT
+                self._put(int.from_bytes(data[pos : pos + 4], "little"), stack[-1])
+                pos += 4
+            elif op == 0x68:  # BINGET
+                stack.append(memo[data[pos]])
+                pos += 1
+            elif op == 0x6A:  # LONG_BINGET
+                stack.append(memo[int.from_bytes(data[pos : pos + 4], "little")])
+                pos += 4
+            elif op in (0x8C, 0x58, 0x8D):  # SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
+                w = _LEN_ARG[op]
+                n = int.from_bytes(data[pos : pos + w], "little")
+                pos += w
+                if pos + n > end:
+                    raise _Unsupported
+                stack.append(str(data[pos : pos + n], "utf-8", "surrogatepass"))
+                pos += n
+            elif op == 0x4B:  # BININT1
+                stack.append(data[pos])
+                pos += 1
+            elif op == 0x4D:  # BININT2
+                stack.append(int.from_bytes(data[pos : pos + 2], "little"))
+                pos += 2
+            elif op == 0x4A:  # BININT
+                stack.append(int.from_bytes(data[pos : pos + 4], "little", signed=True))
+                pos += 4
+            elif op in (0x8A, 0x8B):  # LONG1, LONG4
+                w = _LEN_ARG[op]
+                n = int.from_bytes(data[pos : pos + w], "little", signed=op == 0x8B)
+                pos += w
+                if n < 0 or pos + n > end:
+                    raise _Unsupported
+                stack.append(int.from_bytes(data[pos : pos + n], "little", signed=True))
+                pos += n
+            elif op == 0x88:  # NEWTRUE
+                stack.append(True)
+            elif op == 0x89:  # NEWFALSE
+                stack.append(False)
+            elif op == 0x4E:  # NONE
+                stack.append(None)
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(())
+            elif op == 0x85:  # TUPLE1
+                stack[-1] = (stack[-1],)
+            elif op == 0x86:  # TUPLE2
+                stack[-2:] = [(stack[-2], stack[-1])]
+            elif op == 0x87:  # TUPLE3
+                stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
+            elif op == 0x74:  # TUPLE
+                k = self._pop_mark()
+                t = tuple(stack[k:])
+                del stack[k:]
+                stack.append(t)
+            elif op == 0x5D:  # EMPTY_LIST
+                stack.append([])
+            elif op == 0x61:  # APPEND
+                v = stack.pop()
+                if type(stack[-1]) is not list:
+                    raise _Unsupported
+                stack[-1].append(v)
+            elif op == 0x65:  # APPENDS
+                k = self._pop_mark()
+                if k <= self._fence() or type(stack[k - 1]) is not list:
+                    raise _Unsupported
+                stack[k - 1].extend(stack[k:])
+                del stack[k:]
+            elif op == 0x6C:  # LIST
+                k = self._pop_mark()
+                lst = stack[k:]
+                del stack[k:]
+                stack.append(lst)
+            elif op == 0x7D:  # EMPTY_DICT
+                stack.append({})
+            elif op == 0x64:  # DICT
+                k = self._pop_mark()
+                kv = stack[k:]
+                del stack[k:]
+                if len(kv) % 2:
+                    raise _Unsupported
+                stack.append({kv[j]: kv[j + 1] for j in range(0, len(kv), 2)})
+            elif op == 0x73:  # SETITEM
+                v = stack.pop()
+                k = stack.pop()
+                self._setitems(stack[-1], [k, v])
+            elif op == 0x75:  # SETITEMS
+                k = self._pop_mark()
+                kv = stack[k:]
+                del stack[k:]
+                if len(kv) % 2 or k <= self._fence():
+                    raise _Unsupported
+                self._setitems(stack[k - 1], kv)
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+                if len(marks) == 2:
+                    self._items_start()
+            elif op == 0x30:  # POP
+                if marks and marks[-1] == len(stack):
+                    self._pop_mark()
+                else:
+                    stack.pop()
+            elif op == 0x31:  # POP_MARK
+                del stack[self._pop_mark() :]
+            elif op == 0x32:  # DUP
+                stack.append(stack[-1])
+            elif op == 0x63:  # GLOBAL
+                nl = data.find(b"\n", pos)
+                nl2 = data.find(b"\n", nl + 1)
+                if nl < 0 or nl2 < 0:
+                    raise _Unsupported
+                module = str(data[pos:nl], "utf-8")
+                name = str(data[nl + 1 : nl2], "utf-8")
+                pos = nl2 + 1
+                stack.append(self._find(module, name))
+            elif op == 0x93:  # STACK_GLOBAL
+                name = stack.pop()
+                module = stack.pop()
+                if type(name) is not str or type(module) is not str:
+                    raise _Unsupported
+                stack.append(self._find(module, name))
+            elif op == 0x81:  # NEWOBJ
+                args = stack.pop()
+                cls = stack[-1]
+                if type(args) is not tuple or not isinstance(cls, type):
+                    raise _Unsupported
+                stack[-1] = cls.__new__(cls, *args)
+            elif op == 0x92:  # NEWOBJ_EX
+                kwargs = stack.pop()
+                args = stack.pop()
+                cls = stack[-1]
+                if type(args) is not tuple or type(kwargs) is not dict or not isinstance(cls, type):
+                    raise _Unsupported
+                stack[-1] = cls.__new__(cls, *args, **kwargs)
+            elif op == 0x52:  # REDUCE
+                args = stack.pop()
+                if type(args) is not tuple:
+                    raise _Unsupported
+                stack[-1] = stack[-1](*args)
+            elif op == 0x62:  # BUILD
+                state = stack.pop()
+                _build(stack[-1], state)
+            elif op == 0x47:  # BINFLOAT
+                stack.append(struct.unpack(">d", data[pos : pos + 8])[0])
+                pos += 8
+            elif op in (0x42, 0x43, 0x8E):  # BINBYTES, SHORT_BINBYTES, BINBYTES8
+                w = _LEN_ARG[op]
+                n = int.from_bytes(data[pos : pos + w], "little")
+                pos += w
+                if pos + n > end:
+                    raise _Unsupported
+                stack.append(bytes(data[pos : pos + n]))
+                pos += n
+            elif op == 0x8F:  # EMPTY_SET
+                stack.append(set())
+            elif op == 0x90:  # ADDITEMS
+                k = self._pop_mark()
+                if k <= self._fence() or type(stack[k - 1]) is not set:
+                    raise _Unsupported
+                stack[k - 1].update(stack[k:])
+                del stack[k:]
+            elif op == 0x91:  # FROZENSET
+                k = self._pop_mark()
+                fs = frozenset(stack[k:])
+                del stack[k:]
+                stack.append(fs)
+            elif op == 0x80:  # PROTO
+                if data[pos] > 5:
+                    raise _Unsupported
+                pos += 1
+            elif op == 0x95:  # FRAME: only where no frame is open
+                n = int.from_bytes(data[pos : pos + 8], "little")
+                if n > end - pos - 8 or self.frame_end != _NO_FRAME:
+                    raise _Unsupported
+                pos += 8
+                self.frame_end = pos + n
+            elif op == 0x2E:  # STOP
+                return stack.pop()
+            else:  # text-mode, extension, persistent-id and buffer opcodes: not in these files
+                raise _Unsupported
+
+    def _fence(self) -> int:
+        return self.marks[-1] if self.marks else 0
+
+    def _pop_mark(self) -> int:
+        k = self.marks.pop()
+        if self.items is not None and len(self.marks) < 2:
+            self.items = None
+        return k
+
+    def _find(self, module: str, name: str) -> Any:
+        try:
+            return DCP_METADATA_GLOBALS[(module, name)]
+        except KeyError:
+            raise _Unsupported from None  # the C path refuses it, naming it
+
+    def _setitems(self, target: Any, kv: list[Any]) -> None:
+        if type(target) is dict:
+            for j in range(0, len(kv), 2):
+                target[kv[j]] = kv[j + 1]
+        elif type(target) in (_SdmAcc, _StorageAcc, _PlannerAcc):
+            target.vm_items(kv)
+        else:
+            raise _Unsupported
+
+    def _items_start(self) -> None:
+        """On the MARK that opens a batch of items of ``Metadata``'s state: read them with an
+        item reader (the dict becomes the reader's accumulator)."""
+        stack = self.stack
+        if self.marks[0] != 2 or len(stack) < 4 or len(stack) % 2 or self.pats is None:
+            return
+        if not isinstance(stack[0], _Metadata) or type(stack[1]) is not dict:
+            return
+        key, top = stack[-2], stack[-1]
+        if type(top) is dict and not top and type(key) is str and key in _ACCUMULATORS:
+            top = stack[-1] = _ACCUMULATORS[key]()
+            if type(top) is _SdmAcc:
+                top.metas = self.metas
+        kind = type(top)
+        if kind is _SdmAcc:
+            self.items = self._sdm_items
+        elif kind is _StorageAcc:
+            self.items = self._storage_items
+        elif kind is _PlannerAcc:
+            self.items = self._planner_items
+        else:
+            return
+        self.acc = top
+        self.base = len(stack)
+
+    # ------------------------------------------------------------------ item readers
+
+    def _sdm_items(self, pos: int) -> int:  # noqa: C901 - the per-item loop, kept flat for speed
+        """``fqn: TensorStorageMetadata`` items, as long as templates match them."""
+        data, memo, stack, acc = self.data, self.memo, self.stack, self.acc
+        hints, templates = self.sdm_hints, self.sdm_templates
+        p4 = self.family
+        base = self.base
+        fend = self.frame_end
+        idx = 0
+        while True:
+            op = data[pos]
+            if op == 0x8C:
+                s = pos + 2
+                e = s + data[pos + 1]
+            elif op == 0x58:
+                s = pos + 5
+                e = s + int.from_bytes(data[pos + 1 : s], "little")
+            else:
+                return pos
+            kb = data[s:e]
+            put = data[e]
+            if p4:
+                if put != 0x94:
+                    return pos
+                body = e + 1
+            elif put == 0x71:
+                idx = data[e + 1]
+                body = e + 2
+            elif put == 0x72:
+                idx = int.from_bytes(data[e + 1 : e + 5], "little")
+                body = e + 5
+            else:
+                return pos
+            hint = kb.translate(None, _DIGITS)
+            t = hints.get(hint)
+            m = None if t is None else t.rx.match(data, body)
+            if t is None or m is None:
+                found = _first_match(templates, data, body) or self._learn_sdm(body)
+                if found is None:
+                    return pos
+                t, m = found
+                hints[hint] = t
+            stop = m.end()
+            if stop > fend:  # across the frame's end: the machine refuses it
+                return pos
+            try:
+                fqn = str(kb, "utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                return pos
+            if p4:
+                memo[self.memo_len] = fqn
+                self.memo_len += 1 + t.puts
+            else:
+                memo[idx] = fqn
+            if len(stack) == base:
+                acc[fqn] = t.value
+            else:
+                stack.append(fqn)
+                stack.append(_Compact(t.value))
+            pos = stop
+            if stop == fend:
+                return pos  # the machine closes the frame
+
+    def _learn_sdm(self, body: int) -> tuple[_Template, re.Match[bytes]] | None:
+        """Match the generic item expression at ``body``, check what its memo references are, and
+        learn the item's bytes (any BINPUT index) as a template; None if it does not match."""
+        pats = self.pats
+        assert pats is not None
+        m = pats.sdm.match(self.data, body)
+        if m is None:
+            return None
+        memo = self.memo
+        toks = _tokens(self.data, body, m.end())
+        if not _gets_known(self.data, toks, memo):
+            return None
+        r = {g: memo[_gidx(m.group(g))] if m.group(g) else None for g in _SDM_GETS}
+        dtype = r["dtype"]
+        if (
+            r["tsm"] is not _TensorStorageMetadata
+            or r["kprop"] != "properties"
+            or r["tp"] is not _TensorProperties
+            or not isinstance(dtype, TorchDtype)
+            or r["lay"] not in (None, _identity)  # REDUCE(_get_layout, ...) or its memoized result
+            or r["mf"] not in (None, int)  # REDUCE(_MEM_FORMAT_ENCODING, ...) or its result
+            or r["ksize"] != "size"
+            or r["szc"] is not tuple
+            or r["kchunks"] != "chunks"
+        ):
+            return None
+        size = _int_tuple_of(m.group("size"))
+        chunks = []
+        for c in pats.chunk.finditer(m.group("chunks")):
+            cr = [memo[_gidx(c.group(j))] for j in (1, 2, 3, 5, 6)]
+            if (
+                cr[0] is not _ChunkStorageMetadata
+                or cr[1] != "offsets"
+                or cr[2] is not tuple
+                or cr[3] != "sizes"
+                or cr[4] is not tuple
+            ):
+                return None
+            chunks.append(ChunkMeta(_int_tuple_of(c.group(4)), _int_tuple_of(c.group(7))))
+        if any(x < 0 for x in size) or any(x < 0 for c in chunks for x in (*c.offsets, *c.sizes)):
+            return None
+        meta = TensorMeta(str(dtype), size, tuple(chunks))
+        meta = self.metas.setdefault(meta, meta)
+        p2 = not self.family
+        rx = b"".join(pats.put if p2 and op in _PUT_OPS else re.escape(self.data[s:e]) for op, s, e in toks)
+        t = _Template(re.compile(rx, re.S), meta, sum(op == 0x94 for op, _, _ in toks))
+        if len(self.sdm_templates) < _MAX_TEMPLATES:
+            self.sdm_templates.append(t)
+        again = t.rx.match(self.data, body)
+        return None if again is None else (t, again)
+
+    def _storage_items(self, pos: int) -> int:
+        """``MetadataIndex: _StorageInfo`` items of tensor chunks, as long as templates match them."""
+        data, memo, stack, acc = self.data, self.memo, self.stack, self.acc
+        templates, tuples = self.storage_templates, self.tuples
+        base = self.base
+        fqns, offsets, paths = acc.fqns.append, acc.offsets.append, acc.paths.append
+        starts, lengths = acc.starts.append, acc.lengths.append
+        from_bytes = int.from_bytes
+        fend = self.frame_end
+        t = templates[0] if templates else None
+        puts = 0
+        try:
+            while True:
+                m = None if t is None else t.rx.match(data, pos)
+                if t is None or m is None:
+                    found = _first_match(templates, data, pos) or self._learn_storage(pos)
+                    if found is None:
+                        return pos
+                    t, m = found
+                stop = m.end()
+                if stop > fend:
+                    return pos
+                fb, ob, pb, sb, lb = m.groups()
+                fqn = memo.get(fb[1] if len(fb) == 2 else from_bytes(fb[1:], "little"))
+                path = memo.get(pb[1] if len(pb) == 2 else from_bytes(pb[1:], "little"))
+                off = tuples.get(ob, False)
+                if off is False:
+                    off = _int_tuple_of(ob)
+                    off = tuples[ob] = None if any(x < 0 for x in off) else off
+                # BININT1 / BININT2 (unsigned) / BININT (signed) / LONG1 (length byte, signed)
+                op = sb[0]
+                start = (
+                    sb[1]
+                    if op == 0x4B
+                    else from_bytes(sb[2:] if op == 0x8A else sb[1:], "little", signed=op != 0x4D)
+                )
+                op = lb[0]
+                length = (
+                    lb[1]
+                    if op == 0x4B
+                    else from_bytes(lb[2:] if op == 0x8A else lb[1:], "little", signed=op != 0x4D)
+                )
+                if type(fqn) is not str or type(path) is not str or off is None or start < 0 or length < 0:
+                    return pos
+                if start > _I64 or length > _I64:
+                    return pos
+                if len(stack) == base:
+                    fqns(fqn)
+                    offsets(off)
+                    paths(path)
+                    starts(start)
+                    lengths(length)
+                else:
+                    stack.append(_Compact((fqn, off, path, start, length, ())))
+                    stack.append(None)
+                puts += t.puts
+                pos = stop
+                if stop == fend:
+                    return pos
+        finally:
+            self.memo_len += puts
+
+    def _learn_storage(self, pos: int) -> tuple[_Template, re.Match[bytes]] | None:
+        pats = self.pats
+        assert pats is not None
+        data = self.data
+        m = pats.storage.match(data, pos)
+        if m is None:
+            return None
+        memo = self.memo
+        toks = _tokens(data, pos, m.end())
+        if not _gets_known(data, toks, memo):
+            return None
+        r = {g: memo[_gidx(m.group(g))] for g in ("mi", "kf", "ki", "ko", "szc", "si", "kp", "ko2", "kl")}
+        if (
+            r["mi"] is not _MetadataIndex
+            or r["kf"] != "fqn"
+            or r["ki"] != "index"
+            or r["ko"] != "offset"
+            or r["szc"] is not tuple
+            or r["si"] is not _StorageInfo
+            or r["kp"] != "relative_path"
+            or r["ko2"] != "offset"
+            or r["kl"] != "length"
+        ):
+            return None
+        # the fields that vary from chunk to chunk become groups, in the order the reader takes them
+        off_s, off_e = m.span("off")
+        groups = {m.start("fqn"): (m.end("fqn"), b"(" + pats.get + b")"),
+                  m.start("idx"): (m.end("idx"), pats.int),
+                  m.start("path"): (m.end("path"), b"(" + pats.get + b")"),
+                  m.start("start"): (m.end("start"), b"(" + pats.int + b")"),
+                  m.start("len"): (m.end("len"), b"(" + pats.int + b")")}  # fmt: skip
+        off_toks = [(op, s, e) for op, s, e in toks if off_s <= s < off_e]
+        if off_toks[-1][0] in _PUT_OPS:  # the tuple's own memo put stays outside the group
+            off_e = off_toks[-1][1]
+        ints = sum(1 for op, s, e in off_toks if s < off_e and op not in b"()t\x85\x86\x87")
+        shape = data[off_s:off_e]
+        shape_rx = re.escape(bytes(shape[:1])) if shape[:1] == b"(" else b""
+        shape_rx += pats.int * ints + re.escape(bytes(shape[-1:]))
+        groups[off_s] = (off_e, b"(" + shape_rx + b")")
+        out = []
+        i = 0
+        while i < len(toks):
+            op, s, e = toks[i]
+            g = groups.get(s)
+            if g is not None:
+                out.append(g[1])
+                while i < len(toks) and toks[i][1] < g[0]:
+                    i += 1
+                continue
+            out.append(pats.put if op in _PUT_OPS and not self.family else re.escape(data[s:e]))
+            i += 1
+        t = _Template(re.compile(b"".join(out), re.S), None, sum(op == 0x94 for op, _, _ in toks))
+        if len(self.storage_templates) < _MAX_TEMPLATES:
+            self.storage_templates.append(t)
+        again = t.rx.match(data, pos)
+        return None if again is None else (t, again)
+
+    def _planner_items(self, pos: int) -> int:
+        """``fqn: (path, ...)`` items of memoized strings: checked and dropped."""
+        data, memo = self.data, self.memo
+        pats = self.pats
+        assert pats is not None
+        same, rx, gets = pats.planner_same, pats.planner, pats.gets
+        from_bytes = int.from_bytes
+        fend = self.frame_end
+        n = 0
+        try:
+            while True:
+                m = same.match(data, pos)  # (fqn,) of the key itself: the common item
+                if m is not None:
+                    k, v = m.groups()
+                    if k != v:
+                        m = None
+                    elif type(memo.get(k[1] if len(k) == 2 else from_bytes(k[1:], "little"))) is not str:
+                        return pos
+                if m is None:
+                    m = rx.match(data, pos)
+                    if m is None:
+                        return pos
+                    if type(memo.get(_gidx(m.group(1)))) is not str:
+                        return pos
+                    for g in gets.finditer(m.group(2)):
+                        if _gidx(g.group()) not in memo:
+                            return pos
+                stop = m.end()
+                if stop > fend:
+                    return pos
+                n += 1
+                pos = stop
+                if stop == fend:
+                    return pos
+        finally:
+            if self.family:
+                self.memo_len += n
+
+
+def _first_match(templates: list[_Template], data: Any, pos: int) -> tuple[_Template, re.Match[bytes]] | None:
+    """The first of ``templates`` matching at ``pos``, and its match."""
+    for t in templates:
+        m = t.rx.match(data, pos)
+        if m is not None:
+            return t, m
+    return None
+
+
+_SDM_GETS = ("tsm", "kprop", "tp", "dtype", "lay", "mf", "ksize", "szc", "kchunks")
+
+
+def _gets_known(data: Any, toks: list[tuple[int, int, int]], memo: dict[int, Any]) -> bool:
+    """Whether every BINGET / LONG_BINGET among ``toks`` refers to a memo entry the decoder kept
+    (a template's references are checked once: later items of it have the same bytes there)."""
+    return all(_gidx(data[s:e]) in memo for op, s, e in toks if op in (0x68, 0x6A))
+
+
+def _complete(top: Any) -> bool:
+    """Whether the object on top of the stack is a finished item value (so the next item may start)."""
+    if isinstance(top, Record):
+        return top.state is not None
+    return not callable(top)
+
+
+def _build(inst: Any, state: Any) -> None:
+    """BUILD as the C unpickler does it: ``__setstate__``, else the ``__dict__`` (and slots)."""
+    setstate = getattr(inst, "__setstate__", None)
+    if setstate is not None:
+        setstate(state)
+        return
+    slots = None
+    if type(state) is tuple and len(state) == 2:
+        state, slots = state
+    if state:
+        if type(state) is not dict:
+            raise _Unsupported
+        d = inst.__dict__
+        for k, v in state.items():
+            d[sys.intern(k) if type(k) is str else k] = v
+    if slots:
+        if type(slots) is not dict:
+            raise _Unsupported
+        for k, v in slots.items():
+            setattr(inst, k, v)
 
 
 # --------------------------------------------------------------------------- torch.save state dicts

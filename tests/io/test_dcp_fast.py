@@ -1,0 +1,513 @@
+"""The DCP reader's fast paths against the reference ones, and torch as the oracle.
+
+- ``.metadata``: :class:`~reshard.io.unpickle._MetaDecoder` (item templates, a memo of strings
+  and classes) gives what the C unpickler with the same allow-list gives, on torch's pickles
+  (protocols 2-5) and reshard's, and on damaged ones (a byte set, a range cut or repeated):
+  the same values, or both refuse; in bounded memory.
+- chunk archives: :class:`~reshard.io.torchzip.ArchiveReader` parses each layout once and
+  gives every archive the records and CRC32s a full parse gives; a damaged archive in a run
+  of one layout is caught as a full parse catches it.
+- a checkpoint ``dcp.save`` wrote with many small tensors: read as torch wrote it (convert
+  bit for bit against torch's tensors), a flipped byte in one chunk found and named.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import pickletools
+import subprocess
+import sys
+import tracemalloc
+import zlib
+from pathlib import Path, PosixPath
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from reshard.errors import HeaderError
+from reshard.io import torchzip
+from reshard.io.dcp_metadata import ChunkEntry, TensorEntry, encode_metadata
+from reshard.io.torchzip import ArchiveReader, read_record, read_torch_zip
+from reshard.io.unpickle import (
+    DcpMetadata,
+    _MetaDecoder,
+    _reference_metadata,
+    _Unsupported,
+    load_dcp_metadata,
+    load_stored_tensor,
+)
+
+torch = pytest.importorskip("torch")
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+RESHARD = Path(sys.executable).with_name("reshard")
+DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint16, torch.int64, torch.bool]
+
+
+def values(md: DcpMetadata) -> tuple[Any, ...]:
+    return (list(md.entries.items()), list(md.storage), md.version, md.megatron)
+
+
+def outcome(read: Any, data: bytes) -> tuple[str, Any]:
+    try:
+        return ("ok", values(read(data)))
+    except HeaderError:
+        return ("refused", None)
+
+
+def fast(data: bytes) -> DcpMetadata:
+    """The fast decoder alone (no fallback): it must read these pickles itself."""
+    return _MetaDecoder(data, "m").decode()
+
+
+def reference(data: bytes) -> DcpMetadata:
+    return _reference_metadata(data, "m")
+
+
+@st.composite
+def torch_metadata(draw: st.DrawFn) -> Metadata:
+    """torch's own classes, as ``dcp.save`` builds them: 0-3 dim tensors (empty boxes too) split in
+    1-3 chunks over up to 3 files, a non-tensor item, flat or nested planner paths."""
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, Any] = {}
+    nested = draw(st.booleans())
+    at = draw(st.sampled_from([0, 2**31, 5 * 2**30]))  # file offsets past 2 GiB and 4 GiB: LONG1
+    for i in range(draw(st.integers(0, 60))):
+        fqn = f"model.layers.{i // 3}.{draw(st.sampled_from(['w', 'bias', 'weight_scale']))}{i}"
+        nd = draw(st.integers(0, 3))
+        shape = [draw(st.sampled_from([0, 1, 3, 8, 300, 70000])) for _ in range(nd)]
+        n = draw(st.integers(1, 3)) if nd and shape[0] >= 3 else 1
+        chunks = []
+        for c in range(n):
+            offs, sizes = [0] * nd, list(shape)
+            if n > 1:
+                step = shape[0] // n
+                offs[0], sizes[0] = c * step, step if c < n - 1 else shape[0] - c * step
+            chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+        props = TensorProperties(dtype=draw(st.sampled_from(DTYPES)))
+        sdm[fqn] = TensorStorageMetadata(props, torch.Size(shape), chunks)
+        for c, ch in enumerate(chunks):
+            length = draw(st.integers(0, 70000))
+            storage[MetadataIndex(fqn, ch.offsets, c)] = _StorageInfo(f"__{c}_0.distcp", at, length)
+            at += length
+        planner[fqn] = ("model", fqn) if nested else (fqn,)
+    if draw(st.booleans()):
+        sdm["optim.lr"] = BytesStorageMetadata()
+        storage[MetadataIndex("optim.lr")] = _StorageInfo("__0_0.distcp", at, 1261)
+        planner["optim.lr"] = ("optim", "lr")
+    meta = StorageMeta(PosixPath("/ckpt/a"), "save-id")
+    return Metadata(sdm, planner, storage, meta, draw(st.sampled_from(["1.0.0", None])))
+
+
+@st.composite
+def reshard_tensors(draw: st.DrawFn) -> list[TensorEntry]:
+    """reshard's own writer: up to 700 tensors (memo indexes past 255 and 65535), every int size."""
+    ints = st.sampled_from([0, 1, 75, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**40])
+    out = []
+    for k in range(draw(st.sampled_from([0, 1, 5, 300, 700]))):
+        nd = draw(st.integers(0, 3))
+        shape = tuple(draw(ints) for _ in range(nd))
+        chunks = tuple(
+            ChunkEntry(
+                tuple(draw(ints) for _ in range(nd)),
+                tuple(draw(ints) for _ in range(nd)),
+                draw(st.sampled_from(["__0_0.distcp", "__1_0.distcp"])),
+                draw(ints),
+                draw(ints),
+            )
+            for _ in range(draw(st.integers(0, 2)))
+        )
+        out.append(TensorEntry(f"t.{k}.w", draw(st.sampled_from(["BF16", "I16", "F32"])), shape, chunks))
+    return out
+
+
+# --------------------------------------------------------------------------- .metadata
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(torch_metadata(), st.sampled_from([2, 3, 4, 5]))
+def test_torch_pickles_read_fast_as_the_c_unpickler_reads_them(md: Metadata, protocol: int) -> None:
+    data = pickle.dumps(md, protocol=protocol)
+    got = fast(data)
+    assert got.decoder == "fast"
+    assert values(got) == values(reference(data))
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(reshard_tensors())
+def test_reshard_pickles_read_fast_as_the_c_unpickler_reads_them(tensors: list[TensorEntry]) -> None:
+    """Memo puts whose index bytes look like ints, past 255 (BINPUT -> LONG_BINPUT), big offsets."""
+    data = encode_metadata(tensors, save_id="s")
+    want = outcome(reference, data)
+    if want[0] == "ok":  # (offsets past 2**63 are refused by both)
+        assert values(fast(data)) == want[1]
+    assert outcome(lambda d: load_dcp_metadata(d, path="m"), data) == want
+
+
+def _memo_index_bounded(data: bytes) -> bool:
+    """No memo put past 2**20 (the C unpickler sizes its memo array by the index: a damaged
+    index would make the reference allocate gigabytes)."""
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("BINPUT", "LONG_BINPUT", "PUT") and isinstance(arg, int) and arg > 1 << 20:
+                return False
+    except Exception:  # noqa: BLE001 - a damaged pickle: the ops before the damage were looked at
+        pass
+    return True
+
+
+def _put_args(data: bytes) -> set[int]:
+    """Byte positions of the arguments of BINPUT / LONG_BINPUT opcodes."""
+    out: set[int] = set()
+    for op, _, pos in pickletools.genops(data):
+        if op.name == "BINPUT":
+            out.add(pos + 1)
+        elif op.name == "LONG_BINPUT":
+            out.update(range(pos + 1, pos + 5))
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(torch_metadata(), st.sampled_from([2, 4, 5]), st.data())
+def test_damaged_pickles_read_as_the_c_unpickler_reads_them(md: Metadata, protocol: int, data: Any) -> None:
+    """A byte set anywhere, a range cut or repeated (protocol 4/5: MEMOIZE, FRAME): the same values
+    or both refuse. Protocol 2: one byte set anywhere but a BINPUT index (the decoder does not
+    read the index of a memo put nothing later refers to: a damaged one reads as written)."""
+    good = pickle.dumps(md, protocol=protocol)
+    assume(len(good) > 40)
+    b = bytearray(good)
+    i = data.draw(st.integers(0, len(b) - 1))
+    kind = data.draw(st.sampled_from(["set", "cut", "repeat"] if protocol >= 4 else ["set"]))
+    if kind == "set":
+        assume(protocol >= 4 or i not in _put_args(good))
+        b[i] = data.draw(st.integers(0, 255).filter(lambda v: v != good[i]))
+    else:
+        j = min(len(b), i + data.draw(st.integers(1, 24)))
+        b[i:j] = b"" if kind == "cut" else b[i:j] * 2
+    bad = bytes(b)
+    assume(_memo_index_bounded(bad))
+    assert outcome(lambda d: load_dcp_metadata(d, path="m"), bad) == outcome(reference, bad)
+
+
+def test_hostile_class_inside_the_items_is_refused() -> None:
+    """A global outside the allow-list in the middle of the items: the fast decoder leaves the file
+    to the C unpickler, which refuses it naming the class."""
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return (os.system, ("echo pwned",))
+
+    sdm = {
+        f"w{i}": TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32),
+            torch.Size([4]),
+            [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))],
+        )
+        for i in range(50)
+    }
+    good = Metadata(dict(sdm), {}, {}, None, "1.0.0")
+    sdm["w25"] = Evil()  # type: ignore[assignment]
+    evil = Metadata(sdm, {}, {}, None, "1.0.0")
+    for protocol in (2, 4):
+        assert fast(pickle.dumps(good, protocol=protocol)).decoder == "fast"
+        with pytest.raises(HeaderError, match=r"m: the DCP metadata pickle refers to posix\.system"):
+            load_dcp_metadata(pickle.dumps(evil, protocol=protocol), path="m")
+        with pytest.raises(_Unsupported):
+            fast(pickle.dumps(evil, protocol=protocol))
+
+
+def test_metadata_memory_is_bounded() -> None:
+    """20k tensors: the decoder keeps strings and values, not the pickle's object graph (the C
+    unpickler's memo holds every object to the end: ~2.5 KB a tensor)."""
+    tensors = [
+        TensorEntry(f"model.layers.{i // 64}.experts.{i % 64}.w", "I16", (32, 192), (
+            ChunkEntry((0, 0), (16, 192), "__0_0.distcp", i * 20000, 7500),
+            ChunkEntry((16, 0), (16, 192), "__1_0.distcp", i * 20000, 7500),
+        ))
+        for i in range(20000)
+    ]  # fmt: skip
+    data = encode_metadata(tensors, save_id="s")
+    tracemalloc.start()
+    try:
+        md = load_dcp_metadata(data, path="m")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert md.decoder == "fast" and len(md.storage) == 40000
+    assert peak < 20000 * 800, peak  # the values: ~0.3 KB a tensor (its name, two storage rows)
+    assert len({id(m) for m in md.entries.values()}) == 1  # one TensorMeta for one geometry
+
+
+# --------------------------------------------------------------------------- chunk archives
+
+
+def _archives(tmp_path: Path, tensors: list[Any]) -> tuple[Path, list[tuple[int, int]]]:
+    """``torch.save`` archives back to back, as in a ``.distcp`` file (odd offsets)."""
+    blob = bytearray(b"x" * 13)
+    spans = []
+    for t in tensors:
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        spans.append((len(blob), len(buf.getvalue())))
+        blob += buf.getvalue()
+    p = tmp_path / "__0_0.distcp"
+    p.write_bytes(bytes(blob))
+    return p, spans
+
+
+def _tensors(n: int) -> list[Any]:
+    g = torch.Generator().manual_seed(3)
+    shapes = [((32, 12), torch.int16), ((12, 32), torch.int16), ((40,), torch.bfloat16), ((), torch.float32)]
+    out = []
+    for i in range(n):
+        shape, dt = shapes[i % len(shapes)]
+        out.append((torch.randn(shape, generator=g) * 100).to(dt))
+    return out
+
+
+class _Counting:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        return read_torch_zip(*args, **kw)
+
+
+def _full_parse(fd: int, path: str, base: int, length: int) -> tuple[dict[str, Any], dict[str, bytes]]:
+    tz = read_torch_zip(fd, path, base, length)
+    checked = {s: read_record(fd, tz, tz.record(s)) for s in ("data.pkl", "byteorder")}
+    return tz.records, checked
+
+
+def test_archive_layouts_are_learnt_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """300 archives of 4 layouts: 4 full parses; every archive's records and CRC32s are a full
+    parse's, and the CRC32s are those of its bytes."""
+    p, spans = _archives(tmp_path, _tensors(300))
+    counting = _Counting()
+    monkeypatch.setattr(torchzip, "read_torch_zip", counting)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        ar = ArchiveReader(fd, str(p), p.stat().st_size)
+        blob = p.read_bytes()
+        hint = None
+        for base, length in spans:
+            got = ar.read(base, length, hint)
+            assert got is not None
+            lay, crcs = got
+            hint = lay
+            records, checked = _full_parse(fd, str(p), base, length)
+            assert {n: (r.offset - base, r.size, r.compress_type) for n, r in records.items()} == {
+                n: (r.offset, r.size, r.compress_type) for n, r in lay.records.items()
+            }
+            assert lay.checked == checked
+            for name, crc in zip(lay.varying, crcs, strict=True):
+                rec = records[name]
+                assert (
+                    int.from_bytes(crc, "little")
+                    == rec.crc32
+                    == zlib.crc32(blob[rec.offset : rec.offset + rec.size])
+                )
+        ar.close()
+    finally:
+        os.close(fd)
+    assert counting.calls == 4
+
+
+@pytest.mark.parametrize("damage", ["data.pkl", "data", "directory", "other pickle"])
+def test_damaged_archive_in_a_run_of_one_layout(tmp_path: Path, damage: str) -> None:
+    """Archive 101 of 200 (all of one layout) damaged: read as a full parse reads it."""
+    tensors = _tensors(200)
+    p, spans = _archives(tmp_path, tensors)
+    blob = bytearray(p.read_bytes())
+    base, length = spans[101]
+    tz_bytes = bytes(blob[base : base + length])
+    if damage == "other pickle":  # a valid data.pkl of another shape, its CRC32 right: another layout
+        other = tensors[101].reshape(tuple(reversed(tensors[101].shape)))
+        buf = io.BytesIO()
+        torch.save(other.clone(), buf)
+        assert len(buf.getvalue()) == length
+        blob[base : base + length] = buf.getvalue()
+    else:
+        at = {
+            "data.pkl": tz_bytes.index(b"_rebuild_tensor") + 3,
+            "data": tz_bytes.index(b"archive/data/0") + 200,
+            "directory": tz_bytes.rindex(b"PK\x01\x02") + 20,  # a compressed size in the directory
+        }[damage]
+        blob[base + at] ^= 0x10
+    p.write_bytes(bytes(blob))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        ar = ArchiveReader(fd, str(p), len(blob))
+        for b, n in spans[:101]:
+            ar.read(b, n)
+        try:
+            records, checked = _full_parse(fd, str(p), base, length)
+        except HeaderError as e:
+            with pytest.raises(type(e)) as got_e:
+                ar.read(base, length)
+            assert str(got_e.value) == str(e) and f"{p} (archive at byte {base})" in str(e)
+            assert damage in ("data.pkl", "directory"), e
+            return
+        got = ar.read(base, length)
+        assert got is not None
+        lay, crcs = got
+        assert {n: (r.offset - base, r.size) for n, r in records.items()} == {
+            n: (r.offset, r.size) for n, r in lay.records.items()
+        }
+        assert lay.checked == checked
+        rec = records["archive/data/0"]
+        stored = int.from_bytes(crcs[lay.varying.index("archive/data/0")], "little")
+        assert stored == rec.crc32
+        if damage == "data":  # the bytes fail the CRC32 the archive gives: convert and check see it
+            assert stored != zlib.crc32(blob[rec.offset : rec.offset + rec.size])
+        else:
+            assert damage == "other pickle"
+            shape = load_stored_tensor(lay.checked["data.pkl"], path="x").size
+            assert shape == tuple(reversed(tensors[101].shape))
+        ar.close()
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- a checkpoint torch wrote
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """``dcp.save`` (one process) of 1200 small tensors of a few shapes and dtypes, a transposed
+    view, a 0-d tensor and a non-tensor item."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("dcp_many") / "ck"
+    g = torch.Generator().manual_seed(5)
+    state: dict[str, Any] = {}
+    for i in range(1200):
+        shape, dt = [((32, 24), torch.int16), ((24, 32), torch.bfloat16), ((24,), torch.float32)][i % 3]
+        state[f"model.layers.{i // 48}.experts.{i % 48}.w"] = (torch.randn(shape, generator=g) * 50).to(dt)
+    state["model.t"] = torch.randn(6, 5, generator=g).t()
+    state["model.step"] = torch.tensor(7.0)
+    state["extra.lr"] = 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(root), no_dist=True)
+    return root, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _cli(*args: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(RESHARD), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_torch_saved_checkpoint_converts_bit_for_bit(
+    many: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from reshard.formats import open_checkpoint
+
+    root, want = many
+    ck = open_checkpoint(root)
+    assert len(ck.tensors) == len(want)
+    proc = _cli("convert", root, tmp_path / "hf", "--consolidate")
+    assert proc.returncode == 0, proc.stderr
+    got: dict[str, Any] = {}
+    for f in sorted((tmp_path / "hf").glob("*.safetensors")):
+        got.update(load_file(f))
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        g = got[k]
+        assert g.dtype == w.dtype and g.shape == w.shape, k
+        assert torch.equal(g, w.contiguous()), k
+
+
+def test_torch_saved_checkpoint_opens_as_the_reference_readers_open_it(
+    many: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same Checkpoint with the fast paths off: the C unpickler, and every archive parsed in
+    full (no layout kept)."""
+    from reshard.formats.dcp import open_dcp
+    from reshard.io import unpickle
+
+    root, _ = many
+
+    def fields(ck: Any) -> Any:
+        return (
+            [f if "reshard-dcp-" not in f else "spool" for f in ck.files],  # (a fresh spool each)
+            ck.file_sizes,
+            [str(w) for w in ck.warnings],
+            ck.non_tensors,
+            {
+                n: (
+                    t.dtype,
+                    t.shape,
+                    t.piece_files,
+                    t.piece_offsets,
+                    t.piece_blocks,
+                    t.signature,
+                    t.piece_crc32,
+                )
+                for n, t in ck.tensors.items()
+            },
+        )
+
+    fast_ck = fields(open_dcp(root))
+
+    def no_fast(self: Any) -> Any:
+        raise unpickle._Unsupported
+
+    monkeypatch.setattr(unpickle._MetaDecoder, "decode", no_fast)
+    monkeypatch.setattr(torchzip, "_MAX_LAYOUTS", 0)
+    assert fields(open_dcp(root)) == fast_ck
+
+
+def _copy(root: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    out = tmp_path / "ck"
+    shutil.copytree(root, out)
+    return out
+
+
+def test_flipped_byte_in_one_chunk_of_many(many: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """Chunk 700 of 1200 (one layout with hundreds of others): a data byte fails its CRC32
+    (``inspect --check``: that tensor only); a data.pkl byte: exit 2 naming the file and tensor."""
+    from reshard.formats import open_checkpoint
+
+    ck = _copy(many[0], tmp_path)
+    names = sorted(open_checkpoint(ck).tensors)
+    t = open_checkpoint(ck).tensors[names[700]]
+    f = ck / "__0_0.distcp"
+    blob = bytearray(f.read_bytes())
+    blob[t.piece_offsets[0] + 5] ^= 0x01
+    f.write_bytes(bytes(blob))
+    proc = _cli("inspect", ck, "--check", "--json")
+    assert proc.returncode == 1, proc.stderr
+    problems = json.loads(proc.stdout)["check"]["problems"]
+    assert [(p["kind"], p["tensor"]) for p in problems] == [("crc32", names[700])]
+    blob[t.piece_offsets[0] + 5] ^= 0x01
+    t2 = open_checkpoint(ck).tensors[names[703]]
+    pkl = bytes(blob).rindex(b"_rebuild_tensor", 0, t2.piece_offsets[0])
+    blob[pkl + 2] ^= 0x01
+    f.write_bytes(bytes(blob))
+    proc = _cli("inspect", ck)
+    assert proc.returncode == 2
+    assert "__0_0.distcp" in proc.stderr and names[703] in proc.stderr and "CRC32" in proc.stderr
