@@ -36,7 +36,7 @@ from ..mesh import Mesh
 from ..plan import FileLayout, LazySequence, OutEntry, OutFile, Plan, TargetTensor, WriteOptions
 from .base import Writer
 from .dcp_boxes import rank_chunks
-from .manifest import complete_with_manifest
+from .manifest import complete_self_described
 
 __all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes", "write_metadata_to"]
 
@@ -304,7 +304,7 @@ def metadata_bytes(files: Sequence[OutFile], results: Sequence[FileResult]) -> b
 def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
     """``.metadata`` (what makes a checkpoint to torch: durable before the rename), then ``reshard.json``."""
     write_atomic_with(dst / METADATA, lambda write: write_metadata_to(write, plan.files, results), fsync=True)
-    complete_with_manifest(dst, plan, results)
+    complete_self_described(dst, plan, results)  # .metadata describes every tensor
 
 
 WRITER = Writer(

@@ -78,7 +78,7 @@ def manifest(
     """The ``reshard.json`` document.
 
     Format version 1 lists every tensor; version 2 (for files that describe their tensors
-    themselves: per-rank and Hugging Face safetensors) only counts them, since listing
+    themselves: per-rank and Hugging Face safetensors, DCP) only counts them, since listing
     100k tensors again made the manifest as large as a header and every command read it.
 
     Args:
@@ -127,8 +127,10 @@ def complete_with_manifest(dst: Path, plan: Plan, results: Sequence[FileResult])
 
 def complete_self_described(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
     """:func:`complete_with_manifest` for formats whose files describe their tensors (dtype and
-    shape in each header, and for per-rank files the global shape and placements): the
-    manifest counts the tensors instead of listing them again (format version 2)."""
+    shape in each header, and for per-rank files the global shape and placements; DCP's
+    ``.metadata``, every tensor's dtype, global shape and chunks): the manifest counts the
+    tensors instead of listing them again (format version 2; a DCP write of 100k tensors
+    listed them in 11 MB that every later command parsed twice)."""
     write_manifest(dst, manifest_for(plan, results, listed=False))
 
 
