@@ -326,6 +326,16 @@ class _Stored:
     itemsize: int
 
 
+def _no_record(path: str, base: int, name: str) -> HeaderError:
+    """A chunk archive (at byte ``base`` of ``path``) without the record ``name``."""
+    at = f"{path} (archive at byte {base})" if base else path
+    return HeaderError(
+        f"{at}: the torch.save archive has no record {name}; the file is damaged or not "
+        "written by torch.save",
+        path=path,
+    )
+
+
 def _storage_order(size: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
     """The dims from outermost to innermost in storage when ``(size, stride)`` is a dense layout
     (row-major up to a permutation: ``x.t()``, ``x.permute(...)``); None when it is not dense.
@@ -393,12 +403,7 @@ def _zip_piece(
     name = f"{lay.prefix}/data/{st.key}"
     rec = lay.records.get(name)
     if rec is None:
-        at = f"{path} (archive at byte {base})" if base else path
-        raise HeaderError(
-            f"{at}: the torch.save archive has no record {name}; the file is damaged or not "
-            "written by torch.save",
-            path=path,
-        )
+        raise _no_record(path, base, name)
     isz = DTYPE_SIZES[SAFETENSORS_DTYPES[st.dtype]]
     first, nbytes = st.storage_offset * isz, numel * isz
     if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
@@ -694,12 +699,7 @@ class _Reader:
         if st is None:
             pkl = lay.checked.get("data.pkl")
             if pkl is None:
-                at = f"{path} (archive at byte {start})" if start else path
-                raise HeaderError(
-                    f"{at}: the torch.save archive has no record {lay.prefix}/data.pkl; the file is "
-                    "damaged or not written by torch.save",
-                    path=path,
-                )
+                raise _no_record(path, start, f"{lay.prefix}/data.pkl")
             st = self.pickles[lay] = load_stored_tensor(pkl, path=where)
         s = _zip_piece(lay, st, start, fqn, m, chunk.sizes, where, path)
         if len(self.stored) < _MAX_STORED:
