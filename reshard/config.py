@@ -46,7 +46,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeAlias, TypedDict, cast
+from typing import Any, Protocol, TypeAlias, TypedDict, cast
 
 import yaml
 
@@ -809,11 +809,8 @@ class _Re2Group:
     def __init__(self, matchers: Sequence[_Re2], indices: list[int]) -> None:
         import re2
 
-        options = re2.Options()
-        options.log_errors = False
-        options.never_capture = True
         self._matchers = list(matchers)
-        self._set = re2.Set.FullMatchSet(options)
+        self._set = re2.Set.FullMatchSet(_re2_options())
         for m in matchers:
             self._set.Add(m._body)  # each compiled on its own already (_Re2): no errors here
         self._set.Compile()
@@ -882,9 +879,7 @@ class _Re2:
         import re2  # lazy: only layouts with re: rules load it
 
         self._body = body
-        options = re2.Options()
-        options.log_errors = False  # RE2 would also print errors to stderr
-        options.never_capture = True
+        options = _re2_options()
         try:
             re2.compile(body, options)  # for its message: Set.Add only says "failed"
             self._set = re2.Set.FullMatchSet(options)
@@ -904,6 +899,16 @@ class _Re2:
 
     def __reduce__(self) -> tuple[type[_Re2], tuple[str]]:
         return (_Re2, (self._body,))  # an RE2 set cannot be pickled: compile again
+
+
+def _re2_options() -> Any:
+    """RE2 options for whole-name matching: no captures, and errors not also printed to stderr."""
+    import re2
+
+    options = re2.Options()
+    options.log_errors = False
+    options.never_capture = True
+    return options
 
 
 def _compile(pattern: str) -> Matcher:

@@ -339,7 +339,7 @@ class _Writer:
         most = COLUMN_WRITES * cap
         st = np.frombuffer(starts, dtype=np.int64, count=count)  # views: nothing per entry is kept
         sz = np.frombuffer(sizes, dtype=np.int64, count=count)
-        plain = np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
+        plain = _plain_runs(geos, rank)
         bad = np.flatnonzero(~plain[geos.group] | (sz > cap))  # entries that go the per-entry way
         gaps = np.flatnonzero(st[1:] != st[:-1] + sz[:-1]) + 1  # entries not right after the previous
         ends = np.union1d(bad, gaps)  # where a buffer must end
@@ -450,7 +450,7 @@ class _Writer:
         sz = np.frombuffer(sizes, dtype=np.int64, count=count)
         ast = np.frombuffer(arcs, dtype=np.int64, count=count)
         ends = np.append(ast[1:], f.size)  # each archive's end: the next one's start
-        plain = np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
+        plain = _plain_runs(geos, rank)
         bad = np.flatnonzero(~plain[geos.group] | (ends - ast > most))
         i = lo
         while i < hi:
@@ -725,6 +725,13 @@ def _split_items(
         pending = None
         acc += it.nbytes
     return [(lo, a, b) for lo, a, b in out]
+
+
+def _plain_runs(geos: Geometries, rank: int) -> Any:
+    """Per geometry, whether rank ``rank``'s block of it is plain runs (the column paths copy those)."""
+    import numpy as np
+
+    return np.array([geos.runs(g, rank) is not None for g in range(len(geos.firsts))], dtype=bool)
 
 
 def _patches(f: OutFile) -> bool:

@@ -337,8 +337,12 @@ class LazySequence(Sequence[T]):
 
     def __getitem__(self, i: int | slice) -> T | Sequence[T]:
         if isinstance(i, slice):
-            return [self._item(k) for k in range(*i.indices(len(self)))]
+            return self._items(range(*i.indices(len(self))))
         return self._item(i)
+
+    def _items(self, positions: range) -> Sequence[T]:
+        """The items at ``positions`` (a slice): one by one, unless a subclass makes them together."""
+        return [self._item(k) for k in positions]
 
 
 class OutEntry(NamedTuple):

@@ -1182,10 +1182,7 @@ def _composed(o: _Out, state: State) -> TransformedTensor:
     names.
     """
     middle: dict[str, int] = {}
-    outer = tuple(
-        (p.dims, p.fixed, -1 if p.source is None else middle.setdefault(p.source, len(middle)))
-        for p in o.parts
-    )
+    outer = _numbered(o.parts, middle)
     inner = [_structure(state[n].parts) for n in middle]
     ids: dict[str, int] = {}  # the tensors the middle ones read, numbered as first met
     same = tuple(ids.setdefault(n, len(ids)) for _, names in inner for n in names)
@@ -1197,9 +1194,7 @@ def _composed(o: _Out, state: State) -> TransformedTensor:
         if all(p.source is None or p.source in ids for p in parts):
             if len(_COMPOSED) >= _COMPOSED_MAX:
                 _COMPOSED.clear()
-            _COMPOSED[key] = tuple(
-                (p.dims, p.fixed, -1 if p.source is None else ids[p.source]) for p in parts
-            )
+            _COMPOSED[key] = _numbered(parts, ids)  # every name numbered already: ids stays as is
         return TransformedTensor(o.name, o.shape, o.dtype, parts)
     order = list(ids)
     parts = tuple(Part.of_checked(None if i < 0 else order[i], dims, fixed) for dims, fixed, i in made)
@@ -1213,13 +1208,19 @@ def _structure(parts: tuple[Part, ...]) -> tuple[tuple[object, ...], list[str]]:
     if hit is not None and hit[0] is parts:
         return hit[1], hit[2]
     names: dict[str, int] = {}
-    key = tuple(
-        (p.dims, p.fixed, -1 if p.source is None else names.setdefault(p.source, len(names))) for p in parts
-    )
+    key = _numbered(parts, names)
     if len(_STRUCTURES) >= _COMPOSED_MAX:
         _STRUCTURES.clear()
     _STRUCTURES[id(parts)] = (parts, key, list(names))  # holds parts: its id stays its own
     return key, list(names)
+
+
+def _numbered(parts: Sequence[Part], names: dict[str, int]) -> tuple[tuple[Any, ...], ...]:
+    """Each part as (dims, pins, number of the tensor it reads: -1 for zeros), numbering the
+    tensors ``names`` does not hold yet as first met (``names`` gets them)."""
+    return tuple(
+        (p.dims, p.fixed, -1 if p.source is None else names.setdefault(p.source, len(names))) for p in parts
+    )
 
 
 _STRUCTURES: dict[int, tuple[tuple[Part, ...], tuple[object, ...], list[str]]] = {}

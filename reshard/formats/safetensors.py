@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from itertools import accumulate, groupby, repeat
 from operator import attrgetter
-from typing import overload
 
 from ..dtypes import DTYPE_RANK, DTYPE_SIZES
 from ..intervals import block_shape
@@ -96,7 +95,7 @@ class _Section:
         return _QuotedNames(list(self.names) if self.names is not None else [t.name for t in self.tensors])
 
 
-class _QuotedNames(Sequence[str]):
+class _QuotedNames(LazySequence[str]):
     """``_quoted_names(names)``, each slice quoted when it is taken."""
 
     __slots__ = ("_names",)
@@ -107,14 +106,11 @@ class _QuotedNames(Sequence[str]):
     def __len__(self) -> int:
         return len(self._names)
 
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[str]: ...
-    def __getitem__(self, i: int | slice) -> str | list[str]:
-        if isinstance(i, slice):
-            return _quoted_names(self._names[i])
+    def _item(self, i: int) -> str:
         return _quoted_names([self._names[i]])[0]
+
+    def _items(self, positions: range) -> list[str]:
+        return _quoted_names([self._names[k] for k in positions])  # together: one join, one split
 
 
 _SECTIONS: weakref.WeakValueDictionary[int, _Section] = weakref.WeakValueDictionary()
