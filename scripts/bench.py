@@ -668,6 +668,7 @@ def main() -> int:
     chosen += ["hf-dcp8"] if args.dcp_write and "hf-dcp8" not in chosen else []
     chosen += ["cp-pt", "pt-hf"] if args.pt else []
     chosen += ["cp-distcp", "distcp-hf"] if args.distcp else []
+    chosen = list(dict.fromkeys(chosen))  # a job named twice (e.g. --jobs cp,pt-hf --pt) runs once a round
     times: dict[str, list[float]] = {j: [] for j in chosen}
     rss: dict[str, list[int]] = {j: [] for j in chosen}
     cpu: dict[str, list[float]] = {}

@@ -39,6 +39,11 @@ from .checksum import PIECE, combine_pieces, crc32
 __all__ = ["Region", "ReadHashes", "Mismatch", "xxh3_regions"]
 
 _READ_BACK = 8 << 20
+_BLOCK = 256 << 10
+"""Spans held aside at least this long go into reused blocks of this size: a fresh ``bytes``
+that large is a fresh mapping under the CLI's mmap threshold, and memory touched for the
+first time costs more here than the copy into it (``MACHINE-NOTES``: HF -> TP-8 of 2 GB
+with two workers held ~500 MiB that way and spent 0.6 s of system time on it)."""
 _GAP = 2 << 20
 """A span at most this far ahead of a region's cursor is joined to it by reading the bytes
 between (padding, a tensor read later or never); so is a region's first span. A span
@@ -87,6 +92,11 @@ class _Crc:
         self.value = crc32(data, self.value)
 
 
+_Held = tuple[int, int, memoryview, "bytearray | None"]
+"""A span held aside: (file offset, sequence number, its bytes, the pool block holding them
+or None for a small span copied to its own ``bytes``)."""
+
+
 @dataclass(slots=True)
 class _State:
     """A region being hashed: its hasher, how far it got, the spans held for later."""
@@ -94,7 +104,7 @@ class _State:
     hasher: Any
     cursor: int
     busy: bool = False  # a thread is feeding the hasher (outside the lock)
-    held: list[tuple[int, bytes]] = field(default_factory=list)  # heap of (file offset, bytes)
+    held: list[_Held] = field(default_factory=list)  # heap, by file offset
 
 
 class _File:
@@ -139,6 +149,9 @@ class ReadHashes:
         self._hold = hold
         self._held = 0
         self._lock = threading.Lock()
+        self._blocks: list[bytearray] = []  # pool blocks free for reuse (touched once)
+        self._seq = 0
+        self._local = threading.local()  # each thread's read-back buffer
         self.read_back = 0  # bytes read again by problems() (what the copy did not hash)
 
     def __bool__(self) -> bool:
@@ -180,12 +193,34 @@ class ReadHashes:
         self._own(f, i, st, hi, [(lo, data)])
 
     def _keep(self, st: _State, at: int, data: memoryview) -> bool:
-        """Hold a span ahead of the cursor if the budget allows (else it is read back later)."""
+        """Hold a span ahead of the cursor if the budget allows (else it is read back later).
+
+        A long span is copied into pool blocks (each counted whole against the budget), a
+        short one into its own ``bytes``. Called with the file's lock held.
+        """
+        n = len(data)
+        if n < _BLOCK // 4:
+            with self._lock:
+                if self._held + n > self._hold:
+                    return False
+                self._held += n
+                self._seq += 1
+                seq = self._seq
+            heapq.heappush(st.held, (at, seq, memoryview(bytes(data)), None))
+            return True
+        count = -(-n // _BLOCK)
         with self._lock:
-            if self._held + len(data) > self._hold:
+            if self._held + count * _BLOCK > self._hold:
                 return False
-            self._held += len(data)
-        heapq.heappush(st.held, (at, bytes(data)))
+            self._held += count * _BLOCK
+            blocks = [self._blocks.pop() if self._blocks else bytearray(_BLOCK) for _ in range(count)]
+            self._seq += count
+            seq = self._seq
+        for k, block in enumerate(blocks):
+            part = data[k * _BLOCK : (k + 1) * _BLOCK]
+            view = memoryview(block)[: len(part)]
+            view[:] = part
+            heapq.heappush(st.held, (at + k * _BLOCK, seq + k, view, block))
         return True
 
     def _own(self, f: _File, i: int, st: _State, want: int, span: list[tuple[int, memoryview]]) -> None:
@@ -197,11 +232,14 @@ class ReadHashes:
         """
         r = f.regions[i]
         fd = -1
-        buf: memoryview | None = None
+        used: _Held | None = None  # the held span being hashed: its block is freed after
         try:
             while True:
                 with f.lock:
-                    take = self._next(st, span)
+                    if used is not None:
+                        self._release(used)
+                        used = None
+                    take, used = self._next(st, span)
                     if take is None:
                         if st.cursor >= r.stop:
                             self._finish(f, i, st)
@@ -216,46 +254,63 @@ class ReadHashes:
                     continue
                 if fd < 0:
                     fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
-                if buf is None or len(buf) < min(_READ_BACK, stop - at):
-                    buf = memoryview(bytearray(min(_READ_BACK, max(stop - at, 1 << 16))))
+                buf = self._buffer(min(_READ_BACK, stop - at))
                 n = min(len(buf), stop - at)
                 st.hasher.update(_pread(fd, buf[:n], at, f.path))
                 self.read_back += n
                 with f.lock:
                     st.cursor = at + n
         finally:
+            if used is not None:
+                with f.lock:
+                    self._release(used)
             if fd >= 0:
                 os.close(fd)
 
-    def _next(self, st: _State, span: list[tuple[int, memoryview]]) -> memoryview | None:
+    def _buffer(self, n: int) -> memoryview:
+        """This thread's read-back buffer, at least ``n`` bytes (at least 64 KiB), reused."""
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = bytearray(max(n, 1 << 16))
+        return memoryview(buf)
+
+    def _next(self, st: _State, span: list[tuple[int, memoryview]]) -> tuple[memoryview | None, _Held | None]:
         """The next bytes at the cursor, from a held span or ``span`` (emptied once used), and
         the cursor moved past them; None when neither reaches the cursor (held spans and
-        ``span`` behind it are dropped). Called with the file's lock held."""
+        ``span`` behind it are dropped). Second: the held span the bytes come from, to
+        :meth:`_release` once they are hashed. Called with the file's lock held."""
         while st.held and st.held[0][0] <= st.cursor:
-            at, data = heapq.heappop(st.held)
-            self._release(len(data))
+            held = heapq.heappop(st.held)
+            at, _, data, _ = held
             if at + len(data) > st.cursor:
-                out = memoryview(data)[st.cursor - at :]
+                out = data[st.cursor - at :]
                 st.cursor = at + len(data)
-                return out
+                return out, held
+            self._release(held)
         if span and span[0][0] <= st.cursor:
             lo, mv = span.pop()
             if lo + len(mv) > st.cursor:
                 out = mv[st.cursor - lo :]
                 st.cursor = lo + len(mv)
-                return out
-        return None
+                return out, None
+        return None, None
 
-    def _release(self, n: int) -> None:
+    def _release(self, held: _Held) -> None:
+        """A held span is done with: its budget back, its block back to the pool."""
+        block = held[3]
         with self._lock:
-            self._held -= n
+            if block is None:
+                self._held -= len(held[2])
+            else:
+                self._held -= _BLOCK
+                self._blocks.append(block)
 
     def _finish(self, f: _File, i: int, st: _State) -> None:
         """Region ``i`` is hashed whole (called with ``f.lock`` held)."""
         h = st.hasher
         f.results[i] = h.value if isinstance(h, _Crc) else bytes(h.digest())
-        for _, data in st.held:
-            self._release(len(data))
+        for held in st.held:
+            self._release(held)
         del f.states[i]
 
     def problems(self) -> list[Mismatch]:

@@ -24,6 +24,7 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
 
     monkeypatch.setattr(rh, "PIECE", 1 << 16)
     monkeypatch.setattr(rh, "_GAP", 4096)
+    monkeypatch.setattr(rh, "_BLOCK", 4096)  # spans of 1 KiB and more are held in pool blocks
     return 1 << 16
 
 
@@ -60,6 +61,7 @@ def test_any_read_order_gives_the_file_checksum(tmp_path: Path, small_pieces: in
     _feed(h, data, _spans(len(data), rng, rng.choice([0.3, 1.0])), rng.choice([1, 3]))
     assert h.problems() == []
     assert h._held == 0  # every held span given back
+    assert len(h._blocks) <= hold // 4096  # pool blocks reused, never more than the budget holds
 
     # one flipped byte: the file is named
     i = rng.randrange(len(data))
@@ -108,3 +110,18 @@ def test_a_file_shorter_than_its_record_is_a_named_error(tmp_path: Path, small_p
     with pytest.raises(SourceChangedError, match="ended early") as e:
         h.problems()
     assert e.value.path == str(p)
+
+
+def test_held_spans_in_pool_blocks_hash_as_read(tmp_path: Path, small_pieces: int) -> None:
+    """Spans far ahead of the cursor, longer than a block, are held in reused blocks (split
+    across several) and hashed in order when the cursor gets there: nothing is read back."""
+    data = os.urandom(2 * small_pieces)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), file_checksum(p))}, 256 << 10)
+    step = 10_000  # 2.4 blocks a span
+    order = list(range(0, len(data), step))
+    for a in order[1:] + order[:1]:  # the first span last: everything else is held until then
+        h.feed(0, a, memoryview(data)[a : a + step])
+    assert h.problems() == [] and h.read_back == 0
+    assert h._held == 0 and 0 < len(h._blocks) <= 64
