@@ -214,8 +214,8 @@ class ReadHashes:
                 return False
             self._held += count * _BLOCK
             blocks = [self._blocks.pop() if self._blocks else bytearray(_BLOCK) for _ in range(count)]
+            seq = self._seq + 1
             self._seq += count
-            seq = self._seq
         for k, block in enumerate(blocks):
             part = data[k * _BLOCK : (k + 1) * _BLOCK]
             view = memoryview(block)[: len(part)]

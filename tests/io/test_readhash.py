@@ -125,3 +125,19 @@ def test_held_spans_in_pool_blocks_hash_as_read(tmp_path: Path, small_pieces: in
         h.feed(0, a, memoryview(data)[a : a + step])
     assert h.problems() == [] and h.read_back == 0
     assert h._held == 0 and 0 < len(h._blocks) <= 64
+
+
+def test_spans_held_at_the_same_offset_twice(tmp_path: Path, small_pieces: int) -> None:
+    """A span read twice ahead of the cursor (two workers reading the same rows), once whole
+    in blocks and once short at one of its blocks' offsets, is held twice and ordered."""
+    data = os.urandom(small_pieces)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), file_checksum(p))}, 1 << 20)
+    x = 20_000
+    h.feed(0, x, memoryview(data)[x : x + 3 * 4096])  # three blocks: offsets x, x+4096, x+8192
+    h.feed(0, x + 4096, memoryview(data)[x + 4096 : x + 4096 + 1000])  # short, at the second
+    h.feed(0, x + 8192, memoryview(data)[x + 8192 : x + 8192 + 2000])  # in a block, at the third
+    h.feed(0, 0, memoryview(data)[:x])
+    h.feed(0, x + 3 * 4096, memoryview(data)[x + 3 * 4096 :])
+    assert h.problems() == [] and h.read_back == 0 and h._held == 0
