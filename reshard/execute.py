@@ -291,6 +291,12 @@ class _Writer:
         self._groups: dict[int, list[Any]] = {}  # entries by geometry: id(runs) -> [runs, positions, srcs]
         self._q_start = 0  # file offset of the first queued byte
         self._q_end = -1  # one past the last
+        self.order: _Order | None = None  # the plan's tensor order (lockstep siblings: _write_group)
+        self.at = (-1, 0)  # (tensor in plan order, slab) of the last step: see _write_group
+
+    def _place(self, t: TargetTensor) -> int:
+        """``t``'s place in the plan, for :attr:`at` (the last one's when there is no order)."""
+        return self.at[0] if self.order is None else self.order.get(t, self.at[0])
 
     def file_steps(
         self, f: OutFile, items: Iterable[tuple[int, bytes] | tuple[int, OutEntry]]
@@ -361,6 +367,7 @@ class _Writer:
             self._flush()
             while not self._copy_columns(geos, rank, st, base, i, j, int(st[j - 1] + sz[j - 1] - st[i])):
                 j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer entries
+            self.at = (self._place(tensors[j - 1]), 0)
             yield
             i = j
         self._flush()
@@ -467,6 +474,7 @@ class _Writer:
             self._flush()
             while not self._copy_chunks(f, geos, rank, base, st, sz, ast, ends, archives, i, j):
                 j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer archives
+            self.at = (self._place(tensors[j - 1]), 0)
             yield
             i = j
         self._flush()
@@ -527,6 +535,7 @@ class _Writer:
         runs = self._runs(e)
         if runs is not None and (e.nbytes <= self.bufs.budget or not interleaved(runs)):
             if self._queue(e.start, e.tensor.src, runs, e.nbytes):
+                self.at = (self._place(e.tensor), 0)
                 yield
             return
         self._flush()
@@ -643,8 +652,10 @@ class _Writer:
         for _, p, c in plans:
             if p is not None and p.arr is None:
                 budget_items = min([budget_items] + [slab_items(p, st, z, cap) for st, _, z in boxes[id(c)]])
-        for slab in slabs(dshape, 1, budget_items):
+        ti = self._place(t)
+        for k, slab in enumerate(slabs(dshape, 1, budget_items)):
             _check(self.stop)
+            self.at = (ti, k)
             shape = tuple(b - a for a, b in slab)
             n = 1
             for x in shape:
@@ -745,9 +756,18 @@ class _GeometriesOf:
     """The :class:`~reshard.bulk.Geometries` of each tensor list whose files are written by
     columns, made once for the sibling files that share the list (held for the run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tensors: Sequence[TargetTensor] = ()) -> None:
         self._made: dict[int, tuple[Sequence[TargetTensor], Geometries]] = {}
         self._lock = threading.Lock()
+        self._tensors = tensors
+        self._order: _Order | None = None
+
+    def order(self) -> _Order:
+        """The planned tensors' order (made once, on first use)."""
+        with self._lock:
+            if self._order is None:
+                self._order = _Order(self._tensors)
+            return self._order
 
     def of(self, f: OutFile) -> Geometries | None:
         """The geometries of ``f``'s tensor list, or None when ``f`` is not written by columns
@@ -775,6 +795,25 @@ class _GeometriesOf:
             if hit is None or hit[0] is not tensors:
                 hit = self._made[id(tensors)] = (tensors, Geometries(tensors, entry_runs))
             return hit[1]
+
+
+class _Order:
+    """Each planned tensor's place in the plan, found by ``id``: two arrays, not a dict (at 200k
+    tensors a dict of them is 20 MiB, the arrays 3 MiB); looked up once a step, not an entry."""
+
+    def __init__(self, tensors: Sequence[TargetTensor]) -> None:
+        import numpy as np
+
+        ids = np.fromiter(map(id, tensors), dtype=np.int64, count=len(tensors))
+        self._by_id = np.argsort(ids, kind="stable")
+        self._ids = ids[self._by_id]
+        self._key = np.int64  # searched as the array's own type: a Python int made numpy convert it whole
+
+    def get(self, t: object, default: int) -> int:
+        """``t``'s place in the plan, or ``default`` for a tensor not in it."""
+        key = id(t)
+        i = int(self._ids.searchsorted(self._key(key)))
+        return int(self._by_id[i]) if i < len(self._ids) and int(self._ids[i]) == key else default
 
 
 def _steps(w: _Writer, f: OutFile, geos: _GeometriesOf, first: int = 0, stop: int = -1) -> Iterator[None]:
@@ -838,9 +877,17 @@ def _write_group(
             opened.append(TmpFile(dst, f.name, f.size))
         writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
         bufs.spans.shared = len(writers) > 1  # files in lockstep: they read the same spans
-        active = [_steps(w, f, geos) for w, f in zip(writers, files)]
+        if len(writers) > 1:
+            order = geos.order()
+            for w in writers:
+                w.order = order
+        active = [(w, _steps(w, f, geos)) for w, f in zip(writers, files)]
         while active:
-            active = [g for g in active if next(g, _END) is not _END]
+            # the files furthest behind in the plan's tensor order step first: siblings that hold
+            # different tensors (DCP ranks each holding some replicated ones) stay on the same
+            # tensor, so they still read its rows one after the other
+            low = min(w.at for w, _ in active)
+            active = [(w, g) for w, g in active if w.at != low or next(g, _END) is not _END]
         done = [(w.sink.close(f.size), w.crc32s, w.bytes_read) for w, f in zip(writers, files)]
         del writers, bufs  # free the buffers before reading back unhashed pieces
         results = []
@@ -972,7 +1019,7 @@ def execute_plan(
                 on_file_done(r)
             results_by_name[r.name] = r
 
-    geos = _GeometriesOf()
+    geos = _GeometriesOf(plan.tensors)
 
     def group(fs: list[OutFile]) -> None:
         for r in _write_group(fs, dst, sources, buffer_size, window, prog, stop, geos):

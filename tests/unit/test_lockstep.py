@@ -243,3 +243,40 @@ def test_rope_permuted_rows_are_read_once_not_a_window_per_row(
     for r, part in enumerate(torch.chunk(meta, 2)):
         got = load_file(str(tmp_path / "out" / f"rank-{r:05d}-of-00002.safetensors"))["wq"]
         assert torch.equal(got, part)
+
+
+def test_dcp_ranks_holding_different_tensors_still_read_each_row_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP rank files hold different replicated tensors (each saved by one rank, as dcp.save
+    does), so the siblings' steps do not line up by count: they are lined up by the plan's
+    tensor order, and the column-sharded tensors after them are still read once between the
+    ranks (round robin by steps read a Llama's columns 2.2x over)."""
+    monkeypatch.setattr(ex, "_STRIDED_MAX", 0)
+    monkeypatch.setattr(ex, "_WINDOW", 0)
+    monkeypatch.setattr(ex, "_SPAN", 0)
+    monkeypatch.setattr(ex, "_RUNS", {})
+    gen = torch.Generator().manual_seed(2)
+    full: dict[str, torch.Tensor] = {}
+    for layer in range(6):  # a Llama layer's tensors in name order: norms replicated
+        p = f"model.layers.{layer}."
+        full[p + "input_layernorm.weight"] = torch.randn(64, generator=gen)
+        full[p + "mlp.down_proj.weight"] = torch.randn(64, 512, generator=gen)  # columns
+        full[p + "mlp.up_proj.weight"] = torch.randn(128, 64, generator=gen)  # rows
+        full[p + "post_attention_layernorm.weight"] = torch.randn(64, generator=gen)
+        full[p + "self_attn.o_proj.weight"] = torch.randn(64, 512, generator=gen)  # columns
+    save_file(full, str(tmp_path / "model.safetensors"))
+    rules = '  "*.down_proj.weight": {tp: S(1)}\n  "*.o_proj.weight": {tp: S(1)}\n  "*norm*": {tp: R}\n'
+    (tmp_path / "l.yaml").write_text(f'mesh: {{tp: 8}}\nplacements:\n{rules}  "*": {{tp: S(0)}}\n')
+    ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
+    plan = build_plan(ck, resolve_target(ck, TargetSpec(layout=str(tmp_path / "l.yaml"), to="dcp")))
+    lists = {tuple(e.tensor.name for e in f.layout.entries) for f in plan.files}
+    assert len(lists) > 1  # the ranks do hold different tensors
+    cols = sum(t.numel() * 4 for n, t in full.items() if n.endswith(("down_proj.weight", "o_proj.weight")))
+    rest = sum(t.numel() * 4 for t in full.values()) - cols
+    lockstep = _run(plan, tmp_path / "lockstep", monkeypatch, group=8, workers=1)
+    single = _run(plan, tmp_path / "single", monkeypatch, group=1, workers=1)
+    assert single == 8 * cols + rest
+    assert lockstep == cols + rest
+    for f in plan.files:
+        assert (tmp_path / "lockstep" / f.name).read_bytes() == (tmp_path / "single" / f.name).read_bytes()
