@@ -27,7 +27,7 @@ from .io.staging import Stage, refuse_non_files
 from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
-from .plan import Plan, WriteOptions, distinct_layouts, make_plan, match_blocks
+from .plan import Plan, WriteOptions, distinct_layouts, make_plan, match_blocks, plan_copies
 from .resume import finished_files, is_journal, record_finished, source_identity, start_journal
 from .transform_plan import Transforms, layout_transforms, match_any, transforms_for, unfused
 
@@ -593,7 +593,7 @@ def convert(
         "files": [{"name": r.name, "size": r.size, "checksum": r.checksum} for r in ordered],
         "bytes_written": plan.bytes_written,
         "bytes_read": sum(r.bytes_read for r in ordered),
-        "copies": sum(f.copies for f in plan.files),
+        "copies": plan_copies(plan),
         "resumed_files": kept,
         "model_files": [p.name for p in extras],
         "warnings": [str(w) for w in ckpt.warnings],
