@@ -1,0 +1,90 @@
+"""Opening a checkpoint of many rank files holds memory per tensor, not per tensor and rank: a
+64-rank checkpoint of small tensors costs about what a 4-rank one does (its piece offsets were
+64 ints per tensor, and rank 0's description of its uneven tensors one object per tensor)."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from reshard.checkpoint import Checkpoint, FewOffsets
+from reshard.convert import SourceSpec, TargetSpec, convert, open_source
+from reshard.formats.per_rank import RankFiles, _named_sources, open_per_rank
+
+N = 1500  # tensors: 3-row S(0) and 2-column S(1) ones (uneven: some ranks hold none), replicated norms
+
+
+def _hf(tmp_path: Path) -> Path:
+    gen = torch.Generator().manual_seed(7)
+    sd = {}
+    for i in range(N // 3):
+        sd[f"layers.{i}.w"] = torch.randint(-99, 99, (3, 4), generator=gen, dtype=torch.int16)
+        sd[f"layers.{i}.d"] = torch.randint(-99, 99, (4, 2), generator=gen, dtype=torch.int16)
+        sd[f"layers.{i}.norm"] = torch.randint(-99, 99, (4,), generator=gen, dtype=torch.int16)
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(sd, str(src / "model.safetensors"))
+    (tmp_path / "l.yaml").write_text(
+        'mesh: {tp: 4}\nplacements:\n  "*.d": {tp: S(1)}\n  "*.norm": R\n  "*": {tp: S(0)}\n'
+    )
+    return src
+
+
+def _per_tensor(path: Path) -> tuple[float, float, Checkpoint]:
+    """Bytes held per tensor by the opened checkpoint, and at the peak of opening it (the rank
+    files alone: detecting the format and reading reshard.json cost the same for any count)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        ck = open_per_rank(path, mesh=None, placements_for=None)
+        gc.collect()
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return held / len(ck.tensors), peak / len(ck.tensors), ck
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    tmp = tmp_path_factory.mktemp("ranks")
+    src = _hf(tmp)
+    out = {}
+    for world in (4, 64):
+        dst = tmp / f"tp{world}"
+        convert(SourceSpec(str(src)), dst, TargetSpec(layout=str(tmp / "l.yaml"), mesh=f"tp={world}"))
+        out[world] = dst
+    return out
+
+
+def test_64_rank_files_hold_memory_per_tensor(ranks: dict[int, Path]) -> None:
+    held4, peak4, _ = _per_tensor(ranks[4])
+    held64, peak64, ck = _per_tensor(ranks[64])
+    assert len(ck.tensors) == N
+    # 64 ranks held 1.1 KB per tensor (4 ranks: 560 B) and 2 KB at the peak of opening (4: 1.4 KB)
+    assert held64 < held4 + 200, (held4, held64)
+    assert peak64 < peak4 + 300, (peak4, peak64)
+    t = ck.tensors["layers.0.w"]
+    assert isinstance(t.piece_offsets, FewOffsets)
+    # the rank files share one tuple of picks; each tensor holds its distinct offsets alone
+    offsets = [s.piece_offsets for s in ck.tensors.values()]
+    assert len({id(o.picks) for o in offsets if isinstance(o, FewOffsets)}) == 1
+    # 3 entry sections (ranks 0-1, 2 and 3-63 hold rows); rank numbers of 1 and 2 digits: 4 data starts
+    assert len(t.piece_offsets.values) == 4
+
+
+def test_few_offsets_are_the_offsets_the_name_pairing_gives(ranks: dict[int, Path]) -> None:
+    ck = open_source(SourceSpec(str(ranks[64])))
+    paths = sorted(ranks[64].glob("rank-*.safetensors"))
+    files = RankFiles.one_per_rank(paths)
+    assert ck.mesh is not None
+    ts = ck.tensors
+    by_name = _named_sources(files, ck.mesh, lambda n, _: (ts[n].shape, ts[n].placements or ()))
+    for name, t in by_name.items():
+        got = ck.tensors[name].piece_offsets
+        assert tuple(got) == t.piece_offsets and got == t.piece_offsets and hash(got) == hash(t.piece_offsets)
+        assert [got[k] for k in range(len(got))] == list(t.piece_offsets)
