@@ -4,17 +4,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from reshard.budget import budget_for
+from reshard.check import check_checkpoint
 from reshard.checkpoint import Checkpoint, FewOffsets
-from reshard.convert import SourceSpec, TargetSpec, convert, open_source
+from reshard.convert import SourceSpec, TargetSpec, build_plan, convert, open_source, resolve_target
 from reshard.formats.per_rank import RankFiles, _named_sources, open_per_rank
+from reshard.report import plan_report
+from reshard.verify import verify_checkpoints
 
 N = 1500  # tensors: 3-row S(0) and 2-column S(1) ones (uneven: some ranks hold none), replicated norms
 
@@ -88,3 +93,22 @@ def test_few_offsets_are_the_offsets_the_name_pairing_gives(ranks: dict[int, Pat
         got = ck.tensors[name].piece_offsets
         assert tuple(got) == t.piece_offsets and got == t.piece_offsets and hash(got) == hash(t.piece_offsets)
         assert [got[k] for k in range(len(got))] == list(t.piece_offsets)
+
+
+def test_commands_read_the_few_offsets_as_their_tuples(ranks: dict[int, Path], tmp_path: Path) -> None:
+    """Consolidating, planning, verifying and checking the 64-rank checkpoint: torch's tensors, and
+    the figures its offsets give as tuples."""
+    ck = open_source(SourceSpec(str(ranks[64])))
+    tuples = {n: dataclasses.replace(t, piece_offsets=tuple(t.piece_offsets)) for n, t in ck.tensors.items()}
+    as_tuples = dataclasses.replace(ck, tensors=tuples)
+    budget = budget_for(64 << 20, 2)
+    target = resolve_target(ck, TargetSpec(consolidate=True))
+    report = plan_report(build_plan(ck, target), budget)
+    assert report == plan_report(build_plan(as_tuples, target), budget)
+    out = tmp_path / "hf"
+    convert(SourceSpec(str(ranks[64])), out, TargetSpec(consolidate=True), workers=2)
+    got = load_file(str(out / "model.safetensors"))
+    want = load_file(str(ranks[64].parent / "hf" / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+    assert verify_checkpoints(ck, open_source(SourceSpec(str(out))))["equal"]
+    assert check_checkpoint(ck) == []
