@@ -16,7 +16,7 @@ from ..checkpoint import Checkpoint, TensorSource, few_offsets, tensor_source
 from ..dtypes import DTYPE_RANK
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..intervals import Block, block_shape
-from ..io.header import Header, TensorEntry, read_header
+from ..io.header import Header, TensorEntry, forget_shared, read_header
 from ..io.safe import expect_object, expect_shape, expect_strings, load_json
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh, check_world_size
@@ -259,6 +259,7 @@ class RankFiles:
     def one_per_rank(cls, paths: Sequence[Path]) -> RankFiles:
         """File ``r`` holds rank ``r``'s tensors; reads every header."""
         heads = tuple(_rank_header(p, r) for r, p in enumerate(paths))
+        forget_shared()  # the last entry section is shared with every sibling that has it: all are read
         return cls(tuple(paths), heads, tuple((r,) for r in range(len(paths))))
 
     def entries(self) -> list[dict[str, tuple[int, TensorEntry]]]:
