@@ -798,17 +798,14 @@ def _sibling_header(raw: bytes, path: str) -> Header | None:
     if start == 0:  # a header without metadata: the whole of it, an object
         if not raw.startswith(b"{"):
             return None
-        prefix = b""
-    else:
-        prefix = raw[:start]
-        if not prefix.startswith(_META_START) or raw[start : start + 1] not in (b",", b"}"):
-            return None
+    elif not raw.startswith(_META_START) or raw[start : start + 1] not in (b",", b"}"):
+        return None
     if not raw.startswith(shared[1], start):  # compared in place: the section ends at ``stop``
         return None
     metadata = None
-    if prefix:  # only the metadata object is decoded: small
+    if start:  # only the metadata object is decoded (its bytes copied once: 64 rank files' 6 MB)
         try:
-            obj = _header_object(prefix + b"}", path)
+            obj = _header_object(b"".join((memoryview(raw)[:start], b"}")), path)
         except HeaderError:
             return None
         if list(obj) != [_METADATA_KEY]:
