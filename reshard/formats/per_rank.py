@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
@@ -536,11 +537,12 @@ def _positional_sources(
     locals_of: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
     tensors: dict[str, TensorSource] = {}
-    for t, en in enumerate(sections[0]):
-        ents = [sec[t] for sec in sections]
-        if any(e.dtype != en.dtype for e in ents):
-            return None
-        shapes = tuple(e.shape for e in ents)
+    dtypes = list(map(_DTYPE, sections[0]))
+    if any(list(map(_DTYPE, sec)) != dtypes for sec in sections[1:]):
+        return None
+    for ents in zip(*sections):  # a tensor's entry in each section
+        en = ents[0]
+        shapes = tuple(map(_SHAPE, ents))
         local = locals_of.get(shapes)
         if local is None:
             local = locals_of[shapes] = tuple(map(shapes.__getitem__, rank_section))
@@ -553,6 +555,9 @@ def _positional_sources(
         offsets = tuple([start + ents[sec].start for sec, start in group_starts])
         tensors[en.name] = _tensor_source(en.name, en.dtype, geo, few_offsets(offsets, picks))
     return tensors
+
+
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 
 
 def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str, TensorSource]:
