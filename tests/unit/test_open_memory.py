@@ -18,6 +18,7 @@ from reshard.check import check_checkpoint
 from reshard.checkpoint import Checkpoint, FewOffsets
 from reshard.convert import SourceSpec, TargetSpec, build_plan, convert, open_source, resolve_target
 from reshard.formats.per_rank import RankFiles, _named_sources, open_per_rank
+from reshard.io.header import read_header
 from reshard.report import plan_report
 from reshard.verify import verify_checkpoints
 
@@ -112,3 +113,22 @@ def test_commands_read_the_few_offsets_as_their_tuples(ranks: dict[int, Path], t
     assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
     assert verify_checkpoints(ck, open_source(SourceSpec(str(out))))["equal"]
     assert check_checkpoint(ck) == []
+
+
+def test_rank_files_of_one_entry_section_share_the_picks(tmp_path: Path) -> None:
+    """Replicated tensors on 16 ranks: every file lists the same entries (the uniform pairing);
+    a tensor holds one offset per data start, and reads back as torch's."""
+    src = _hf(tmp_path)
+    (tmp_path / "r.yaml").write_text('mesh: {tp: 4}\nplacements:\n  "*": R\n')
+    dst = tmp_path / "tp16"
+    convert(SourceSpec(str(src)), dst, TargetSpec(layout=str(tmp_path / "r.yaml"), mesh="tp=16"))
+    ck = open_source(SourceSpec(str(dst)))
+    offsets = [t.piece_offsets for t in ck.tensors.values()]
+    assert all(isinstance(o, FewOffsets) and len(o) == 16 for o in offsets)
+    assert len({id(o.picks) for o in offsets if isinstance(o, FewOffsets)}) == 1
+    starts = {read_header(p).data_start for p in dst.glob("rank-*.safetensors")}
+    assert all(len(o.values) == len(starts) for o in offsets if isinstance(o, FewOffsets))
+    out = tmp_path / "hf2"
+    convert(SourceSpec(str(dst)), out, TargetSpec(consolidate=True))
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
