@@ -14,9 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from reshard.budget import budget_for
+from reshard.bulk import Geometries
 from reshard.check import check_checkpoint
 from reshard.checkpoint import Checkpoint, FewOffsets
 from reshard.convert import SourceSpec, TargetSpec, build_plan, convert, open_source, resolve_target
+from reshard.execute import entry_runs
 from reshard.formats.per_rank import RankFiles, _named_sources, open_per_rank
 from reshard.io.header import read_header
 from reshard.report import plan_report
@@ -132,3 +134,32 @@ def test_rank_files_of_one_entry_section_share_the_picks(tmp_path: Path) -> None
     convert(SourceSpec(str(dst)), out, TargetSpec(consolidate=True))
     got, want = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
     assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_offsets_as_arrays_stay_a_few_columns(ranks: dict[int, Path]) -> None:
+    """The plan report and the executor's columns of a 64-rank source cost per tensor what a
+    4-rank one's do (they made an array of every rank's offsets: 64 ints per tensor and more)."""
+    per_tensor = {}
+    for world in (4, 64):
+        ck = open_source(SourceSpec(str(ranks[world])))
+        plan = build_plan(ck, resolve_target(ck, TargetSpec(consolidate=True)))
+        budget = budget_for(64 << 20, 2)
+        plan_report(plan, budget)  # lazy imports, caches
+        (f,) = plan.files
+        gc.collect()
+        tracemalloc.start()
+        try:
+            plan_report(plan, budget)
+            _, report_peak = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            geos = Geometries(f.tensors, entry_runs)
+            for g, first in enumerate(geos.firsts):
+                for k in range(len(first.src.piece_blocks)):
+                    geos.column(g, k)
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        per_tensor[world] = (report_peak / N, held / N)
+    # 64 ranks: the report's peak was 660 B per tensor (4 ranks: 180 B), the columns 570 B (60 B)
+    assert per_tensor[64][0] < per_tensor[4][0] + 150, per_tensor
+    assert per_tensor[64][1] < per_tensor[4][1] + 100, per_tensor
