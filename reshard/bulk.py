@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import TensorSource
+from .checkpoint import TensorSource, offset_columns
 from .dtypes import DTYPE_SIZES
 from .io.reader import Run
 from .plan import Copy, TargetTensor
@@ -76,7 +76,8 @@ class Geometries:
         self.row = np.empty(len(tensors), dtype=np.int64)
         for m in self.members:
             self.row[m] = np.arange(len(m))
-        self._columns: dict[tuple[int, int], Column] = {}
+        self._offsets: dict[int, tuple[Ints, Sequence[int], tuple[int, ...] | Ints]] = {}
+        self._columns: dict[tuple[int, int], Column] = {}  # of geometries whose files vary
         self._runs: dict[tuple[int, int], tuple[Run, ...] | None] = {}
         self._lock = threading.Lock()
 
@@ -92,16 +93,32 @@ class Geometries:
 
     def column(self, g: int, k: int) -> Column:
         """Source piece ``k`` of geometry ``g``'s tensors: its file (an int when one for all) and
-        offsets, in the order of :attr:`members`."""
+        offsets, in the order of :attr:`members` (a view of the geometry's offsets)."""
+        values, picks, files = self._pieces(g)
+        offsets = values[:, picks[k]]
+        if isinstance(files, tuple):
+            return files[k], offsets
         hit = self._columns.get((g, k))
+        if hit is None:
+            col = files[:, k]
+            fi: int | Ints = int(col[0]) if len(col) and (col == col[0]).all() else col
+            with self._lock:
+                hit = self._columns.setdefault((g, k), (fi, offsets))
+        return hit
+
+    def _pieces(self, g: int) -> tuple[Ints, Sequence[int], tuple[int, ...] | Ints]:
+        """Geometry ``g``'s piece offsets (:func:`offset_columns`: a few columns for 64 rank files,
+        not one per rank: 100k tensors, 50 MB) and files (one tuple for all, or an array)."""
+        hit = self._offsets.get(g)
         if hit is not None:
             return hit
         import numpy as np
 
-        m = self.members[g].tolist()
-        srcs = list(map(_SRC, map(self.tensors.__getitem__, m)))
-        offsets = np.fromiter(map(itemgetter(k), map(_OFFSETS, srcs)), dtype=np.int64, count=len(m))
-        files = np.fromiter(map(itemgetter(k), map(_FILES, srcs)), dtype=np.int64, count=len(m))
-        fi: int | Ints = int(files[0]) if len(m) and (files == files[0]).all() else files
+        srcs = list(map(_SRC, map(self.tensors.__getitem__, self.members[g].tolist())))
+        first = srcs[0]
+        values, picks = offset_columns(list(map(_OFFSETS, srcs)), len(first.piece_offsets))
+        row = first.piece_files
+        same = all(s.piece_files is row for s in srcs)  # a reader's tuple per geometry
+        files = row if same else np.array(list(map(_FILES, srcs)), dtype=np.int64).reshape(len(srcs), -1)
         with self._lock:
-            return self._columns.setdefault((g, k), (fi, offsets))
+            return self._offsets.setdefault(g, (values, picks, files))

@@ -7,9 +7,11 @@ on it alone.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from itertools import chain
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, overload
 
 from .intervals import Block, block_shape, block_volume
 from .mesh import Mesh
@@ -18,11 +20,108 @@ from .placements import Placement
 if TYPE_CHECKING:
     from .config import LayoutConfig
 
-__all__ = ["Signature", "TensorSource", "tensor_source", "NonTensor", "CheckpointWarning", "Checkpoint"]
+__all__ = [
+    "Signature",
+    "TensorSource",
+    "tensor_source",
+    "FewOffsets",
+    "few_offsets",
+    "offset_columns",
+    "NonTensor",
+    "CheckpointWarning",
+    "Checkpoint",
+]
 
 Signature = tuple[Hashable, ...]
 """Identifies a tensor's piece geometry: equal signatures, equal piece blocks (any hashable
 values a reader chooses, e.g. ``("layout", shape, mesh_shape, placements)``)."""
+
+
+class FewOffsets(Sequence[int]):
+    """A tensor's piece offsets when its many pieces lie at a few distinct offsets: piece ``k``
+    is at ``values[picks[k]]``. ``picks`` is one tuple for every tensor of the files (the rank
+    files of one header length and entry section put each tensor at one offset), so a tensor
+    holds its distinct offsets alone: 64 rank files of 100k tensors held 64 ints per tensor,
+    57 MiB of tuples. Equal (and hashing equal) to the tuple of its offsets.
+
+    >>> o = FewOffsets((8, 24), (0, 0, 1))
+    >>> o[2], list(o), o == (8, 8, 24), len(o), o[1:]
+    (24, [8, 8, 24], True, 3, (8, 24))
+    """
+
+    __slots__ = ("values", "picks")
+
+    def __init__(self, values: tuple[int, ...], picks: tuple[int, ...]) -> None:
+        self.values = values
+        self.picks = picks
+
+    @overload
+    def __getitem__(self, k: int) -> int: ...
+    @overload
+    def __getitem__(self, k: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, k: int | slice) -> int | tuple[int, ...]:
+        if isinstance(k, slice):
+            return tuple(map(self.values.__getitem__, self.picks[k]))
+        return self.values[self.picks[k]]
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def __iter__(self) -> Iterator[int]:
+        return map(self.values.__getitem__, self.picks)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+FEW_OFFSETS_MIN = 16
+"""Pieces from which :func:`few_offsets` gives a :class:`FewOffsets`: below, a tuple of the
+offsets is as small (and indexed without a Python call)."""
+
+
+def few_offsets(values: tuple[int, ...], picks: tuple[int, ...]) -> Sequence[int]:
+    """The offsets ``values[picks[k]]`` for a reader's :attr:`TensorSource.piece_offsets`: a
+    :class:`FewOffsets` (``picks`` shared by the caller's tensors) for many pieces, else a tuple."""
+    if len(picks) >= FEW_OFFSETS_MIN:
+        return FewOffsets(values, picks)
+    if len(values) == 1:
+        return values * len(picks)
+    return tuple(map(values.__getitem__, picks))
+
+
+def offset_columns(offsets: Sequence[Sequence[int]], pieces: int) -> tuple[Any, Sequence[int]]:
+    """The piece offsets of tensors with ``pieces`` pieces each, as an int64 array ``values`` and
+    per piece a column ``picks[k]`` of it: tensor ``i``'s piece ``k`` is at
+    ``values[i, picks[k]]``. Tensors whose :class:`FewOffsets` share their picks give their few
+    columns (64 ranks: 1-3 columns, not 64); other offsets give one column per piece.
+
+    >>> v, p = offset_columns([FewOffsets((8, 24), pk := (0, 0, 1)), FewOffsets((9, 25), pk)], 3)
+    >>> v.tolist(), p
+    ([[8, 24], [9, 25]], (0, 0, 1))
+    >>> v, p = offset_columns([(1, 2), (3, 4)], 2)
+    >>> v.tolist(), list(p)
+    ([[1, 2], [3, 4]], [0, 1])
+    """
+    import numpy as np  # lazy: the pure core loads without numpy
+
+    first = offsets[0] if len(offsets) else None
+    if isinstance(first, FewOffsets):
+        picks = first.picks
+        g = len(first.values)
+        if all(type(o) is FewOffsets and o.picks is picks and len(o.values) == g for o in offsets):
+            values = chain.from_iterable(map(_VALUES, offsets))
+            return np.fromiter(values, np.int64, count=len(offsets) * g).reshape(len(offsets), g), picks
+    flat = np.fromiter(chain.from_iterable(offsets), np.int64, count=len(offsets) * pieces)
+    return flat.reshape(len(offsets), pieces), range(pieces)
+
+
+_VALUES = attrgetter("values")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +143,7 @@ class TensorSource:
     dtype: str
     shape: tuple[int, ...]
     piece_files: tuple[int, ...]
-    piece_offsets: tuple[int, ...]
+    piece_offsets: Sequence[int]
     piece_blocks: tuple[Block, ...]
     signature: Signature
     piece_partials: tuple[int, ...] | None = None
@@ -79,7 +178,7 @@ class _Unfrozen:
         dtype: str,
         shape: tuple[int, ...],
         piece_files: tuple[int, ...],
-        piece_offsets: tuple[int, ...],
+        piece_offsets: Sequence[int],
         piece_blocks: tuple[Block, ...],
         signature: Signature,
         piece_partials: tuple[int, ...] | None,
@@ -106,7 +205,7 @@ def tensor_source(
     dtype: str,
     shape: tuple[int, ...],
     piece_files: tuple[int, ...],
-    piece_offsets: tuple[int, ...],
+    piece_offsets: Sequence[int],
     piece_blocks: tuple[Block, ...],
     signature: Signature,
     piece_partials: tuple[int, ...] | None = None,

@@ -8,12 +8,11 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from itertools import chain
 from operator import attrgetter
 from typing import Any
 
 from .budget import Budget, memory_estimate
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, offset_columns
 from .dtypes import DTYPE_SIZES
 from .intervals import Block, block_shape, box_span, format_box
 from .jsonout import Rows
@@ -286,14 +285,20 @@ def _relative_spans(src: Any, copies: Any) -> list[tuple[int, int, int]]:
 
 class _Geometry:
     """The tensors of one output tensor list sharing a geometry (``copies``, source blocks, dtype):
-    their source piece offsets and files as arrays, so per output file their reads are array sums."""
+    their source piece offsets and files as arrays, so per output file their reads are array sums.
 
-    __slots__ = ("first", "offsets", "files", "sources")
+    Piece ``k`` of the group's tensor ``i`` is at ``values[i, picks[k]]`` (:func:`offset_columns`:
+    64 rank files give a few columns, not 64) of file ``row[k]`` when every tensor's pieces lie in
+    the same files (a reader's tuple per geometry), else of file ``files[i, k]``."""
+
+    __slots__ = ("first", "values", "picks", "row", "files", "sources")
 
     def __init__(self, first: Any) -> None:
         self.first = first  # a TargetTensor of the group: its copies and blocks are everyone's
         self.sources: list[Any] = []  # the members' sources
-        self.offsets: Any = None
+        self.values: Any = None
+        self.picks: Sequence[int] = ()
+        self.row: tuple[int, ...] | None = None
         self.files: Any = None
 
     def arrays(self) -> None:
@@ -301,14 +306,17 @@ class _Geometry:
 
         srcs = self.sources
         k = len(srcs[0].piece_blocks)  # the group's sources share their blocks: as many offsets each
-        offsets = chain.from_iterable(map(attrgetter("piece_offsets"), srcs))
-        self.offsets = np.fromiter(offsets, np.int64, count=len(srcs) * k).reshape(len(srcs), k)
+        self.values, self.picks = offset_columns(list(map(attrgetter("piece_offsets"), srcs)), k)
         files = srcs[0].piece_files
-        if all(s.piece_files is files for s in srcs):  # a reader's tuple per geometry: one row
-            self.files = np.broadcast_to(np.array([files], dtype=np.int64), self.offsets.shape)
+        if all(s.piece_files is files for s in srcs):
+            self.row = files
         else:
             self.files = np.array([s.piece_files for s in srcs], dtype=np.int64)
         self.sources = []
+
+    def offsets(self, k: int) -> Any:
+        """Piece ``k``'s offsets, one per tensor (a view)."""
+        return self.values[:, self.picks[k]]
 
 
 def _geometries(tensors: Sequence[Any]) -> list[_Geometry]:
@@ -333,38 +341,60 @@ def _file_reads(
 ) -> tuple[dict[int, int], dict[int, list[list[int]]], dict[int, int], int]:
     """For the output file of target rank ``rank`` holding the tensors of ``geos``: bytes read
     per source file index (as :meth:`Plan.file_reads` counts them, with zero parts under file -1),
-    the first coalesced byte spans read per source file, their count, and the number of copies."""
+    the first coalesced byte spans read per source file, their count, and the number of copies.
+
+    A geometry whose pieces lie in the same files for every tensor adds its reads to its files'
+    sums and its spans to its file's list as they come; the spans of one file are made into
+    arrays and merged one file at a time (a 64-rank source consolidated: 3M spans, 50 MB at once)."""
     import numpy as np
 
-    read_files: list[Any] = []
+    sums: dict[int, int] = {}
+    read_files: list[Any] = []  # geometries whose files vary per tensor: columns to sum
     read_bytes: list[Any] = []
-    span_files: list[Any] = []
-    starts: list[Any] = []
-    stops: list[Any] = []
+    per_file: dict[int, list[tuple[_Geometry, int, int, int]]] = {}  # file -> (geometry, piece, lo, hi)
+    mixed: list[tuple[_Geometry, int, int, int]] = []
     copies_n = 0
     for g in geos:
         t = g.first
         src = t.src
         copies = t.copies[rank]
-        n = len(g.offsets)
+        n = len(g.values)
         copies_n += n * len(copies)
         isz = DTYPE_SIZES[src.dtype]
+        row = g.row
         for c in copies:
-            read_files.append(g.files[:, c.piece])
-            read_bytes.append(np.full(n, c.numel * isz, dtype=np.int64))
+            if row is not None:
+                fi = row[c.piece]
+                sums[fi] = sums.get(fi, 0) + n * c.numel * isz
+            else:
+                read_files.append(g.files[:, c.piece])
+                read_bytes.append(np.full(n, c.numel * isz, dtype=np.int64))
         for k, lo, hi in _relative_spans(src, copies):
-            span_files.append(g.files[:, k])
-            starts.append(g.offsets[:, k] + lo)
-            stops.append(g.offsets[:, k] + hi)
-    none = np.zeros(0, dtype=np.int64)
-    reads = _sums(np.concatenate(read_files or [none]), np.concatenate(read_bytes or [none]))
+            if row is not None:
+                per_file.setdefault(row[k], []).append((g, k, lo, hi))
+            else:
+                mixed.append((g, k, lo, hi))
+    if read_files:
+        for fi, total in _sums(np.concatenate(read_files), np.concatenate(read_bytes)).items():
+            sums[fi] = sums.get(fi, 0) + total
+    reads = dict(sorted(sums.items()))
+    if mixed:  # the rare geometries of per-tensor files: each file's spans picked out of theirs
+        files = np.concatenate([g.files[:, k] for g, k, _, _ in mixed])
+        for fi in np.unique(files).tolist():
+            per_file.setdefault(fi, [])
     ranges: dict[int, list[list[int]]] = {}
     totals: dict[int, int] = {}
-    if span_files:
-        files, a, b = np.concatenate(span_files), np.concatenate(starts), np.concatenate(stops)
-        for fi in np.unique(files).tolist():
-            sel = files == fi
-            ranges[fi], totals[fi] = _merged(a[sel], b[sel])
+    for fi in sorted(per_file):
+        starts, stops = [], []
+        for g, k, lo, hi in per_file[fi]:
+            col = g.offsets(k)
+            starts.append(col + lo)
+            stops.append(col + hi)
+        for g, k, lo, hi in mixed:
+            col = g.offsets(k)[g.files[:, k] == fi]
+            starts.append(col + lo)
+            stops.append(col + hi)
+        ranges[fi], totals[fi] = _merged(np.concatenate(starts), np.concatenate(stops))
     return reads, ranges, totals, copies_n
 
 

@@ -8,14 +8,16 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
-from ..checkpoint import Checkpoint, TensorSource, tensor_source
+from ..checkpoint import Checkpoint, TensorSource, few_offsets, tensor_source
 from ..dtypes import DTYPE_RANK
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..intervals import Block, block_shape
-from ..io.header import Header, TensorEntry, read_header
+from ..io.header import Header, TensorEntry, forget_shared, read_header
 from ..io.safe import expect_object, expect_shape, expect_strings, load_json
 from ..layout import TensorLayout, infer_global_shape
 from ..mesh import Mesh, check_world_size
@@ -190,16 +192,30 @@ def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) ->
         for pls in data["placements"]
     ]
     codes = data["layout"]
-    shapes = data.get("shapes", {})
+    shapes = data.pop("shapes", {})  # read here alone: its 100k names and lists go when this returns
     if not isinstance(codes, str) or len(codes) != len(header.entries) or not isinstance(shapes, dict):
         raise ValueError(f'"layout" must hold one code per tensor ({len(header.entries)})')
     index = {c: i for i, c in enumerate(_CODES[: len(table)])}
     derived: dict[tuple[tuple[int, ...], str], TensorDescription] = {}  # one description per geometry
+    # given shapes that are lists of ints (else each is described alone, and checked so): one
+    # description per shape and code, as derived ones (64 ranks of 100k unevenly split tensors
+    # held a description per tensor, 40 MiB)
+    given: dict[tuple[tuple[int, ...], str], TensorDescription] | None = None
+    values = shapes.values()
+    if set(map(type, values)) <= {list} and set(map(type, chain.from_iterable(values))) <= {int}:
+        given = {}
     out: dict[str, TensorDescription] = {}
     for e, code in zip(header.entries, codes):
         shape = shapes.get(e.name)
         if shape is not None:
-            out[e.name] = {"shape": shape, "placements": table[index[code]]}
+            if given is None:
+                out[e.name] = {"shape": shape, "placements": table[index[code]]}
+                continue
+            key = (tuple(shape), code)
+            desc = given.get(key)
+            if desc is None:
+                desc = given[key] = {"shape": shape, "placements": table[index[code]]}
+            out[e.name] = desc
             continue
         key = (e.shape, code)
         desc = derived.get(key)
@@ -244,6 +260,7 @@ class RankFiles:
     def one_per_rank(cls, paths: Sequence[Path]) -> RankFiles:
         """File ``r`` holds rank ``r``'s tensors; reads every header."""
         heads = tuple(_rank_header(p, r) for r, p in enumerate(paths))
+        forget_shared()  # the last entry section is shared with every sibling that has it: all are read
         return cls(tuple(paths), heads, tuple((r,) for r in range(len(paths))))
 
     def entries(self) -> list[dict[str, tuple[int, TensorEntry]]]:
@@ -436,8 +453,10 @@ def _uniform_sources(
     paths = [files.paths[i] for i in order]
     # Rank files whose headers are as long (the usual case) put each tensor at one offset in
     # all of them: one int per tensor, repeated, instead of one per rank (200k tensors x 8
-    # ranks: 45 MiB of ints).
-    same = starts[0] if all(s == starts[0] for s in starts) else None
+    # ranks: 45 MiB of ints); else one per distinct data start (see few_offsets)
+    bases = list(dict.fromkeys(starts))
+    same = bases[0] if len(bases) == 1 else None
+    picks = tuple(map(bases.index, starts))
     n = len(starts)
     # Tensors of one geometry found by identity, no placements hashed per tensor: per local shape,
     # what stands for the rest of the geometry (a layout's placements tuple, see _ByLayout; else
@@ -466,7 +485,8 @@ def _uniform_sources(
             if len(seen) >= _SEEN_MAX:  # placements (or descriptions) made per tensor: ids not reused
                 seen.clear()
             hit = seen[id(mark)] = (mark, geo.fields)
-        offsets = (same + en.start,) * n if same is not None else tuple([s + en.start for s in starts])
+        at = (same + en.start,) if same is not None else tuple(map(en.start.__add__, bases))
+        offsets = few_offsets(at, picks)
         shape, pfiles, blocks, signature, partials, op, placements = hit[1]
         tensors[en.name] = tensor_source(
             en.name, en.dtype, shape, pfiles, offsets, blocks, signature, partials, op, placements
@@ -513,14 +533,16 @@ def _positional_sources(
         rank_section.append(sec)
         rank_group.append(groups.setdefault((sec, h.data_start), len(groups)))
     group_starts = list(groups)
+    picks = tuple(rank_group)  # each rank's offset among a tensor's few (see few_offsets)
     locals_of: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = {}
     geometries: dict[tuple[object, ...], _Geometry] = {}
     tensors: dict[str, TensorSource] = {}
-    for t, en in enumerate(sections[0]):
-        ents = [sec[t] for sec in sections]
-        if any(e.dtype != en.dtype for e in ents):
-            return None
-        shapes = tuple(e.shape for e in ents)
+    dtypes = list(map(_DTYPE, sections[0]))
+    if any(list(map(_DTYPE, sec)) != dtypes for sec in sections[1:]):
+        return None
+    for ents in zip(*sections):  # a tensor's entry in each section
+        en = ents[0]
+        shapes = tuple(map(_SHAPE, ents))
         local = locals_of.get(shapes)
         if local is None:
             local = locals_of[shapes] = tuple(map(shapes.__getitem__, rank_section))
@@ -530,9 +552,12 @@ def _positional_sources(
         if geo is None:  # the first tensor of this geometry: lay it out and check it (errors name it)
             entries = [ents[sec] for sec in rank_section]
             geo = geometries[key] = _geometry(en.name, shape, mesh, pls, coords, order, paths, entries)
-        offsets = [start + ents[sec].start for sec, start in group_starts]
-        tensors[en.name] = _tensor_source(en.name, en.dtype, geo, tuple(map(offsets.__getitem__, rank_group)))
+        offsets = tuple([start + ents[sec].start for sec, start in group_starts])
+        tensors[en.name] = _tensor_source(en.name, en.dtype, geo, few_offsets(offsets, picks))
     return tensors
+
+
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 
 
 def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str, TensorSource]:
@@ -561,7 +586,7 @@ def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str
     return tensors
 
 
-def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: tuple[int, ...]) -> TensorSource:
+def _tensor_source(name: str, dtype: str, geo: _Geometry, offsets: Sequence[int]) -> TensorSource:
     # positional, from the geometry's own tuple: built once per tensor, 100k times for an MoE checkpoint
     shape, files, blocks, signature, partials, op, placements = geo.fields
     return tensor_source(name, dtype, shape, files, offsets, blocks, signature, partials, op, placements)

@@ -669,3 +669,12 @@ def test_sibling_without_metadata_after_one_with_it(tmp_path: Path) -> None:
     without = read_header(_rank_file(tmp_path / "n.safetensors", 0, tensors, meta=False))
     assert without.metadata is None and with_meta.metadata == {"rank": "1", "x": "y"}
     assert [(e.name, e.start) for e in without.entries] == [(e.name, e.start) for e in with_meta.entries]
+
+
+def test_sibling_section_of_the_same_length_with_other_bytes_is_decoded_whole(tmp_path: Path) -> None:
+    """Sections are compared byte for byte: one as long whose shape differs is its own."""
+    first = read_header(_rank_file(tmp_path / "a.safetensors", 0, {"a": torch.zeros(2, 3)}))
+    other = read_header(_rank_file(tmp_path / "b.safetensors", 1, {"a": torch.zeros(3, 2)}))
+    assert other.entries is not first.entries and other.entry("a").shape == (3, 2)
+    again = read_header(_rank_file(tmp_path / "c.safetensors", 2, {"a": torch.zeros(3, 2)}))
+    assert again.entries is other.entries and again.metadata == {"rank": "2", "x": "yy"}
