@@ -69,6 +69,7 @@ from ..errors import HeaderError, LayoutError, UsageError
 from ..intervals import Block, Interval, normalize, overlapping_pairs
 from ..io.header import MAX_HEADER_SIZE, Header, decode_header
 from ..io.pages import scratch_dir
+from ..io.safe import file_kind
 from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
@@ -188,13 +189,18 @@ class _Files:
             raise HeaderError(f"{where}: data file {rel!r} is not a file inside the checkpoint", path=where)
         p = self.root / rel
         try:
-            size = p.stat().st_size
+            st = p.stat()
         except OSError as e:
             raise HeaderError(
                 f"{p}: cannot read a data file {where} refers to ({e.strerror}); copy the whole "
                 "checkpoint directory",
                 path=str(p),
             ) from None
+        kind = file_kind(st.st_mode)
+        if kind is not None:  # a directory opens, then fails to map: refuse it by name here
+            msg = f"{p}: a data file {where} refers to is {kind}, not a regular file"
+            raise HeaderError(msg, path=str(p))
+        size = st.st_size
         self.paths.append(p)
         self._sizes.append(size)
         self._index[rel] = len(self.paths) - 1

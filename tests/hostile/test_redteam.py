@@ -1,0 +1,63 @@
+"""Inputs found by an independent red-team pass: real files (torch's own writers), real CLI runs.
+
+Each test here failed before its fix: a traceback or a wrong exit code where a user error
+must exit 2 with a message naming the file, tensor or rule, and leave nothing in DST.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+RESHARD = Path(sys.executable).with_name("reshard")
+
+
+def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(RESHARD), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def _dcp_saved(root: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    src = root / "dcp"
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        sd = {"a": torch.randn(4, 3, generator=g), "b": torch.arange(5)}
+        dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    return src
+
+
+@pytest.mark.parametrize("kind", ["dot", "subdir", "fifo"])
+def test_dcp_data_file_that_is_not_a_regular_file_exits_2(tmp_path: Path, kind: str) -> None:
+    """A ``.metadata`` naming a directory (``"."`` or a sub-directory) or a FIFO as the data
+    file of a chunk: exit 2 naming it, not an ``OSError`` traceback from ``mmap``."""
+    src = _dcp_saved(tmp_path)
+    rel = {"dot": ".", "subdir": "sub", "fifo": "pipe.distcp"}[kind]
+    if kind == "subdir":
+        (src / "sub").mkdir()
+    if kind == "fifo":
+        os.mkfifo(src / rel)
+    with open(src / ".metadata", "rb") as f:
+        md = pickle.load(f)  # torch's own Metadata, written back by pickle as torch writes it
+    for k, v in md.storage_data.items():
+        if k.fqn == "a":
+            md.storage_data[k] = dataclasses.replace(v, relative_path=rel)
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    out = tmp_path / "out"
+    for args in (["inspect", src], ["inspect", src, "--check"], ["convert", src, out, "--consolidate"]):
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert "not a regular file" in r.stderr and ".metadata" in r.stderr, r.stderr
+    assert not out.exists()
