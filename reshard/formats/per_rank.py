@@ -928,12 +928,13 @@ def exact_rules(ckpt: Checkpoint) -> LayoutConfig:
         shapes.setdefault(tuple(_DIGIT_RUNS.split(t.name)), {}).setdefault(text, []).append(t.name)
     exact: list[list[object]] = []
     shared: list[list[object]] = []
+    dims = ckpt.mesh.names  # by name, not position: --target-mesh may add a dim (Replicate there)
     for parts, by_placements in shapes.items():
         ranked = sorted(by_placements.items(), key=lambda kv: -len(kv[1]))
         (most, names), rest = ranked[0], ranked[1:]
-        exact.extend([_exact_pattern(n), list(pls)] for pls, ns in rest for n in ns)
+        exact.extend([_exact_pattern(n), dict(zip(dims, pls, strict=True))] for pls, ns in rest for n in ns)
         pattern = _exact_pattern(names[0]) if len(names) == 1 else "re:" + r"\d+".join(map(re.escape, parts))
-        shared.append([pattern, list(most)])
+        shared.append([pattern, dict(zip(dims, most, strict=True))])
     return LayoutConfig.from_json(
         {"mesh": ckpt.mesh.to_json(), "rules": exact + shared}, source=f"{ckpt.path} (file metadata)"
     )
@@ -943,7 +944,14 @@ _DIGIT_RUNS = re.compile("[0-9]+")
 
 
 def _exact_pattern(name: str) -> str:
-    """A rule pattern matching ``name`` alone: itself, unless it reads as a glob or regex."""
+    """A rule pattern matching ``name`` alone: itself, unless it reads as a glob or regex or is
+    empty (``torch.save(tensor)`` holds one tensor named ``""``; a rule pattern is never empty).
+
+    >>> print(*(_exact_pattern(n) for n in ("a.b", "a*", "")))
+    a.b re:a\\* re:^$
+    """
+    if not name:
+        return "re:^$"
     if name.startswith("re:") or any(c in name for c in "*?["):
         return "re:" + re.escape(name)
     return name

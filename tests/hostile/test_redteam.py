@@ -61,3 +61,33 @@ def test_dcp_data_file_that_is_not_a_regular_file_exits_2(tmp_path: Path, kind: 
         assert "Traceback" not in r.stderr
         assert "not a regular file" in r.stderr and ".metadata" in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_one_file_pt_to_a_multi_rank_mesh_and_a_bare_tensor(tmp_path: Path) -> None:
+    """``torch.save`` of one state dict (a world of one, mesh ``world=1``) to ``--target-mesh tp=2``
+    adds a dim (it exited 2: the file's rules were positional, one placement for a 2-dim mesh);
+    ``torch.save(tensor)`` holds one tensor named ``""`` (it exited 2: "rule '': a rule pattern
+    must be a non-empty string"). Both convert to what ``torch.load`` gives, bit for bit."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(1)
+    sd = {"w": torch.randn(4, 6, generator=g).to(torch.bfloat16), "n": {"b": torch.arange(5)}}
+    (tmp_path / "sd").mkdir()
+    torch.save(sd, tmp_path / "sd" / "model.pt")
+    r = run_cli("convert", tmp_path / "sd", tmp_path / "tp2", "--target-mesh", "tp=2")
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "tp2").glob("rank-*.safetensors"))) == 2
+    assert run_cli("verify", tmp_path / "sd", tmp_path / "tp2").returncode == 0
+    assert run_cli("convert", tmp_path / "tp2", tmp_path / "hf", "--consolidate").returncode == 0
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert got.keys() == {"w", "n.b"}
+    assert torch.equal(got["w"].view(torch.int16), sd["w"].view(torch.int16))
+    assert torch.equal(got["n.b"], sd["n"]["b"])
+
+    bare = torch.randn(3, 5, generator=g)
+    (tmp_path / "bare").mkdir()
+    torch.save(bare, tmp_path / "bare" / "t.pt")
+    r = run_cli("convert", tmp_path / "bare", tmp_path / "bare_hf", "--consolidate")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(tmp_path / "bare_hf" / "model.safetensors"))
+    assert list(got) == [""] and torch.equal(got[""].view(torch.int32), bare.view(torch.int32))
