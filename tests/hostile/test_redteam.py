@@ -7,6 +7,7 @@ must exit 2 with a message naming the file, tensor or rule, and leave nothing in
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import subprocess
@@ -91,3 +92,51 @@ def test_one_file_pt_to_a_multi_rank_mesh_and_a_bare_tensor(tmp_path: Path) -> N
     assert r.returncode == 0, r.stderr
     got = load_file(str(tmp_path / "bare_hf" / "model.safetensors"))
     assert list(got) == [""] and torch.equal(got[""].view(torch.int32), bare.view(torch.int32))
+
+
+def test_verify_where_every_tensor_differs_in_dtype_or_shape(tmp_path: Path) -> None:
+    """``verify model model-fp32``: no tensor pair has a comparable dtype and shape (it crashed:
+    ``TypeError: ufunc 'invert'`` on an empty float64 array, exit 1 with a traceback)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(4, 3, generator=g)
+    for name, sd in {
+        "bf16": {"w": w.to(torch.bfloat16), "v": w[0].to(torch.bfloat16)},
+        "f32": {"w": w, "v": w[0].clone()},
+        "shape": {"w": w.reshape(3, 4).to(torch.bfloat16)},
+    }.items():
+        (tmp_path / name).mkdir()
+        save_file(sd, str(tmp_path / name / "model.safetensors"))
+    for b, kinds in (("f32", {"dtype"}), ("shape", {"shape", "missing"})):
+        r = run_cli("verify", tmp_path / "bf16", tmp_path / b, "--json")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["equal"] is False and {d["kind"] for d in doc["differences"]} == kinds
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["convert", "SRC", "OUT", "--consolidate", "--workers", "0"], "--workers"),
+        (["convert", "SRC", "OUT", "--consolidate", "--no-such-option"], "--no-such-option"),
+        (["inspect"], "Missing argument"),
+        (["verify", "SRC"], "Missing argument"),
+    ],
+)
+def test_json_usage_errors_the_parser_finds_are_one_json_document(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """SPEC 4: with ``--json``, exactly one JSON document on stdout, also when the option parser
+    refuses the command line (stdout was empty: only a panel on stderr)."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "src").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "src" / "model.safetensors"))
+    argv = [{"SRC": str(tmp_path / "src"), "OUT": str(tmp_path / "out")}.get(a, a) for a in args]
+    r = run_cli(*argv, "--json")
+    assert r.returncode == 2, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and doc["error"]["type"] == "UsageError"
+    assert message in doc["error"]["message"] and message in r.stderr
+    assert not (tmp_path / "out").exists()
