@@ -272,6 +272,10 @@ _ACROSS_RANKS = ("format_version", "mesh", "rank", "coordinate", "local_names")
 """What a self-description past rank 0's is read for (:func:`_rank_mesh`, :func:`local_names`)."""
 
 
+_DIGEST = "per_tensor_digest"
+"""Kept in place of a large per-tensor part past rank 0: ``hash()`` of its text (this process only)."""
+
+
 _DESCRIPTION_HEAD = re.compile(
     r'\{"format_version":[12],"mesh":\{[^{}]*\},"rank":\d+,"coordinate":\[[\d,]*\],'
 )
@@ -292,9 +296,11 @@ def _rank_header(path: Path, rank: int) -> Header:
     if rank == 0 or raw is None or len(raw) < 4096:
         return h
     head = _DESCRIPTION_HEAD.match(raw)
+    digest = None
     try:
         if head is not None and '"local_names"' not in raw:  # what reshard writes: the head alone
             data = json.loads(head.group(0)[:-1] + "}")
+            digest = hash(raw[head.end() :])  # the per-tensor part, compared with rank 0's
         else:  # Python's own decoder (C): load_json's checks would cost seconds on a part never read
             data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -302,6 +308,8 @@ def _rank_header(path: Path, rank: int) -> Header:
     if isinstance(data, dict) and data.get("format_version") in (1, 2):
         assert h.metadata is not None
         kept = {k: data[k] for k in _ACROSS_RANKS if k in data}
+        if digest is not None:
+            kept[_DIGEST] = digest
         if data["format_version"] == 1:
             kept["tensors"] = {}  # every tensor's shape and placements: rank 0's are read
         h.metadata["reshard"] = json.dumps(kept, separators=(",", ":"))
@@ -646,7 +654,57 @@ def _rank_mesh(
                 raise HeaderError(
                     f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
                 )
+            if r:
+                _check_same_description(desc0, d, headers[0], h, paths[0], p)
     return mesh, desc0
+
+
+def _check_same_description(
+    desc0: RankMetadata, desc: RankMetadata, header0: Header, header: Header, path0: Path, path: Path
+) -> None:
+    """Rank 0's description is the one read; another rank's file must describe the tensors it
+    holds alike (one describing a tensor as ``P(sum)`` where rank 0 says ``S(0)`` made ``convert``
+    sum the shards and ``inspect --check`` pass). Equal text is the common case, compared whole;
+    else each tensor both describe is compared, global shape and parsed placements."""
+    d0, d = cast(dict[str, Any], desc0), cast(dict[str, Any], desc)
+    digest = d.get(_DIGEST)
+    if digest is not None:  # a large description, kept as a digest (:func:`_rank_header`)
+        raw0 = (header0.metadata or {}).get("reshard", "")
+        head0 = _DESCRIPTION_HEAD.match(raw0)
+        if head0 is not None and hash(raw0[head0.end() :]) == digest:
+            return
+        header = read_header(path)  # they differ: this file's description, whole, names the tensor
+    elif (d["format_version"] == 2 and "layout" not in d) or (d["format_version"] == 1 and not d["tensors"]):
+        return  # dropped unread (rank-local names: each rank's text differs)
+    elif d0["format_version"] == d["format_version"] == 2 and header0.names == header.names:
+        if all(d0.get(k) == d.get(k) for k in ("placements", "layout", "shapes")):
+            return
+    elif d0["format_version"] == d["format_version"] == 1 and d0["tensors"] == d["tensors"]:
+        return
+    try:  # version 2 decoded per tensor; only when the text differs
+        full = self_description(header, path)
+    except HeaderError:  # this rank's tensors differ from its description: reported where read
+        return
+    assert full is not None
+    mine = full["tensors"]
+    for name, info0 in desc0["tensors"].items():
+        info = mine.get(name)
+        if info is None:
+            continue
+        try:
+            same = [int(x) for x in info["shape"]] == [int(x) for x in info0["shape"]] and [
+                parse_placement(t) for t in info["placements"]
+            ] == [parse_placement(t) for t in info0["placements"]]
+        except ConfigError:
+            same = False
+        if not same:
+            raise HeaderError(
+                f'{path}: its reshard metadata describes tensor "{name}" as shape {list(info["shape"])} '
+                f"{list(info['placements'])}, but {path0.name} (rank 0) as {list(info0['shape'])} "
+                f"{list(info0['placements'])}; the rank files are not of one checkpoint",
+                path=str(path),
+                tensor=name,
+            )
 
 
 def _uniform_order(files: RankFiles) -> tuple[int, ...] | None:

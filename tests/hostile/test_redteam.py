@@ -140,3 +140,49 @@ def test_json_usage_errors_the_parser_finds_are_one_json_document(
     assert doc["ok"] is False and doc["exit_code"] == 2 and doc["error"]["type"] == "UsageError"
     assert message in doc["error"]["message"] and message in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _rewrite_description(path: Path, edit: object) -> None:
+    """Rewrite a per-rank file's ``reshard`` metadata through ``edit(dict) -> dict``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta["reshard"] = json.dumps(edit(json.loads(meta["reshard"])))  # type: ignore[operator]
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("count", [1, 300])  # 300 uneven tensors: a description over 4 KiB
+def test_rank_files_describing_the_tensors_otherwise_than_rank_0_exit_2(tmp_path: Path, count: int) -> None:
+    """Only rank 0's description is read; a rank file whose own says ``S(0)`` where rank 0's
+    says ``P(sum)`` (files of two checkpoints mixed, or edited) was converted by rank 0's word
+    (the shards summed) and passed ``inspect --check``. Now exit 2 naming the file and the
+    tensor, nothing written; a large description (kept past rank 0 as a digest) too."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    (tmp_path / "hf").mkdir()
+    sd = {f"w{i}": torch.randn(7, 4, generator=g) for i in range(count)}
+    sd["n"] = torch.randn(4, generator=g)
+    save_file(sd, str(tmp_path / "hf" / "m.safetensors"))
+    lay = tmp_path / "lay.yaml"
+    lay.write_text('mesh: {tp: 2}\nplacements:\n  "w*": {tp: S(0)}\n  "*": R\n')
+    src = tmp_path / "tp2"
+    assert run_cli("convert", tmp_path / "hf", src, "--target-layout", lay).returncode == 0
+    (src / "reshard.json").unlink()  # the files' own descriptions, as for files copied elsewhere
+    assert run_cli("inspect", src, "--check").returncode == 0
+
+    def partial(d: dict) -> dict:  # type: ignore[type-arg]
+        d["placements"] = [["P(sum)"] if p == ["S(0)"] else p for p in d["placements"]]
+        return d
+
+    _rewrite_description(src / "rank-00000-of-00002.safetensors", partial)
+    out = tmp_path / "out"
+    for args in (["inspect", src], ["inspect", src, "--check"], ["convert", src, out, "--consolidate"]):
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert "rank-00001-of-00002.safetensors" in r.stderr and '"w0"' in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert not out.exists()
