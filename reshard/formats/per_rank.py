@@ -648,6 +648,7 @@ def _rank_mesh(
         raise LayoutError(f"{directory}: no mesh given", path=str(directory))
     if described:
         assert desc0 is not None
+        digest0: list[int] = []  # of rank 0's per-tensor text, made once
         for r, (p, h) in enumerate(zip(paths, headers)):
             d = desc0 if r == 0 else self_description(h, p, tensors=False)  # rank 0's: read once
             if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"]:
@@ -655,12 +656,18 @@ def _rank_mesh(
                     f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
                 )
             if r:
-                _check_same_description(desc0, d, headers[0], h, paths[0], p)
+                _check_same_description(desc0, d, headers[0], h, paths[0], p, digest0)
     return mesh, desc0
 
 
 def _check_same_description(
-    desc0: RankMetadata, desc: RankMetadata, header0: Header, header: Header, path0: Path, path: Path
+    desc0: RankMetadata,
+    desc: RankMetadata,
+    header0: Header,
+    header: Header,
+    path0: Path,
+    path: Path,
+    digest0: list[int],
 ) -> None:
     """Rank 0's description is the one read; another rank's file must describe the tensors it
     holds alike (one describing a tensor as ``P(sum)`` where rank 0 says ``S(0)`` made ``convert``
@@ -669,9 +676,11 @@ def _check_same_description(
     d0, d = cast(dict[str, Any], desc0), cast(dict[str, Any], desc)
     digest = d.get(_DIGEST)
     if digest is not None:  # a large description, kept as a digest (:func:`_rank_header`)
-        raw0 = (header0.metadata or {}).get("reshard", "")
-        head0 = _DESCRIPTION_HEAD.match(raw0)
-        if head0 is not None and hash(raw0[head0.end() :]) == digest:
+        if not digest0:
+            raw0 = (header0.metadata or {}).get("reshard", "")
+            head0 = _DESCRIPTION_HEAD.match(raw0)
+            digest0.append(hash(raw0[head0.end() :]) if head0 is not None else 0)
+        if digest0[0] == digest:
             return
         header = read_header(path)  # they differ: this file's description, whole, names the tensor
     elif (d["format_version"] == 2 and "layout" not in d) or (d["format_version"] == 1 and not d["tensors"]):
