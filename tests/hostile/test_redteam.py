@@ -186,3 +186,25 @@ def test_rank_files_describing_the_tensors_otherwise_than_rank_0_exit_2(tmp_path
         assert "rank-00001-of-00002.safetensors" in r.stderr and '"w0"' in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "pt"])
+def test_a_dtype_safetensors_has_no_name_for_is_named_as_such(tmp_path: Path, fmt: str) -> None:
+    """``complex128`` (or ``float4_e2m1fn_x2``): the refusal named torch's dtype as "a class a DCP
+    metadata (a torch.save) does not use", as if the file were hostile; it says what it is."""
+    src = tmp_path / "src"
+    sd = {"freqs": torch.randn(3, dtype=torch.complex128), "w": torch.ones(2)}
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    else:
+        src.mkdir()
+        torch.save(sd, src / "model.pt")
+    r = run_cli("convert", src, tmp_path / "out", "--consolidate")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "safetensors has no such dtype" in r.stderr, r.stderr
+    assert ("torch.complex128" if fmt == "dcp" else "torch.ComplexDoubleStorage") in r.stderr
+    assert not (tmp_path / "out").exists()
