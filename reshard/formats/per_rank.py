@@ -617,11 +617,28 @@ def _geometry(
     )
 
 
+_HF_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
 def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
     """The rank files in rank order; every rank from 0 to the highest has one."""
     files = rank_files(directory, strict=strict)
     if not files:
-        raise HeaderError(f"{directory}: no rank files found", path=str(directory))
+        names = sorted(p.name for p in directory.glob("*.safetensors"))
+        shards = [n for n in names if _HF_SHARD.fullmatch(n)]
+        if shards:  # the per-rank reader's guess for several .safetensors: say what they look like
+            raise HeaderError(
+                f"{directory}: Hugging Face shard files ({', '.join(shards[:3])}"
+                f"{', ...' if len(shards) > 3 else ''}) but no model.safetensors.index.json; "
+                "copy the index with them",
+                path=str(directory),
+            )
+        raise HeaderError(
+            f"{directory}: no rank files found: none of its {len(names)} .safetensors files "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) has one rank number in its "
+            "name, and there is no model.safetensors or model.safetensors.index.json",
+            path=str(directory),
+        )
     world = max(files) + 1
     check_world_size(world, what=str(files[world - 1]))
     missing = [r for r in range(world) if r not in files]

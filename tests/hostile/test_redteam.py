@@ -208,3 +208,18 @@ def test_a_dtype_safetensors_has_no_name_for_is_named_as_such(tmp_path: Path, fm
     assert "safetensors has no such dtype" in r.stderr, r.stderr
     assert ("torch.complex128" if fmt == "dcp" else "torch.ComplexDoubleStorage") in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_shards_without_their_index_are_named_as_such(tmp_path: Path) -> None:
+    """Several .safetensors files with no index fall to the per-rank reader's guess, which said
+    "no rank files found" of HF shards whose index was not copied; it now says what is missing."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    for i in (1, 2):
+        save_file({f"w{i}": torch.ones(2)}, str(src / f"model-0000{i}-of-00002.safetensors"))
+    r = run_cli("convert", src, tmp_path / "out", "--consolidate")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "no model.safetensors.index.json" in r.stderr and "model-00001-of-00002" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
