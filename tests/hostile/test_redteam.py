@@ -223,3 +223,17 @@ def test_hf_shards_without_their_index_are_named_as_such(tmp_path: Path) -> None
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "no model.safetensors.index.json" in r.stderr and "model-00001-of-00002" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_split_with_a_negative_size_says_so(tmp_path: Path) -> None:
+    """``sizes: [5, -1]`` of 4 rows was refused as "sizes [5, -1] add up to 4, but ... has 4"."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "src").mkdir()
+    save_file({"c": torch.ones(4, 3)}, str(tmp_path / "src" / "model.safetensors"))
+    spec = tmp_path / "t.yaml"
+    spec.write_text('transforms:\n  - split: {from: "c", to: ["c1", "c2"], sizes: [5, -1]}\n')
+    r = run_cli("convert", tmp_path / "src", tmp_path / "out", "--transforms", spec, "--consolidate")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "t.yaml:2" in r.stderr and "negative" in r.stderr and "add up to" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
