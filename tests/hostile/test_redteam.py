@@ -237,3 +237,20 @@ def test_split_with_a_negative_size_says_so(tmp_path: Path) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "t.yaml:2" in r.stderr and "negative" in r.stderr and "add up to" not in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_destination_whose_lock_cannot_be_created_exits_2(tmp_path: Path) -> None:
+    """Creating ``DST/.reshard.lock`` failing (a directory of that name here; a read-only file
+    system or an unwritable DST alike: ``mount -o ro`` gave the same traceback) was an
+    ``OSError`` traceback, exit 1. Exit 2 naming it, the directory left as it was."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "src").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "src" / "model.safetensors"))
+    dst = tmp_path / "dst"
+    (dst / ".reshard.lock").mkdir(parents=True)
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        r = run_cli("convert", tmp_path / "src", dst, "--consolidate", *extra)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert ".reshard.lock" in r.stderr and "is a directory" in r.stderr, r.stderr
+    assert [p.name for p in dst.iterdir()] == [".reshard.lock"]
