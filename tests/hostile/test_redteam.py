@@ -254,3 +254,48 @@ def test_a_destination_whose_lock_cannot_be_created_exits_2(tmp_path: Path) -> N
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert ".reshard.lock" in r.stderr and "is a directory" in r.stderr, r.stderr
     assert [p.name for p in dst.iterdir()] == [".reshard.lock"]
+
+
+def _file_size_limit(limit: int) -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.parametrize("kind", ["zstd", "transposed"])
+def test_a_spool_that_cannot_grow_is_exit_3_not_sigbus(tmp_path: Path, kind: str) -> None:
+    """The DCP reader spools zstd chunks and row-major copies of transposed ones under $TMPDIR.
+    Out of room there (a full tmpfs; here a file-size limit), a transposed chunk's spool,
+    grown by ftruncate and filled through a map, was SIGBUS (exit 135, the spool directory
+    left behind), a zstd one's short write was taken for the whole block (the chunk then read
+    as "damaged", exit 2). Now exit 3 naming the spool and TMPDIR, and the spool removed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    if kind == "zstd" and not ZStandard.is_available():
+        pytest.skip("no zstandard module")
+    src, tmp = tmp_path / "src", tmp_path / "tmp"
+    tmp.mkdir()
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(300, 200, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "zstd":
+            writer = FileSystemWriter(str(src), _extensions=[ZStandard()])
+            dcp.save({"t": t}, storage_writer=writer, no_dist=True)
+        else:
+            dcp.save({"t": t.t()}, checkpoint_id=str(src), no_dist=True)
+    r = subprocess.run(
+        [str(RESHARD), "convert", str(src), str(tmp_path / "out"), "--consolidate"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, TMPDIR=str(tmp)),
+        preexec_fn=lambda: _file_size_limit(100_000),  # the spool needs 240 KB
+    )
+    assert r.returncode == 3 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert "spool" in r.stderr and "TMPDIR" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and list(tmp.iterdir()) == []
