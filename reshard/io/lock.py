@@ -57,7 +57,7 @@ class DirLock:
                 now = None
             if now is not None and (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, _description().encode(), 0)
+                os.pwrite(fd, _description().encode("utf-8", "backslashreplace"), 0)  # argv: any bytes
                 self.fd = fd
                 return self
             os.close(fd)  # locked a file its holder unlinked: try the new one

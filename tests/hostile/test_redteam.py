@@ -299,3 +299,36 @@ def test_a_spool_that_cannot_grow_is_exit_3_not_sigbus(tmp_path: Path, kind: str
     assert r.returncode == 3 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
     assert "spool" in r.stderr and "TMPDIR" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() and list(tmp.iterdir()) == []
+
+
+def test_names_and_paths_that_are_not_utf8(tmp_path: Path) -> None:
+    """A DST path with a non-UTF-8 byte (the lock file records argv: UnicodeEncodeError traceback,
+    the new DST left behind); a safetensors header naming a tensor ``"a\\udcff"`` (safetensors
+    refuses it: "lone leading surrogate"; reshard read it, then failed as a traceback writing
+    it); a ``torch.save`` key ``"a\\udcff"`` (the same traceback). Exit 0, 2, 2."""
+    import struct
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.ones(2)}, str(src / "model.safetensors"))
+    dst = os.fsencode(tmp_path) + b"/dst\xff"
+    r = subprocess.run(
+        [os.fsencode(RESHARD), b"convert", os.fsencode(src), dst, b"--consolidate"], capture_output=True
+    )
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
+    assert os.path.exists(dst + b"/model.safetensors")
+
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    head = b'{"a\\udcff":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    head += b" " * (-len(head) % 8)
+    (lone / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + bytes(8))
+    (tmp_path / "pt").mkdir()
+    torch.save({"a\udcff": torch.ones(2), "b": torch.zeros(1)}, tmp_path / "pt" / "model.pt")
+    for bad in (lone, tmp_path / "pt"):
+        r2 = run_cli("convert", bad, tmp_path / "out", "--consolidate")
+        assert r2.returncode == 2 and "Traceback" not in r2.stderr, r2.stderr
+        assert "surrogate" in r2.stderr, r2.stderr
+        assert not (tmp_path / "out").exists()
