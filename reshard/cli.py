@@ -789,6 +789,28 @@ def _fixed_mmap_threshold() -> None:
         pass
 
 
+def _app_json() -> int:
+    """``app()`` for a ``--json`` command line: a usage error the option parser finds (a missing
+    argument, an unknown option, ``--workers 0``) is still one JSON document on stdout, as the
+    errors reshard finds are, not a panel on stderr alone."""
+    # click's ClickException (typer vendors click from 0.28 on, so it is not imported by name)
+    click_error: type[Exception] = next(
+        c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"
+    )
+    try:
+        rv = app(standalone_mode=False)  # returns a typer.Exit's code, raises parse errors
+    except click_error as e:
+        err = UsageError(e.format_message())  # type: ignore[attr-defined]
+        code = int(getattr(e, "exit_code", 2))
+        _emit({"ok": False, "error": err.to_json(), "exit_code": code})
+        _say("[bold red]error:[/] ", err.message)
+        return code
+    except typer.Abort:
+        _say("", "Aborted!")
+        return 1
+    return rv if isinstance(rv, int) else 0
+
+
 def main() -> None:
     """Console-script entry point."""
     # reshard makes no BLAS calls; numpy's OpenBLAS would start a thread per core that spins
@@ -802,7 +824,10 @@ def main() -> None:
         gc.disable()
     _fixed_mmap_threshold()
     try:
-        app()
+        if "--json" in sys.argv[1:]:
+            code = _app_json()
+        else:
+            app()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     if "torch.distributed" in sys.modules:

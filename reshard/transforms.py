@@ -643,7 +643,9 @@ class Split(_Base):
             if cuts is not None:  # the fused size needs whole chunks
                 _check_parts([name], [t.shape], d, sizes, g, None, cuts)
             fused = _fused_size(sizes, g, cuts)
-            if min(sizes) < 0 or fused != n:
+            if min(sizes) < 0:
+                raise ConfigError(f'sizes {sizes} of "{name}": a size is negative', tensor=name)
+            if fused != n:
                 how = "add up to" if cuts is None else f"in {g} groups of shards {cuts} make"
                 raise ConfigError(
                     f'sizes {sizes} {how} {fused}, but "{name}" has {n} along dim {d}', tensor=name

@@ -442,7 +442,9 @@ class _Verifier:
         kinds = self.kind_list
         kk = np.array(ks, np.int64)
         size = np.array([k.size for k in kinds], np.int64)[kk]
-        batched = np.array([k.runs is not None and 0 < k.size <= self.batch.cap for k in kinds])[kk]
+        # dtype given: with no kind yet (every tensor so far differed in dtype or shape) the list
+        # is empty, and an empty array is float64, which ~ refuses
+        batched = np.array([k.runs is not None and 0 < k.size <= self.batch.cap for k in kinds], bool)[kk]
         for i in np.flatnonzero(~batched & (size > 0)).tolist():
             self._alone(names[i], tas[i], tbs[i], kinds[ks[i]])
         idx = np.flatnonzero(batched)

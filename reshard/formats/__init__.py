@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
-from ..errors import UsageError
+from ..errors import HeaderError, UsageError
 from ..io.header import forget_shared
 from . import dcp, dcp_safetensors, dcp_writer, hf, per_rank, pt, sharded_state
 from .base import NO, Probe, Reader, ReadOptions, Writer
@@ -156,7 +156,35 @@ def open_checkpoint(
         forget_shared()
     if ckpt.manifest is None and p.is_dir():
         ckpt.manifest = read_manifest(p)
+    if r.name in ("pt", "dcp"):  # names from pickles; safetensors headers are checked as decoded
+        _check_names_encode(ckpt)
     return ckpt
+
+
+def _check_names_encode(ckpt: Checkpoint) -> None:
+    """A pickled name holding an unpaired surrogate (``"a\\udcff"``) is no UTF-8 text: no
+    safetensors header can name it (it failed as a traceback when the output header was made)."""
+    names = list(ckpt.tensors)
+    try:
+        "\n".join(names).encode("utf-8")
+    except UnicodeEncodeError:
+        from ..text import shown
+
+        bad = next(n for n in names if not n.isascii() and _unencodable(n))
+        raise HeaderError(
+            f"{ckpt.path}: tensor name {shown(bad)} holds an unpaired surrogate; no UTF-8 "
+            "(safetensors) name can hold it: rename it with torch and re-save",
+            path=str(ckpt.path),
+            tensor=bad,
+        ) from None
+
+
+def _unencodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def markdown() -> str:

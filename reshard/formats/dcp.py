@@ -65,10 +65,11 @@ from typing import Any, BinaryIO
 
 from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, TensorSource, tensor_source
 from ..dtypes import DTYPE_SIZES
-from ..errors import HeaderError, LayoutError, UsageError
+from ..errors import HeaderError, LayoutError, UsageError, WriteError
 from ..intervals import Block, Interval, normalize, overlapping_pairs
 from ..io.header import MAX_HEADER_SIZE, Header, decode_header
 from ..io.pages import scratch_dir
+from ..io.safe import file_kind
 from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
@@ -188,13 +189,18 @@ class _Files:
             raise HeaderError(f"{where}: data file {rel!r} is not a file inside the checkpoint", path=where)
         p = self.root / rel
         try:
-            size = p.stat().st_size
+            st = p.stat()
         except OSError as e:
             raise HeaderError(
                 f"{p}: cannot read a data file {where} refers to ({e.strerror}); copy the whole "
                 "checkpoint directory",
                 path=str(p),
             ) from None
+        kind = file_kind(st.st_mode)
+        if kind is not None:  # a directory opens, then fails to map: refuse it by name here
+            msg = f"{p}: a data file {where} refers to is {kind}, not a regular file"
+            raise HeaderError(msg, path=str(p))
+        size = st.st_size
         self.paths.append(p)
         self._sizes.append(size)
         self._index[rel] = len(self.paths) - 1
@@ -257,6 +263,10 @@ class _Files:
         sfd = self.fd(sp)
         start = os.fstat(sfd).st_size
         numel = _numel(size)
+        try:  # room first: a store through the map into a full file system is SIGBUS
+            os.posix_fallocate(sfd, start, max(numel * isz, 1))
+        except OSError as e:
+            raise self._spool_full(e) from None
         os.ftruncate(sfd, start + numel * isz)
         npt = np.dtype(f"u{isz}")
         tile = list(size)
@@ -293,10 +303,26 @@ class _Files:
         try:
             with z:
                 while block := z.read(_SPOOL_BLOCK):
-                    pos += os.pwrite(sfd, block, pos)
+                    view = memoryview(block)
+                    while view:  # a short write (a file system filling up) writes the rest next
+                        try:
+                            n = os.pwrite(sfd, view, pos)
+                        except OSError as e:
+                            raise self._spool_full(e) from None
+                        pos += n
+                        view = view[n:]
         except errors as e:
             raise HeaderError(f"{where}: zstd stream is damaged ({e})", path=str(self.paths[fi])) from None
         return sp, start, pos - start
+
+    def _spool_full(self, e: OSError) -> WriteError:
+        assert self._spool is not None
+        p = self.paths[self._spool]
+        return WriteError(
+            f"{p}: cannot write the spool of decompressed or row-major DCP chunks "
+            f"({e.strerror or e}); set TMPDIR to a directory with more room",
+            path=str(p),
+        )
 
     def close(self) -> None:
         for ar in self._archives.values():

@@ -289,6 +289,10 @@ _ACROSS_RANKS = ("format_version", "mesh", "rank", "coordinate", "local_names")
 """What a self-description past rank 0's is read for (:func:`_rank_mesh`, :func:`local_names`)."""
 
 
+_DIGEST = "per_tensor_digest"
+"""Kept in place of a large per-tensor part past rank 0: ``hash()`` of its text (this process only)."""
+
+
 _DESCRIPTION_HEAD = re.compile(
     r'\{"format_version":[12],"mesh":\{[^{}]*\},"rank":\d+,"coordinate":\[[\d,]*\],'
 )
@@ -309,9 +313,11 @@ def _rank_header(path: Path, rank: int) -> Header:
     if rank == 0 or raw is None or len(raw) < 4096:
         return h
     head = _DESCRIPTION_HEAD.match(raw)
+    digest = None
     try:
         if head is not None and '"local_names"' not in raw:  # what reshard writes: the head alone
             data = json.loads(head.group(0)[:-1] + "}")
+            digest = hash(raw[head.end() :])  # the per-tensor part, compared with rank 0's
         else:  # Python's own decoder (C): load_json's checks would cost seconds on a part never read
             data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -319,6 +325,8 @@ def _rank_header(path: Path, rank: int) -> Header:
     if isinstance(data, dict) and data.get("format_version") in (1, 2):
         assert h.metadata is not None
         kept = {k: data[k] for k in _ACROSS_RANKS if k in data}
+        if digest is not None:
+            kept[_DIGEST] = digest
         if data["format_version"] == 1:
             kept["tensors"] = {}  # every tensor's shape and placements: rank 0's are read
         h.metadata["reshard"] = json.dumps(kept, separators=(",", ":"))
@@ -634,11 +642,28 @@ def _geometry(
     )
 
 
+_HF_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
 def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
     """The rank files in rank order; every rank from 0 to the highest has one."""
     files = rank_files(directory, strict=strict)
     if not files:
-        raise HeaderError(f"{directory}: no rank files found", path=str(directory))
+        names = sorted(p.name for p in directory.glob("*.safetensors"))
+        shards = [n for n in names if _HF_SHARD.fullmatch(n)]
+        if shards:  # the per-rank reader's guess for several .safetensors: say what they look like
+            raise HeaderError(
+                f"{directory}: Hugging Face shard files ({', '.join(shards[:3])}"
+                f"{', ...' if len(shards) > 3 else ''}) but no model.safetensors.index.json; "
+                "copy the index with them",
+                path=str(directory),
+            )
+        raise HeaderError(
+            f"{directory}: no rank files found: none of its {len(names)} .safetensors files "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) has one rank number in its "
+            "name, and there is no model.safetensors or model.safetensors.index.json",
+            path=str(directory),
+        )
     world = max(files) + 1
     check_world_size(world, what=str(files[world - 1]))
     missing = [r for r in range(world) if r not in files]
@@ -665,13 +690,72 @@ def _rank_mesh(
         raise LayoutError(f"{directory}: no mesh given", path=str(directory))
     if described:
         assert desc0 is not None
+        digest0: list[int] = []  # of rank 0's per-tensor text, made once
         for r, (p, h) in enumerate(zip(paths, headers)):
             d = desc0 if r == 0 else self_description(h, p, tensors=False)  # rank 0's: read once
             if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"]:
                 raise HeaderError(
                     f"{p}: its reshard metadata does not say rank {r} of mesh {mesh}", path=str(p)
                 )
+            if r:
+                _check_same_description(desc0, d, headers[0], h, paths[0], p, digest0)
     return mesh, desc0
+
+
+def _check_same_description(
+    desc0: RankMetadata,
+    desc: RankMetadata,
+    header0: Header,
+    header: Header,
+    path0: Path,
+    path: Path,
+    digest0: list[int],
+) -> None:
+    """Rank 0's description is the one read; another rank's file must describe the tensors it
+    holds alike (one describing a tensor as ``P(sum)`` where rank 0 says ``S(0)`` made ``convert``
+    sum the shards and ``inspect --check`` pass). Equal text is the common case, compared whole;
+    else each tensor both describe is compared, global shape and parsed placements."""
+    d0, d = cast(dict[str, Any], desc0), cast(dict[str, Any], desc)
+    digest = d.get(_DIGEST)
+    if digest is not None:  # a large description, kept as a digest (:func:`_rank_header`)
+        if not digest0:
+            raw0 = (header0.metadata or {}).get("reshard", "")
+            head0 = _DESCRIPTION_HEAD.match(raw0)
+            digest0.append(hash(raw0[head0.end() :]) if head0 is not None else 0)
+        if digest0[0] == digest:
+            return
+        header = read_header(path)  # they differ: this file's description, whole, names the tensor
+    elif (d["format_version"] == 2 and "layout" not in d) or (d["format_version"] == 1 and not d["tensors"]):
+        return  # dropped unread (rank-local names: each rank's text differs)
+    elif d0["format_version"] == d["format_version"] == 2 and header0.names == header.names:
+        if all(d0.get(k) == d.get(k) for k in ("placements", "layout", "shapes")):
+            return
+    elif d0["format_version"] == d["format_version"] == 1 and d0["tensors"] == d["tensors"]:
+        return
+    try:  # version 2 decoded per tensor; only when the text differs
+        full = self_description(header, path)
+    except HeaderError:  # this rank's tensors differ from its description: reported where read
+        return
+    assert full is not None
+    mine = full["tensors"]
+    for name, info0 in desc0["tensors"].items():
+        info = mine.get(name)
+        if info is None:
+            continue
+        try:
+            same = [int(x) for x in info["shape"]] == [int(x) for x in info0["shape"]] and [
+                parse_placement(t) for t in info["placements"]
+            ] == [parse_placement(t) for t in info0["placements"]]
+        except ConfigError:
+            same = False
+        if not same:
+            raise HeaderError(
+                f'{path}: its reshard metadata describes tensor "{name}" as shape {list(info["shape"])} '
+                f"{list(info['placements'])}, but {path0.name} (rank 0) as {list(info0['shape'])} "
+                f"{list(info0['placements'])}; the rank files are not of one checkpoint",
+                path=str(path),
+                tensor=name,
+            )
 
 
 def _uniform_order(files: RankFiles) -> tuple[int, ...] | None:
@@ -953,12 +1037,13 @@ def exact_rules(ckpt: Checkpoint) -> LayoutConfig:
         shapes.setdefault(tuple(_DIGIT_RUNS.split(t.name)), {}).setdefault(text, []).append(t.name)
     exact: list[list[object]] = []
     shared: list[list[object]] = []
+    dims = ckpt.mesh.names  # by name, not position: --target-mesh may add a dim (Replicate there)
     for parts, by_placements in shapes.items():
         ranked = sorted(by_placements.items(), key=lambda kv: -len(kv[1]))
         (most, names), rest = ranked[0], ranked[1:]
-        exact.extend([_exact_pattern(n), list(pls)] for pls, ns in rest for n in ns)
+        exact.extend([_exact_pattern(n), dict(zip(dims, pls, strict=True))] for pls, ns in rest for n in ns)
         pattern = _exact_pattern(names[0]) if len(names) == 1 else "re:" + r"\d+".join(map(re.escape, parts))
-        shared.append([pattern, list(most)])
+        shared.append([pattern, dict(zip(dims, most, strict=True))])
     return LayoutConfig.from_json(
         {"mesh": ckpt.mesh.to_json(), "rules": exact + shared}, source=f"{ckpt.path} (file metadata)"
     )
@@ -968,7 +1053,14 @@ _DIGIT_RUNS = re.compile("[0-9]+")
 
 
 def _exact_pattern(name: str) -> str:
-    """A rule pattern matching ``name`` alone: itself, unless it reads as a glob or regex."""
+    """A rule pattern matching ``name`` alone: itself, unless it reads as a glob or regex or is
+    empty (``torch.save(tensor)`` holds one tensor named ``""``; a rule pattern is never empty).
+
+    >>> print(*(_exact_pattern(n) for n in ("a.b", "a*", "")))
+    a.b re:a\\* re:^$
+    """
+    if not name:
+        return "re:^$"
     if name.startswith("re:") or any(c in name for c in "*?["):
         return "re:" + re.escape(name)
     return name

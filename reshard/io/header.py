@@ -648,13 +648,34 @@ def decode_header(raw: bytes, *, path: str = "<bytes>", file_size: int | None = 
     return _decode(box, path, file_size)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unpaired(header: Header, path: str) -> None:
+    """Refuse a name or metadata text holding an unpaired surrogate (``"\\udcff"``), as
+    safetensors does ("lone leading surrogate in hex escape"): no UTF-8 file can name it."""
+    meta = header.metadata or {}
+    for text in (*(e.name for e in header.entries), *meta, *meta.values()):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise HeaderError(
+                f"{path}: {text.encode('utf-8', 'backslashreplace').decode()!r} holds an unpaired "
+                "surrogate escape (\\ud800-\\udfff alone); safetensors refuses it",
+                path=path,
+            ) from None
+
+
 def _decode(box: list[bytes], path: str, file_size: int | None) -> Header:
     """:func:`decode_header` of the bytes in ``box``, which it empties as soon as it can (a
     200k-tensor header is 23 MB of bytes besides its 23 MB of text)."""
+    escaped = _SURROGATE_ESCAPE.search(box[0]) is not None  # \ud800-\udfff: paired, or not
     header = _sibling_header(box[0], path)
     if header is None:
         header = _decoded_header(box, path)
     box.clear()
+    if escaped:
+        _check_unpaired(header, path)
     if file_size is not None:
         have = file_size - header.data_start
         if have < header.data_size:

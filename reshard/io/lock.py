@@ -57,7 +57,7 @@ class DirLock:
                 now = None
             if now is not None and (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, _description().encode(), 0)
+                os.pwrite(fd, _description().encode("utf-8", "backslashreplace"), 0)  # argv: any bytes
                 self.fd = fd
                 return self
             os.close(fd)  # locked a file its holder unlinked: try the new one
@@ -74,7 +74,15 @@ class DirLock:
                     "destination: remove it",
                     path=str(self.path),
                 ) from None
-            raise
+            if e.errno == errno.EISDIR:
+                raise UsageError(
+                    f"{self.path}: is a directory, not reshard's lock file: remove it", path=str(self.path)
+                ) from None
+            # a read-only file system, a directory this user cannot write: nothing written yet
+            raise UsageError(
+                f"{self.path.parent}: cannot write into the destination ({e.strerror or e})",
+                path=str(self.path.parent),
+            ) from None
         kind = file_kind(os.fstat(fd).st_mode)
         if kind is not None:
             os.close(fd)

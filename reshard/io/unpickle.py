@@ -78,6 +78,10 @@ Globals = Mapping[tuple[str, str], Any]
 SAFETENSORS_DTYPES: dict[str, str] = {v: k for k, v in TORCH_NAMES.items()}
 
 
+_TORCH_DTYPE_NAME = re.compile(r"(complex|float|bfloat|bits|q?u?int)\d.*|q?u?int\d+x\d+")
+"""``torch.<name>`` globals that are dtypes (``complex128``, ``float4_e2m1fn_x2``, ``quint4x2``)."""
+
+
 class UnsafePickleError(HeaderError):
     """A pickle refers to a class or function outside the allow-list; nothing of it ran."""
 
@@ -112,6 +116,14 @@ class RestrictedUnpickler(pickle.Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
+            if module == "torch" and (_TORCH_DTYPE_NAME.fullmatch(name) or name.endswith("Storage")):
+                kind = "dtype" if not name.endswith("Storage") else "storage class"
+                raise UnsafePickleError(  # a dtype (or typed storage) reshard has no name for, not code
+                    f"{self._path}: the {self._what} holds a tensor of {kind} torch.{name}: "
+                    "safetensors has no such dtype, so reshard cannot read it (nothing of it was "
+                    "run). Cast it with torch (or leave it out of the state dict) and re-save.",
+                    path=self._path,
+                ) from None
             raise UnsafePickleError(
                 f"{self._path}: the {self._what} pickle refers to {module}.{name}, which a "
                 f"{self._what} does not use; refusing to load it (nothing of it was run). If you "

@@ -80,6 +80,17 @@ def test_fsdp_tp_placements_sub_mesh_and_non_tensor_leaves(world: Path, tmp_path
     assert_same_as_torch(tmp_path / "hf", world / "fsdp_tp.safetensors")
 
 
+def test_target_mesh_adding_a_dim_to_the_dtensors_mesh(world: Path, tmp_path: Path) -> None:
+    """A new dim on the DTensors' own rules is replicated, as for per-rank files (the rules were
+    positional, one placement per source dim: exit 2 naming a rule of the "file metadata")."""
+    reshard("convert", world / "fsdp_tp", tmp_path / "pp", "--target-mesh", "dp=2,tp=2,pp=2", "--quiet")
+    doc = json.loads(reshard("inspect", tmp_path / "pp", "--json").stdout)
+    assert doc["mesh"] == {"names": ["dp", "tp", "pp"], "shape": [2, 2, 2]}
+    assert {t["name"]: t["placements"] for t in doc["tensors"]}["model.layers.0.wo"] == ["S(0)", "S(1)", "R"]
+    reshard("convert", tmp_path / "pp", tmp_path / "hf", "--consolidate", "--quiet")
+    assert_same_as_torch(tmp_path / "hf", world / "fsdp_tp.safetensors")
+
+
 def test_plain_tensors_need_a_source_layout(world: Path, tmp_path: Path) -> None:
     res = reshard("convert", world / "plain", tmp_path / "x", "--consolidate", code=2)
     assert "pass --source-layout" in res.stderr and not (tmp_path / "x").exists()
