@@ -308,6 +308,29 @@ def test_hf_to_vllm_with_tp_orders_rows_as_vllm_ranks_hold_them(heads: int, kv_h
     assert_same(back, hf)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 2, 1), (4, 2, 2), (4, 2, 4), (8, 2, 8)])
+def test_hf_to_vllm_fuses_qwen2_qkv_biases_as_the_weights(heads: int, kv_heads: int, tp: int) -> None:
+    """Qwen2's q/k/v biases become vLLM's qkv_proj.bias, each rank's [q_r; k_r; v_r] as for the
+    weights (they were left unfused, three tensors vLLM does not have); the inverse gives them back."""
+    cfg = {**LLAMA, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    hf = llama_hf(cfg)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(2):
+        for x in "qkv":
+            w = hf[f"model.layers.{i}.self_attn.{x}_proj.weight"]
+            hf[f"model.layers.{i}.self_attn.{x}_proj.bias"] = torch.randn(w.shape[0], generator=gen)
+    spec = load_transforms("hf-to-vllm").with_values({"tp": tp})
+    got = run_spec(spec, numpy_of(hf), cfg)
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn."
+        assert not any(f"{p}{x}_proj.bias" in got for x in "qkv")
+        q, k, v = (hf[p + f"{x}_proj.bias"] for x in "qkv")
+        fused = torch.from_numpy(got[p + "qkv_proj.bias"])
+        for r in range(tp):
+            assert torch.equal(torch.chunk(fused, tp)[r], vllm_rank_qkv(q, k, v, kv_heads, tp, r)), (i, r)
+    assert_same(run_spec(inverse(spec), got, cfg), hf)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 2, 4), (8, 2, 8), (4, 1, 4), (4, 2, 2)])
 def test_vllm_read_back_lists_the_kv_copies_it_does_not_read(heads: int, kv_heads: int, tp: int) -> None:
     """Each rank's copy of a replicated KV head made distinct (torch): the inverse reads the first
