@@ -190,6 +190,19 @@ class ReadHashes:
             if lo - st.cursor > _GAP and self._keep(st, lo, data):
                 return
             st.busy = True
+            at_cursor = lo == st.cursor and not st.held
+        if at_cursor:  # the usual case, a read in order: hash it, no span list, one more lock
+            st.hasher.update(data)
+            with f.lock:
+                st.cursor = hi
+                if not st.held:
+                    if hi >= f.regions[i].stop:
+                        self._finish(f, i, st)
+                    else:
+                        st.busy = False
+                    return
+            self._own(f, i, st, hi, [])  # spans held meanwhile by other threads: take them on
+            return
         self._own(f, i, st, hi, [(lo, data)])
 
     def _keep(self, st: _State, at: int, data: memoryview) -> bool:
