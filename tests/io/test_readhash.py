@@ -141,3 +141,40 @@ def test_spans_held_at_the_same_offset_twice(tmp_path: Path, small_pieces: int) 
     h.feed(0, 0, memoryview(data)[:x])
     h.feed(0, x + 3 * 4096, memoryview(data)[x + 3 * 4096 :])
     assert h.problems() == [] and h.read_back == 0 and h._held == 0
+
+
+def test_a_span_held_while_the_cursor_span_is_hashed_is_taken_on(
+    tmp_path: Path, small_pieces: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's span arriving while an in-order span is being hashed (outside the lock)
+    is held, and the hashing thread takes it on when it is done: nothing read back."""
+    import xxhash
+
+    import reshard.io.readhash as rh
+
+    data = os.urandom(small_pieces)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), file_checksum(p))}, 1 << 20)
+    cut = 10_000
+    calls: list[int] = []
+
+    class Racing:
+        """An xxh3 hasher whose first update lets 'another thread' feed the next span."""
+
+        def __init__(self) -> None:
+            self.h = xxhash.xxh3_128()
+
+        def update(self, b: object) -> None:
+            if not calls:
+                calls.append(1)
+                h.feed(0, cut, memoryview(data)[cut:])  # busy: held for the owner
+            self.h.update(b)
+
+        def digest(self) -> bytes:
+            return self.h.digest()
+
+    monkeypatch.setattr(rh, "_xxh3", Racing)
+    h.feed(0, 0, memoryview(data)[:cut])
+    assert calls and h._held == 0  # the held span was taken on at once
+    assert h.problems() == [] and h.read_back == 0
