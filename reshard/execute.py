@@ -349,24 +349,52 @@ class _Writer:
         bad = np.flatnonzero(~plain[geos.group] | (sz > cap))  # entries that go the per-entry way
         gaps = np.flatnonzero(st[1:] != st[:-1] + sz[:-1]) + 1  # entries not right after the previous
         ends = np.union1d(bad, gaps)  # where a buffer must end
-        i = lo
-        while i < hi:
-            _check(self.stop)
-            b = int(np.searchsorted(bad, i))
-            if b < len(bad) and bad[b] == i:
-                if sz[i]:
-                    yield from self.entry_steps(OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i])))
-                i += 1
-                continue
+
+        def alone(i: int) -> Iterator[None]:
+            if sz[i]:
+                yield from self.entry_steps(OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i])))
+
+        def batch_end(i: int, b: int) -> int:
             limit = int(st[i]) + most
             j = int(np.searchsorted(st, limit, "right"))
             if st[j - 1] + sz[j - 1] > limit:
                 j -= 1
             k = int(np.searchsorted(ends, i, "right"))
-            j = max(i + 1, min(j, hi, int(ends[k]) if k < len(ends) else hi))
+            return min(j, hi, int(ends[k]) if k < len(ends) else hi)
+
+        def copy(i: int, j: int) -> bool:
+            return self._copy_columns(geos, rank, st, base, i, j, int(st[j - 1] + sz[j - 1] - st[i]))
+
+        yield from self._batches(tensors, lo, hi, bad, alone, batch_end, copy)
+
+    def _batches(
+        self,
+        tensors: Sequence[TargetTensor],
+        lo: int,
+        hi: int,
+        bad: Any,
+        alone: Callable[[int], Iterator[None]],
+        batch_end: Callable[[int, int], int],
+        copy: Callable[[int, int], bool],
+    ) -> Iterator[None]:
+        """Entries ``lo`` to ``hi`` a buffer at a time, yielding after each buffer: the entries in
+        ``bad`` (sorted) one by one with ``alone(i)``, the others in batches ``[i, j)`` (``j`` at
+        most ``batch_end(i, b)``, ``b`` where ``i`` would sit in ``bad``) with ``copy(i, j)``,
+        halved while it refuses (its reads would not stay for the siblings)."""
+        import numpy as np
+
+        i = lo
+        while i < hi:
+            _check(self.stop)
+            b = int(np.searchsorted(bad, i))
+            if b < len(bad) and bad[b] == i:
+                yield from alone(i)
+                i += 1
+                continue
+            j = max(i + 1, batch_end(i, b))
             self._flush()
-            while not self._copy_columns(geos, rank, st, base, i, j, int(st[j - 1] + sz[j - 1] - st[i])):
-                j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer entries
+            while not copy(i, j):
+                j = i + (j - i) // 2
             self.at = (self._place(tensors[j - 1]), 0)
             yield
             i = j
@@ -459,25 +487,20 @@ class _Writer:
         ends = np.append(ast[1:], f.size)  # each archive's end: the next one's start
         plain = _plain_runs(geos, rank)
         bad = np.flatnonzero(~plain[geos.group] | (ends - ast > most))
-        i = lo
-        while i < hi:
-            _check(self.stop)
-            b = int(np.searchsorted(bad, i))
-            if b < len(bad) and bad[b] == i:
-                self._flush()
-                e = OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i]))
-                yield from self.file_steps(f, iter([(int(ast[i]), archives[i].prefix), (i, e)]))
-                i += 1
-                continue
-            j = int(np.searchsorted(ends, ast[i] + most, "right"))
-            j = max(i + 1, min(j, hi, int(bad[b]) if b < len(bad) else hi))
+
+        def alone(i: int) -> Iterator[None]:
             self._flush()
-            while not self._copy_chunks(f, geos, rank, base, st, sz, ast, ends, archives, i, j):
-                j = i + (j - i) // 2  # its reads would not stay for the siblings: fewer archives
-            self.at = (self._place(tensors[j - 1]), 0)
-            yield
-            i = j
-        self._flush()
+            e = OutEntry(tensors[i], rank, base + int(st[i]), int(sz[i]))
+            yield from self.file_steps(f, iter([(int(ast[i]), archives[i].prefix), (i, e)]))
+
+        def batch_end(i: int, b: int) -> int:
+            j = int(np.searchsorted(ends, ast[i] + most, "right"))
+            return min(j, hi, int(bad[b]) if b < len(bad) else hi)
+
+        def copy(i: int, j: int) -> bool:
+            return self._copy_chunks(f, geos, rank, base, st, sz, ast, ends, archives, i, j)
+
+        yield from self._batches(tensors, lo, hi, bad, alone, batch_end, copy)
 
     def _copy_chunks(
         self,
