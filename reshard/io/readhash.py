@@ -26,6 +26,7 @@ never reads, spans past the budget) and compares.
 from __future__ import annotations
 
 import heapq
+import itertools
 import os
 import threading
 from bisect import bisect_right
@@ -150,7 +151,7 @@ class ReadHashes:
         self._held = 0
         self._lock = threading.Lock()
         self._blocks: list[bytearray] = []  # pool blocks free for reuse (touched once)
-        self._seq = 0
+        self._seq = itertools.count()  # ties between spans held at one offset (never compare bytes)
         self._local = threading.local()  # each thread's read-back buffer
         self.read_back = 0  # bytes read again by problems() (what the copy did not hash)
 
@@ -217,9 +218,7 @@ class ReadHashes:
                 if self._held + n > self._hold:
                     return False
                 self._held += n
-                self._seq += 1
-                seq = self._seq
-            heapq.heappush(st.held, (at, seq, memoryview(bytes(data)), None))
+            heapq.heappush(st.held, (at, next(self._seq), memoryview(bytes(data)), None))
             return True
         count = -(-n // _BLOCK)
         with self._lock:
@@ -227,13 +226,11 @@ class ReadHashes:
                 return False
             self._held += count * _BLOCK
             blocks = [self._blocks.pop() if self._blocks else bytearray(_BLOCK) for _ in range(count)]
-            seq = self._seq + 1
-            self._seq += count
         for k, block in enumerate(blocks):
             part = data[k * _BLOCK : (k + 1) * _BLOCK]
             view = memoryview(block)[: len(part)]
             view[:] = part
-            heapq.heappush(st.held, (at + k * _BLOCK, seq + k, view, block))
+            heapq.heappush(st.held, (at + k * _BLOCK, next(self._seq), view, block))
         return True
 
     def _own(self, f: _File, i: int, st: _State, want: int, span: list[tuple[int, memoryview]]) -> None:
