@@ -42,6 +42,8 @@ def config(family: str, *, kv_heads: int = 2) -> Any:
         return transformers.LlamaConfig(**common)
     if family == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=16)
+    if family == "qwen2":  # q/k/v with biases
+        return transformers.Qwen2Config(**common)
     if family == "phi3":
         return transformers.Phi3Config(**common, pad_token_id=0)
     if family == "mixtral":

@@ -828,3 +828,25 @@ def test_verify_with_transforms_drops_excluded_source_tensors_first(tmp_path: Pa
     bad = (*cut, "--exclude", "nothing.*")  # an exclusion matching nowhere is still said
     p = run("verify", str(src), str(tmp_path / "out"), *bad)
     assert p.returncode == 0 and 'warning: --exclude "nothing.*" matches nothing' in p.stdout + p.stderr
+
+
+def test_hf_to_vllm_fuses_the_biases_of_a_transformers_qwen2(tmp_path: Path) -> None:
+    """A Qwen2 that transformers saved: at TP-2 each rank's qkv_proj.bias is vLLM's [q_r; k_r; v_r]
+    of the model's own biases (they were left as three tensors vLLM does not have)."""
+    pytest.importorskip("transformers")
+    from tests import tiny_models
+
+    tiny_models.build("qwen2", tmp_path / "qwen2")
+    hf = load_file(str(tmp_path / "qwen2" / "model.safetensors"))
+    args = ["--transforms", "hf-to-vllm", "--set", "tp=2", "--target-layout", "llama-tp"]
+    args += ["--target-mesh", "tp=2"]
+    p = run("convert", str(tmp_path / "qwen2"), str(tmp_path / "vllm"), *args)
+    assert p.returncode == 0, p.stderr
+    for r in range(2):
+        got = load_file(str(tmp_path / "vllm" / f"rank-{r:05d}-of-00002.safetensors"))
+        for i in range(2):
+            at = f"model.layers.{i}.self_attn."
+            q, k, v = (hf[at + f"{x}_proj.bias"] for x in "qkv")
+            assert not any(f"{at}{x}_proj.bias" in got for x in "qkv")
+            want = torch.cat([q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]])  # 2 KV heads: one a rank
+            assert torch.equal(got[at + "qkv_proj.bias"], want), (r, i)
