@@ -405,10 +405,11 @@ class _Verifier:
         self.by_value: dict[tuple[Hashable, ...], int] = {}  # by signatures
         self.kind_list: list[_Kind] = []
         self.groups: dict[tuple[int, str], int] = {}
-        self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 8)))
+        self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 12)))
 
     def close(self) -> None:
         self.bufs = ([], [])
+        self.batch.close()
         self.fa.close()
         self.fb.close()
 
