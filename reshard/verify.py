@@ -59,7 +59,7 @@ from .plan import Copy, copy_boxes, match_blocks, natural_key
 from .transform_plan import TransformedSource, file_at, match_any, target_sources
 from .transforms import Repeat
 
-__all__ = ["verify_checkpoints", "verify_repeats", "with_repeats", "Verdict", "Difference"]
+__all__ = ["verify_checkpoints", "verify_repeats", "with_repeats", "with_replicas", "Verdict", "Difference"]
 
 
 def _prod(xs: Sequence[int]) -> int:
@@ -649,6 +649,50 @@ def with_repeats(verdict: Verdict, source: Checkpoint, repeats: Sequence[Repeat]
         "bytes_compared": verdict["bytes_compared"] + compared,
         "differences": merged,
     }
+
+
+def with_replicas(verdict: Verdict, a: Checkpoint, b: Checkpoint) -> Verdict:
+    """``verdict`` (of ``a`` against ``b``) with the copies of each side's replicated tensors
+    compared as well.
+
+    The comparison reads one copy of a replicated block (the lowest piece); a side whose
+    other copies hold other bytes does not hold one value, so each such copy is a
+    ``replica`` difference (its first differing global index, the file holding it as
+    ``path`` and the copy read as ``other``), found by :func:`reshard.check.replica_problems`.
+    A side seen through transforms is checked as stored: the tensors its views read.
+    """
+    from .check import replica_problems
+
+    diffs: list[Difference] = []
+    for side, ckpt in (("A", _stored(a)), ("B", _stored(b))):
+        for p in replica_problems(ckpt):
+            name = p["tensor"]
+            assert name is not None
+            diffs.append(
+                {
+                    "tensor": name,
+                    "kind": "replica",
+                    "message": f"in {side} ({ckpt.path}): {p['message']}",
+                    "index": p.get("index", []),
+                    "path": p["path"] or ckpt.path,
+                    "other": p.get("other", ""),
+                }
+            )
+    if not diffs:
+        return verdict
+    merged = sorted([*verdict["differences"], *diffs], key=lambda d: natural_key(d["tensor"]))
+    return {**verdict, "equal": False, "differences": merged}
+
+
+def _stored(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` with each tensor seen through transforms replaced by the stored tensors it reads."""
+    if not any(isinstance(t, TransformedSource) for t in ckpt.tensors.values()):
+        return ckpt
+    tensors: dict[str, TensorSource] = {}
+    for t in ckpt.tensors.values():
+        for x in t.inputs if isinstance(t, TransformedSource) else (t,):
+            tensors[x.name] = x
+    return dataclasses.replace(ckpt, tensors=tensors)
 
 
 def _metadata_difference(name: str, ta: TensorSource | None, tb: TensorSource | None) -> Difference | None:
