@@ -30,7 +30,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import os
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
@@ -274,9 +276,16 @@ def _first_difference(
     b: TensorSource,
     m: _Match,
     max_bytes: int,
-    bufs: tuple[list[bytearray], list[bytearray]],
+    bufs: tuple[list[bytearray], list[bytearray], list[bytearray]],
+    helper: ThreadPoolExecutor | None = None,
 ) -> tuple[int, tuple[list[int], int, int] | None]:
-    """Bytes compared, and the smallest differing global index with A's and B's bits (or None)."""
+    """Bytes compared, and the smallest differing global index with A's and B's bits (or None).
+
+    ``bufs``: A's and B's gather buffers and the mask's, reused from call to call. With a
+    ``helper`` thread, A's slab is read on it while B's is read here, and the two halves of
+    each slab are compared at once (the mapped pages are faulted in as they are read: page
+    faults and copies let go of the GIL).
+    """
     import numpy as np
 
     isz = DTYPE_SIZES[a.dtype]
@@ -298,11 +307,10 @@ def _first_difference(
         for slab in slabs(dshape, 1, items):
             shape = tuple(hi - lo for lo, hi in slab)
             n = _prod(shape)
-            va = ra.slab(slab, shape, n)
-            vb = rb.slab(slab, shape, n)
+            va, vb = _both_slabs(ra, rb, slab, shape, n, helper)
             compared += n * isz
-            neq = np.not_equal(va, vb)
-            if neq.any():
+            neq = _not_equal(va, vb, shape, n, bufs[2], helper)
+            if neq is not None:
                 pos = int(np.argmax(neq.reshape(-1)))
                 local = [int(x) for x in np.unravel_index(pos, shape)] if shape else []
                 at = tuple(local)
@@ -316,6 +324,58 @@ def _first_difference(
             del va, vb, neq
         del ra, rb
     return compared, best
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
+_PARALLEL = 1 << 16
+"""Items of a slab below which both sides are read and compared on one thread."""
+
+
+def _both_slabs(
+    ra: _Region,
+    rb: _Region,
+    slab: tuple[tuple[int, int], ...],
+    shape: tuple[int, ...],
+    n: int,
+    helper: ThreadPoolExecutor | None,
+) -> tuple[Any, Any]:
+    """A's and B's items of ``slab`` (A's read on ``helper`` meanwhile, when given)."""
+    if helper is None or n < _PARALLEL:
+        return ra.slab(slab, shape, n), rb.slab(slab, shape, n)
+    fut = helper.submit(ra.slab, slab, shape, n)
+    try:
+        vb = rb.slab(slab, shape, n)
+    finally:
+        wait([fut])  # never leave the helper writing into a buffer we go on with
+    return fut.result(), vb
+
+
+def _not_equal(
+    va: Any, vb: Any, shape: tuple[int, ...], n: int, mask: list[bytearray], helper: ThreadPoolExecutor | None
+) -> Any:
+    """Where ``va`` and ``vb`` differ (a bool array shaped ``shape`` in ``mask[0]``), or None when
+    nowhere; the first half of the rows compared on ``helper`` meanwhile, when given."""
+    import numpy as np
+
+    if not mask:
+        mask.append(bytearray())
+    if len(mask[0]) < n:
+        mask[0] = bytearray(n)
+    neq = np.frombuffer(mask[0], np.bool_, n).reshape(shape)
+    if helper is None or n < _PARALLEL or not shape or shape[0] < 2:
+        np.not_equal(va, vb, out=neq)
+        return neq if neq.any() else None
+    h = shape[0] // 2
+    fut = helper.submit(np.not_equal, va[:h], vb[:h], out=neq[:h])
+    try:
+        np.not_equal(va[h:], vb[h:], out=neq[h:])
+    finally:
+        wait([fut])
+    fut.result()
+    return neq if neq.any() else None
 
 
 def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
@@ -399,7 +459,8 @@ class _Verifier:
         self.compared = 0
         self.fa = MappedFiles(a.files, max_bytes // 4)
         self.fb = MappedFiles(b.files, max_bytes // 4)
-        self.bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
+        self.bufs: tuple[list[bytearray], list[bytearray], list[bytearray]] = ([], [], [])
+        self.helper = ThreadPoolExecutor(1, thread_name_prefix="reshard-verify") if _cores() > 1 else None
         self.matches: dict[tuple[Hashable, ...], _Match] = {}
         self.kinds: dict[tuple[int, int, tuple[int, ...], str], int] = {}  # by signature ids
         self.by_value: dict[tuple[Hashable, ...], int] = {}  # by signatures
@@ -408,7 +469,10 @@ class _Verifier:
         self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 12)))
 
     def close(self) -> None:
-        self.bufs = ([], [])
+        self.bufs = ([], [], [])
+        if self.helper is not None:
+            self.helper.shutdown(wait=True)
+            self.helper = None
         self.batch.close()
         self.fa.close()
         self.fb.close()
@@ -515,7 +579,9 @@ class _Verifier:
     def _alone(self, name: str, ta: TensorSource, tb: TensorSource, kind: _Kind) -> None:
         """One tensor compared region by region (its first differing index, if any)."""
         assert kind.match is not None
-        n, first = _first_difference(self.fa, self.fb, ta, tb, kind.match, self.max_bytes, self.bufs)
+        n, first = _first_difference(
+            self.fa, self.fb, ta, tb, kind.match, self.max_bytes, self.bufs, self.helper
+        )
         self.compared += n
         if first is not None:
             self.diffs.append(_values_difference(name, ta.dtype, *first))
