@@ -23,7 +23,7 @@ from .convert import convert as _convert
 from .errors import UsageError
 from .report import inspect_report, plan_report
 from .transform_plan import transforms_for
-from .verify import verify_checkpoints, with_repeats
+from .verify import verify_checkpoints, with_repeats, with_replicas
 
 __all__ = [
     "convert_checkpoint",
@@ -187,5 +187,6 @@ def compare_checkpoints(
         sets=sets,
     )
     if tf is None:
-        return dict(verify_checkpoints(ca, cb))
-    return dict(with_repeats(verify_checkpoints(tf.checkpoint(ca), cb), ca, tf.repeats(ca)))
+        return dict(with_replicas(verify_checkpoints(ca, cb), ca, cb))
+    seen = tf.checkpoint(ca)
+    return dict(with_repeats(with_replicas(verify_checkpoints(seen, cb), seen, cb), ca, tf.repeats(ca)))

@@ -62,6 +62,7 @@ __all__ = [
     "check_checkpoint",
     "check_metadata",
     "checks_made",
+    "replica_problems",
     "source_hashes",
     "Problem",
     "MAX_REGIONS",
@@ -683,6 +684,22 @@ def _suspects(
     """The tensors :func:`_check_tensor` must see: those of a geometry with pieces outside the
     tensor, holes or overlaps, and those :func:`reshard.bulkcheck.suspects` does not prove
     whole (the others have no problem for it to report)."""
+    names: set[str] = set()
+    clean: list[tuple[list[TensorSource], Geometry]] = []
+    for ts, g in _by_geometry(ckpt, cache):
+        if g.outside or any(grp.holes or grp.overlaps for grp in g.groups):
+            names.update(x.name for x in ts)
+        else:
+            clean.append((ts, (g.numels, tuple(p for grp in g.groups for p in grp.replicas))))
+    cap = max(1, min(_BATCH, max_bytes // 8))
+    names.update(t.name for t in suspects(clean, sizes, data.files.sources, cap))
+    return names
+
+
+def _by_geometry(
+    ckpt: Checkpoint, cache: dict[tuple[Hashable, ...], _Geometry]
+) -> list[tuple[list[TensorSource], _Geometry]]:
+    """``ckpt``'s tensors grouped by geometry (signature, shape and partial groups)."""
     # readers share a signature object between the tensors of a geometry: found by id; others
     # (a new tuple per tensor) by value, without an entry a tensor
     by_id: dict[tuple[int, tuple[int, ...], tuple[int, ...] | None], list[TensorSource]] = {}
@@ -695,19 +712,47 @@ def _suspects(
             if same is None:
                 same = by_id[(id(t.signature), t.shape, t.piece_partials)] = by_value[value] = []
         same.append(t)
-    names: set[str] = set()
-    clean: list[tuple[list[TensorSource], Geometry]] = []
+    out = []
     for key, ts in by_value.items():
         g = cache.get(key)
         if g is None:
             g = cache[key] = _geometry(ts[0])
-        if g.outside or any(grp.holes or grp.overlaps for grp in g.groups):
-            names.update(x.name for x in ts)
-        else:
-            clean.append((ts, (g.numels, tuple(p for grp in g.groups for p in grp.replicas))))
-    cap = max(1, min(_BATCH, max_bytes // 8))
-    names.update(t.name for t in suspects(clean, sizes, data.files.sources, cap))
-    return names
+        out.append((ts, g))
+    return out
+
+
+def replica_problems(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Problem]:
+    """The ``replica`` problems of :func:`check_checkpoint` alone: pieces holding the same block
+    of a tensor (a ``Replicate`` placement's copies) whose bytes differ, each with its first
+    differing global index and both files.
+
+    What ``verify`` adds to its comparison, which reads one copy: a checkpoint whose copies
+    disagree does not hold one value. Geometries with holes or overlaps are left to the
+    comparison (it refuses holes) and to ``inspect --check``; missing or short files too.
+    """
+    sizes: list[int | None] = _check_files(ckpt, [])
+    cache: dict[tuple[Hashable, ...], _Geometry] = {}
+    clean: list[tuple[list[TensorSource], Geometry]] = []
+    for ts, g in _by_geometry(ckpt, cache):
+        pairs = tuple(p for grp in g.groups for p in grp.replicas)
+        if pairs and not g.outside and not any(grp.holes or grp.overlaps for grp in g.groups):
+            clean.append((ts, (g.numels, pairs)))
+    out: list[Problem] = []
+    if not clean:
+        return out
+    data = _Data(ckpt, max_bytes)
+    try:
+        cap = max(1, min(_BATCH, max_bytes // 8))
+        found = suspects(clean, sizes, data.files.sources, cap)
+        for t in sorted(found, key=lambda t: natural_key(t.name)):
+            g = cache[(t.signature, t.shape, t.piece_partials)]
+            if not _check_bounds(ckpt, t, g, sizes, []):
+                continue
+            for grp in g.groups:
+                _report_replicas(ckpt, t, g, grp, data, out)
+    finally:
+        data.close()
+    return out
 
 
 _BATCH = 4 << 20

@@ -30,7 +30,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import os
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
@@ -59,7 +61,7 @@ from .plan import Copy, copy_boxes, match_blocks, natural_key
 from .transform_plan import TransformedSource, file_at, match_any, target_sources
 from .transforms import Repeat
 
-__all__ = ["verify_checkpoints", "verify_repeats", "with_repeats", "Verdict", "Difference"]
+__all__ = ["verify_checkpoints", "verify_repeats", "with_repeats", "with_replicas", "Verdict", "Difference"]
 
 
 def _prod(xs: Sequence[int]) -> int:
@@ -274,9 +276,16 @@ def _first_difference(
     b: TensorSource,
     m: _Match,
     max_bytes: int,
-    bufs: tuple[list[bytearray], list[bytearray]],
+    bufs: tuple[list[bytearray], list[bytearray], list[bytearray]],
+    helper: ThreadPoolExecutor | None = None,
 ) -> tuple[int, tuple[list[int], int, int] | None]:
-    """Bytes compared, and the smallest differing global index with A's and B's bits (or None)."""
+    """Bytes compared, and the smallest differing global index with A's and B's bits (or None).
+
+    ``bufs``: A's and B's gather buffers and the mask's, reused from call to call. With a
+    ``helper`` thread, A's slab is read on it while B's is read here, and the two halves of
+    each slab are compared at once (the mapped pages are faulted in as they are read: page
+    faults and copies let go of the GIL).
+    """
     import numpy as np
 
     isz = DTYPE_SIZES[a.dtype]
@@ -298,11 +307,10 @@ def _first_difference(
         for slab in slabs(dshape, 1, items):
             shape = tuple(hi - lo for lo, hi in slab)
             n = _prod(shape)
-            va = ra.slab(slab, shape, n)
-            vb = rb.slab(slab, shape, n)
+            va, vb = _both_slabs(ra, rb, slab, shape, n, helper)
             compared += n * isz
-            neq = np.not_equal(va, vb)
-            if neq.any():
+            neq = _not_equal(va, vb, shape, n, bufs[2], helper)
+            if neq is not None:
                 pos = int(np.argmax(neq.reshape(-1)))
                 local = [int(x) for x in np.unravel_index(pos, shape)] if shape else []
                 at = tuple(local)
@@ -316,6 +324,58 @@ def _first_difference(
             del va, vb, neq
         del ra, rb
     return compared, best
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
+_PARALLEL = 1 << 16
+"""Items of a slab below which both sides are read and compared on one thread."""
+
+
+def _both_slabs(
+    ra: _Region,
+    rb: _Region,
+    slab: tuple[tuple[int, int], ...],
+    shape: tuple[int, ...],
+    n: int,
+    helper: ThreadPoolExecutor | None,
+) -> tuple[Any, Any]:
+    """A's and B's items of ``slab`` (A's read on ``helper`` meanwhile, when given)."""
+    if helper is None or n < _PARALLEL:
+        return ra.slab(slab, shape, n), rb.slab(slab, shape, n)
+    fut = helper.submit(ra.slab, slab, shape, n)
+    try:
+        vb = rb.slab(slab, shape, n)
+    finally:
+        wait([fut])  # never leave the helper writing into a buffer we go on with
+    return fut.result(), vb
+
+
+def _not_equal(
+    va: Any, vb: Any, shape: tuple[int, ...], n: int, mask: list[bytearray], helper: ThreadPoolExecutor | None
+) -> Any:
+    """Where ``va`` and ``vb`` differ (a bool array shaped ``shape`` in ``mask[0]``), or None when
+    nowhere; the first half of the rows compared on ``helper`` meanwhile, when given."""
+    import numpy as np
+
+    if not mask:
+        mask.append(bytearray())
+    if len(mask[0]) < n:
+        mask[0] = bytearray(n)
+    neq = np.frombuffer(mask[0], np.bool_, n).reshape(shape)
+    if helper is None or n < _PARALLEL or not shape or shape[0] < 2:
+        np.not_equal(va, vb, out=neq)
+        return neq if neq.any() else None
+    h = shape[0] // 2
+    fut = helper.submit(np.not_equal, va[:h], vb[:h], out=neq[:h])
+    try:
+        np.not_equal(va[h:], vb[h:], out=neq[h:])
+    finally:
+        wait([fut])
+    fut.result()
+    return neq if neq.any() else None
 
 
 def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
@@ -399,16 +459,21 @@ class _Verifier:
         self.compared = 0
         self.fa = MappedFiles(a.files, max_bytes // 4)
         self.fb = MappedFiles(b.files, max_bytes // 4)
-        self.bufs: tuple[list[bytearray], list[bytearray]] = ([], [])
+        self.bufs: tuple[list[bytearray], list[bytearray], list[bytearray]] = ([], [], [])
+        self.helper = ThreadPoolExecutor(1, thread_name_prefix="reshard-verify") if _cores() > 1 else None
         self.matches: dict[tuple[Hashable, ...], _Match] = {}
         self.kinds: dict[tuple[int, int, tuple[int, ...], str], int] = {}  # by signature ids
         self.by_value: dict[tuple[Hashable, ...], int] = {}  # by signatures
         self.kind_list: list[_Kind] = []
         self.groups: dict[tuple[int, str], int] = {}
-        self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 8)))
+        self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 12)))
 
     def close(self) -> None:
-        self.bufs = ([], [])
+        self.bufs = ([], [], [])
+        if self.helper is not None:
+            self.helper.shutdown(wait=True)
+            self.helper = None
+        self.batch.close()
         self.fa.close()
         self.fb.close()
 
@@ -514,7 +579,9 @@ class _Verifier:
     def _alone(self, name: str, ta: TensorSource, tb: TensorSource, kind: _Kind) -> None:
         """One tensor compared region by region (its first differing index, if any)."""
         assert kind.match is not None
-        n, first = _first_difference(self.fa, self.fb, ta, tb, kind.match, self.max_bytes, self.bufs)
+        n, first = _first_difference(
+            self.fa, self.fb, ta, tb, kind.match, self.max_bytes, self.bufs, self.helper
+        )
         self.compared += n
         if first is not None:
             self.diffs.append(_values_difference(name, ta.dtype, *first))
@@ -648,6 +715,50 @@ def with_repeats(verdict: Verdict, source: Checkpoint, repeats: Sequence[Repeat]
         "bytes_compared": verdict["bytes_compared"] + compared,
         "differences": merged,
     }
+
+
+def with_replicas(verdict: Verdict, a: Checkpoint, b: Checkpoint) -> Verdict:
+    """``verdict`` (of ``a`` against ``b``) with the copies of each side's replicated tensors
+    compared as well.
+
+    The comparison reads one copy of a replicated block (the lowest piece); a side whose
+    other copies hold other bytes does not hold one value, so each such copy is a
+    ``replica`` difference (its first differing global index, the file holding it as
+    ``path`` and the copy read as ``other``), found by :func:`reshard.check.replica_problems`.
+    A side seen through transforms is checked as stored: the tensors its views read.
+    """
+    from .check import replica_problems
+
+    diffs: list[Difference] = []
+    for side, ckpt in (("A", _stored(a)), ("B", _stored(b))):
+        for p in replica_problems(ckpt):
+            name = p["tensor"]
+            assert name is not None
+            diffs.append(
+                {
+                    "tensor": name,
+                    "kind": "replica",
+                    "message": f"in {side} ({ckpt.path}): {p['message']}",
+                    "index": p.get("index", []),
+                    "path": p["path"] or ckpt.path,
+                    "other": p.get("other", ""),
+                }
+            )
+    if not diffs:
+        return verdict
+    merged = sorted([*verdict["differences"], *diffs], key=lambda d: natural_key(d["tensor"]))
+    return {**verdict, "equal": False, "differences": merged}
+
+
+def _stored(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` with each tensor seen through transforms replaced by the stored tensors it reads."""
+    if not any(isinstance(t, TransformedSource) for t in ckpt.tensors.values()):
+        return ckpt
+    tensors: dict[str, TensorSource] = {}
+    for t in ckpt.tensors.values():
+        for x in t.inputs if isinstance(t, TransformedSource) else (t,):
+            tensors[x.name] = x
+    return dataclasses.replace(ckpt, tensors=tensors)
 
 
 def _metadata_difference(name: str, ta: TensorSource | None, tb: TensorSource | None) -> Difference | None:

@@ -169,6 +169,44 @@ def test_inspect_check_replica_exit_1(ckpts: dict[str, Path], tmp_path: Path) ->
     assert (p["kind"], p["tensor"], p["region"], p["index"]) == ("replica", "norm", [[0, 7]], [2])
 
 
+def _flip_norm_replica(d: Path, rank: int) -> None:
+    """Flip a bit of rank ``rank``'s copy of the replicated ``norm`` at index 2."""
+    f = d / f"rank-{rank:05d}-of-00004.safetensors"
+    h = read_header(f)
+    off = h.data_start + h.entry("norm").start + 2 * 4
+    with open(f, "r+b") as fh:
+        fh.seek(off)
+        b = fh.read(1)[0]
+        fh.seek(off)
+        fh.write(bytes([b ^ 0x01]))
+
+
+def test_verify_compares_every_replica(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    # the copy verify reads (rank 0) equals B; rank 3's copy of `norm` does not: the checkpoint
+    # holds no one value for `norm`, so verify says so (before: "equal", exit 0)
+    d = tmp_path / "rep"
+    shutil.copytree(ckpts["tp4"], d)
+    _flip_norm_replica(d, 3)
+    for a, b, side in ((d, ckpts["hf0"], "A"), (ckpts["tp3"], d, "B")):
+        r = runner.invoke(app, ["verify", str(a), str(b), "--json"])
+        assert r.exit_code == 1, r.output
+        doc = json.loads(r.stdout)
+        assert doc["equal"] is False and doc["tensors"] == 3
+        (diff,) = doc["differences"]
+        assert (diff["tensor"], diff["kind"], diff["index"]) == ("norm", "replica", [2])
+        assert diff["path"] == str(d / "rank-00003-of-00004.safetensors")
+        assert diff["other"] == str(d / "rank-00000-of-00004.safetensors")
+        assert diff["message"].startswith(f"in {side} ({d}): ")
+    # a real subprocess names the files in its message; --exclude leaves the tensor out
+    bad = subprocess.run(
+        [str(RESHARD), "verify", str(d), str(ckpts["hf"])], capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 1, bad.stderr
+    assert "rank-00003-of-00004.safetensors and rank-00000-of-00004.safetensors" in bad.stderr
+    r = runner.invoke(app, ["verify", str(d), str(ckpts["hf"]), "--exclude", "norm"])
+    assert r.exit_code == 0, r.output
+
+
 def test_inspect_missing_rank_file_exit_2(ckpts: dict[str, Path], tmp_path: Path) -> None:
     d = tmp_path / "missing"
     shutil.copytree(ckpts["tp4"], d)

@@ -426,7 +426,11 @@ def test_cli_subprocess_finds_the_strided_flip_and_the_replica(moe: dict[str, Pa
 
     code, doc = run("verify", str(moe["hf"]), str(bad))
     assert code == 1 and doc["ok"] is False
-    assert [(d["tensor"], d["index"]) for d in doc["differences"]] == [(name, [7, 5])]
+    # verify reads rank 0's copy of the norm, and compares the other copies with it
+    assert [(d["tensor"], d["kind"], d["index"]) for d in doc["differences"]] == [
+        ("m.layers.1.input_layernorm.weight", "replica", [9]),
+        (name, "values", [7, 5]),
+    ]
     code, doc = run("inspect", str(bad), "--check")
     assert code == 1
     assert [(p["kind"], p["tensor"], p["index"], Path(p["path"]).name) for p in doc["check"]["problems"]] == [

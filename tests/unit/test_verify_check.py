@@ -163,6 +163,52 @@ def test_verify_reports_the_smallest_differing_index(ckpts: dict[str, Path], tmp
     assert {d["tensor"]: d["index"] for d in doc["differences"]} == {"l0.o": [0, 4], "l0.w": [9, 0]}
 
 
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tensor large enough for verify's two threads (A's slab read on the helper, the rows'
+    halves compared at once): consolidated, and TP-4 column-sharded (gathered on read)."""
+    root = tmp_path_factory.mktemp("big")
+    g = torch.Generator().manual_seed(1)
+    (root / "hf").mkdir()
+    save_file({"big.o": torch.randn(600, 300, generator=g)}, str(root / "hf" / "model.safetensors"))
+    (root / "tp4.yaml").write_text(TP4)
+    convert(SourceSpec(str(root / "hf")), root / "tp4", TargetSpec(layout=str(root / "tp4.yaml")))
+    return {"hf": root / "hf", "tp4": root / "tp4"}
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("max_bytes", [1 << 20, 64 << 20])
+@pytest.mark.parametrize(
+    "flips",
+    [
+        [(10, 299)],  # first half of the rows only
+        [(500, 7)],  # second half only
+        [(480, 0), (20, 150)],  # both: the smaller index wins
+    ],
+)
+def test_verify_large_tensor_on_two_threads(
+    big: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cores: int,
+    max_bytes: int,
+    flips: list[tuple[int, int]],
+) -> None:
+    from reshard import verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "_cores", lambda: cores)
+    same = verify_checkpoints(_open(big["tp4"]), _open(big["hf"]), max_bytes=max_bytes)
+    assert same["equal"] and same["bytes_compared"] == 600 * 300 * 4
+    bad = _copy(big["tp4"], tmp_path)
+    for row, col in flips:  # S(1) over 4: rank r holds columns 75r:75r+75
+        _flip(_rank(bad, col // 75, 4), "big.o", row * 75 + col % 75)
+    want = min(list(rc) for rc in flips)
+    for a, b in ((bad, big["hf"]), (big["hf"], bad)):
+        doc = verify_checkpoints(_open(a), _open(b), max_bytes=max_bytes)
+        (d,) = doc["differences"]
+        assert (d["tensor"], d["kind"], d["index"]) == ("big.o", "values", want)
+
+
 def test_verify_scalar_and_bf16(ckpts: dict[str, Path], tmp_path: Path) -> None:
     bad = _copy(ckpts["hf"], tmp_path)
     _flip(bad / "model.safetensors", "step", 0)
