@@ -292,6 +292,7 @@ class Checkpoint:
         manifest: its ``reshard.json``, when present.
         warnings: what the reader noticed.
         non_tensors: items that are not tensors (listed by ``inspect``, not converted).
+        left_out: tensors ``--include``/``--exclude`` left out (:mod:`reshard.select`).
     """
 
     path: str
@@ -304,6 +305,7 @@ class Checkpoint:
     manifest: dict[str, object] | None = None
     warnings: list[CheckpointWarning] = field(default_factory=list)
     non_tensors: tuple[NonTensor, ...] = ()
+    left_out: int = 0
 
     @property
     def total_bytes(self) -> int:

@@ -416,6 +416,13 @@ def _with_file_names(target: Target, rules: LayoutConfig | None) -> WriteOptions
 
 
 def build_plan(source: Checkpoint, target: Target) -> Plan:
+    if not source.tensors and source.left_out:  # only non-tensor items kept: an empty output
+        kept = ", ".join(n.name for n in source.non_tensors[:3])
+        raise UsageError(
+            f"{source.path}: --include/--exclude keep no tensor of its {source.left_out}, only "
+            f"non-tensor items ({kept}), which are not converted: nothing to convert",
+            path=source.path,
+        )
     rules = target.rules
     tf = target.transforms
     tensors, transformed = (None, None) if tf is None else tf.plan_inputs(source)

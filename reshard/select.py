@@ -6,7 +6,10 @@ shell glob over the whole name where ``*`` crosses dots (``optimizer.*``), or a
 pattern is given or one matches it, and no exclude pattern matches it. Entries
 are the tensors and the non-tensor items (DCP ``BYTE_IO``) alike. A pattern
 that matches no entry is a warning, not an error: the same command line can
-serve checkpoints with and without optimizer state.
+serve checkpoints with and without optimizer state. Patterns that together keep
+no entry of a checkpoint that has some are an error (exit 2): a typo would
+otherwise write an empty checkpoint, or let ``verify`` and ``inspect --check``
+pass having compared nothing.
 
 >>> selected(["model.w", "optimizer.state.w.exp_avg"], exclude=["optimizer.*", "lr_scheduler.*"])
 (['model.w'], [('--exclude', 'lr_scheduler.*')])
@@ -78,9 +81,11 @@ def select_checkpoint(
         include the returned ones) and a warning per pattern that matched nothing.
 
     Raises:
-        UsageError: a pattern is not a valid glob or ``re:`` regex.
+        UsageError: a pattern is not a valid glob or ``re:`` regex, or the patterns keep no
+            entry of a checkpoint that has some.
     """
     out, unused = _select(ckpt, include, exclude)
+    _refuse_empty((ckpt,), (out,), include, exclude)
     warnings = _unmatched(unused, ckpt.path)
     out.warnings.extend(warnings)
     return out, warnings
@@ -109,12 +114,34 @@ def select_pair(
     (nor is one of the exclusions ``matched`` already, see :func:`without_excluded`).
 
     Raises:
-        UsageError: a pattern is not a valid glob or ``re:`` regex.
+        UsageError: a pattern is not a valid glob or ``re:`` regex, or the patterns keep no
+            entry of either checkpoint.
     """
     sa, ua = _select(a, include, exclude)
     sb, ub = _select(b, include, exclude)
+    _refuse_empty((a, b), (sa, sb), include, exclude)
     done = {("--exclude", p) for p in matched}
     return sa, sb, _unmatched([u for u in ua if u in ub and u not in done], f"{a.path} or {b.path}")
+
+
+def _entries(ckpt: Checkpoint) -> int:
+    return len(ckpt.tensors) + len(ckpt.non_tensors)
+
+
+def _refuse_empty(
+    given: Sequence[Checkpoint], kept: Sequence[Checkpoint], include: Sequence[str], exclude: Sequence[str]
+) -> None:
+    """Raise when the patterns keep no entry of any of ``given`` (as ``kept``) though one has some."""
+    if any(map(_entries, kept)) or not any(map(_entries, given)):
+        return
+    opts = " ".join([*(f'--include "{p}"' for p in include), *(f'--exclude "{p}"' for p in exclude)])
+    where = " or ".join(f"{c.path} ({_entries(c)} entries)" for c in given)
+    raise UsageError(
+        f"{opts} keep no entry of {where}: nothing to do. "
+        f"`reshard inspect {given[0].path}` lists the names (patterns match the whole name; "
+        "`*` crosses dots; `re:` for a regex)",
+        path=given[0].path,
+    )
 
 
 def _select(
@@ -137,5 +164,6 @@ def _select(
         non_tensors=tuple(n for n in ckpt.non_tensors if n.name in keep),
         manifest=manifest,
         warnings=list(ckpt.warnings),
+        left_out=ckpt.left_out + len(ckpt.tensors) - len(keep.intersection(ckpt.tensors)),
     )
     return out, unused
