@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from .budget import DEFAULT_MAX_BYTES
 from .bulkcheck import Geometry, suspects
@@ -54,7 +54,7 @@ from .intervals import (
 )
 from .io.checksum import CHECKSUM_PREFIX, file_checksum
 from .io.reader import MappedFiles, read_box
-from .io.readhash import ReadHashes, Region, xxh3_regions
+from .io.readhash import CrcRegions, ReadHashes, Region, xxh3_regions
 from .plan import natural_key, natural_sorted
 from .select import LEFT_OUT
 
@@ -616,14 +616,20 @@ def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:
     man = ckpt.manifest
     listed = man.get("files") if man is not None else None
     root = _manifest_root(ckpt)
-    files: dict[int, tuple[str, Sequence[Region], str | None]] = {}
+    files: dict[int, tuple[str, Sequence[Region] | CrcRegions, str | None]] = {}
     for fi, f in enumerate(ckpt.files):
         p = Path(f)
         info = listed.get(p.name) if isinstance(listed, dict) and p.parent == root else None
         cs = info.get("checksum") if isinstance(info, dict) else None
         if isinstance(cs, str) and cs.startswith(CHECKSUM_PREFIX):
             files[fi] = (f, xxh3_regions(os.stat(f).st_size), cs)
-    crcs: dict[int, dict[int, Region]] = {}
+
+    def describe(name: str, k: int) -> str:
+        return f'tensor "{name}" piece {format_box(_hull(ckpt.tensors[name].piece_blocks[k]))}'
+
+    # per file: (start, stop, crc, tensor, piece) of each piece, as columns; pieces at one start
+    # (none, in a sound file): the last one's, as a dict by start would keep
+    crcs: dict[int, list[list[Any]]] = {}
     for t in ckpt.tensors.values():
         if t.piece_crc32 is None:
             continue
@@ -631,11 +637,24 @@ def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:
         for k, want in enumerate(t.piece_crc32):
             fi, start = t.piece_files[k], t.piece_offsets[k]
             if want is not None and fi not in files:
-                what = f'tensor "{t.name}" piece {format_box(_hull(t.piece_blocks[k]))}'
-                stop = start + t.piece_numel(k) * isz
-                crcs.setdefault(fi, {})[start] = Region(start, stop, want, what, t.name)
-    for fi, regions in crcs.items():
-        files[fi] = (ckpt.files[fi], [regions[a] for a in sorted(regions)], None)
+                cols = crcs.get(fi)
+                if cols is None:
+                    cols = crcs[fi] = [[], [], [], [], []]
+                cols[0].append(start)
+                cols[1].append(start + t.piece_numel(k) * isz)
+                cols[2].append(want)
+                cols[3].append(t.name)
+                cols[4].append(k)
+    for fi, cols in crcs.items():
+        starts = cols[0]
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        regions = CrcRegions(describe)
+        for j, i in enumerate(order):
+            if j + 1 < len(order) and starts[order[j + 1]] == starts[i]:
+                continue
+            regions.append(starts[i], cols[1][i], cols[2][i], cols[3][i], cols[4][i])
+        del cols[:], order
+        files[fi] = (ckpt.files[fi], regions, None)
     return ReadHashes(files, hold)
 
 

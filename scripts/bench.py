@@ -32,6 +32,18 @@ take the commands whose cost grows with the tensor count:
 
 (TP8: the self-described TP-8 checkpoint reshard wrote from SRC)
 
+With --big-tensor, the checkpoint is instead a few big bf16 tensors in one HF file (a
+262144 x 4096 embedding, 2 GiB, column-split S(1): rows of 1/8 width; a 131072 x 4096
+lm_head S(0); a 32768 x 8192 gate_up _S(0, 2); norms R): memory must stay bounded by the
+buffers, not by a tensor. `cp` is then `cp -r` of the HF file, and the jobs are
+
+  big-hf-tp8     reshard convert HF OUT --target-layout BIG (TP-8)
+  big-tp8-hf     reshard convert TP8 OUT --consolidate
+  big-hf-dcp8    reshard convert HF OUT --to dcp (the _S(0, 2) tensor S(1): DCP holds one box a rank)
+  big-dcp8-hf    reshard convert DCP8 OUT --consolidate
+  big-check      reshard inspect DCP8 --check (8 files of 128-256 MiB chunks, CRC32 each)
+  big-verify     reshard verify TP8 HF
+
 plus an in-process phase split (µs per tensor per rank file: header parsing, planning,
 copying) that should not grow with N (e.g. --tensors 10000, 100000, 200000).
 
@@ -82,6 +94,13 @@ sys.path.insert(0, str(ROOT))
 from reshard.io.header import encode_header  # noqa: E402
 
 VOCAB, HIDDEN, FFN, KV = 32000, 2048, 5632, 512
+BIG = [  # --big-tensor: (name, shape, placement on tp); bf16
+    ("model.embed_tokens.weight", (262144, 4096), "S(1)"),
+    ("lm_head.weight", (131072, 4096), "S(0)"),
+    ("model.layers.0.mlp.gate_up_proj.weight", (32768, 8192), '"_S(0, 2)"'),
+    ("model.layers.0.input_layernorm.weight", (4096,), "R"),
+    ("model.norm.weight", (4096,), "R"),
+]
 TP = 4
 
 
@@ -110,6 +129,28 @@ def nbytes(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def generate_big(hf: Path) -> None:
+    """The --big-tensor HF file (pseudo-random bf16 bits, written 64 MiB at a time) and its layouts."""
+    import numpy as np
+
+    hf.mkdir(parents=True)
+    prefix, header = encode_header([(n, "BF16", shape) for n, shape, _ in BIG])
+    rng = np.random.default_rng(7)
+    with open(hf / "model.safetensors", "wb") as f:
+        f.write(prefix)
+        for e in header.entries:
+            left = e.nbytes
+            while left:
+                k = min(left, 64 << 20)
+                f.write(rng.integers(0, 1 << 16, k // 2, dtype=np.uint16).tobytes())
+                left -= k
+    rules = "".join(f'  "{n}": {{tp: {pl}}}\n' for n, _, pl in BIG)
+    (hf.parent / "big-layout.yaml").write_text("mesh: {tp: 8}\nplacements:\n" + rules)
+    (hf.parent / "big-dcp-layout.yaml").write_text(
+        "mesh: {tp: 8}\nplacements:\n" + rules.replace('"_S(0, 2)"', "S(1)")
+    )
 
 
 def layers_for(size_gb: float) -> int:
@@ -491,10 +532,16 @@ def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--generate-only":
         generate_moe(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
         return 0
+    if len(sys.argv) == 3 and sys.argv[1] == "--generate-big":
+        generate_big(Path(sys.argv[2]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--tensors", type=int, default=0, help="a synthetic MoE checkpoint of this many tensors")
     ap.add_argument("--mix", choices=["s0", "moe"], default="s0", help="with --tensors: the layout mix")
+    ap.add_argument(
+        "--big-tensor", action="store_true", help="a few big tensors (a 2 GiB embedding S(1), ...) instead"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--naive-rounds", type=int, default=1)
     ap.add_argument("--workers", type=int, default=0, help="reshard --workers (0: its default)")
@@ -539,7 +586,19 @@ def main() -> int:
     tp8 = base / "src-tp8"
     layers = layers_for(args.size_gb)
     what = f"moe-{args.tensors}-{args.mix}" if args.tensors else str(layers)
+    if args.big_tensor:
+        what, src = "big", hf  # cp -r of the HF file
     marker = base / f"generated-v3-{what}"
+    if args.big_tensor and not marker.exists():
+        shutil.rmtree(base, ignore_errors=True)
+        sys.stderr.write(f"generating the big-tensor HF checkpoint in {hf} ...\n")
+        subprocess.run([sys.executable, __file__, "--generate-big", str(hf)], check=True)
+        for out_dir, extra in (
+            (tp8, ["--target-layout", str(base / "big-layout.yaml")]),
+            (base / "src-dcp8", ["--to", "dcp", "--target-layout", str(base / "big-dcp-layout.yaml")]),
+        ):
+            subprocess.run([reshard, "convert", str(hf), str(out_dir), *extra, "--quiet"], check=True)
+        marker.write_text("")
     if not marker.exists():
         shutil.rmtree(base, ignore_errors=True)
         sys.stderr.write(f"generating the TP-4 checkpoint ({what}) in {src} ...\n")
@@ -656,12 +715,23 @@ def main() -> int:
         "pt-hf": ([reshard, "convert", str(pt_dir), "OUT", "--consolidate", "--quiet", *w], [pt_dir]),
     }
     jobs["hf-tt8"] = (transform_job(reshard, base, hf, w), [hf])
+    dcp8 = base / "src-dcp8"
+    big = ["--target-layout", str(base / "big-layout.yaml")]
+    big_dcp = ["--to", "dcp", "--target-layout", str(base / "big-dcp-layout.yaml")]
+    jobs["big-hf-tp8"] = ([reshard, "convert", str(hf), "OUT", *big, "--quiet", *w], [hf])
+    jobs["big-tp8-hf"] = ([reshard, "convert", str(tp8), "OUT", "--consolidate", "--quiet", *w], [tp8])
+    jobs["big-hf-dcp8"] = ([reshard, "convert", str(hf), "OUT", *big_dcp, "--quiet", *w], [hf])
+    jobs["big-dcp8-hf"] = ([reshard, "convert", str(dcp8), "OUT", "--consolidate", "--quiet", *w], [dcp8])
+    jobs["big-check"] = ([reshard, "inspect", str(dcp8), "--check", "--quiet"], [dcp8])
+    jobs["big-verify"] = ([reshard, "verify", str(tp8), str(hf), "--quiet"], [tp8, hf])
     if args.tensors and args.mix == "moe":  # expert parallel: each expert whole on one of 8 ranks
         per_layer = 2 + 3 * EXPERTS
         cut = ["--exclude", f"model.layers.{args.tensors // per_layer}.*"] if args.tensors % per_layer else []
         ep = ["--target-layout", "mixtral-moe", "--target-mesh", "ep=8", *cut, "--quiet", *w]
         jobs["hf-ep8"] = ([reshard, "convert", str(hf), "OUT", *ep], [hf])
     default_jobs = "tp4-tp8,tp4-hf,hf-tp8" + (",inspect,plan,check,verify" if args.tensors else "")
+    if args.big_tensor:
+        default_jobs = "big-hf-tp8,big-tp8-hf,big-hf-dcp8,big-dcp8-hf,big-check,big-verify"
     chosen = (
         ["cp"] + [j for j in (args.jobs or default_jobs).split(",") if j] + (["dcp-hf"] if args.dcp else [])
     )
@@ -696,7 +766,7 @@ def main() -> int:
         sys.stderr.write(f"phases (us per tensor per rank file): {phases}\n")
     slow = (
         []
-        if args.tensors
+        if args.tensors or args.big_tensor
         else [
             ("naive-tp4-tp8", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "8"]),
             ("naive-tp4-hf", [sys.executable, "-c", NAIVE_TP8, str(src), "OUT", "1"]),
@@ -760,10 +830,13 @@ def main() -> int:
             )
         )
     else:
-        kind = f"{args.tensors} int16 tensors ({args.mix})" if args.tensors else f"bf16 ({layers} layers)"
+        kind = f"TP-4 bf16 ({layers} layers)"
+        if args.tensors:
+            kind = f"TP-4 {args.tensors} int16 tensors ({args.mix})"
+        if args.big_tensor:
+            kind = "HF, a few big bf16 tensors (--big-tensor)"
         print(
-            f"checkpoint: {size / 1e9:.2f} GB TP-4 {kind}, {cache}, "
-            f"workers={workers_text}, rounds={args.rounds}"
+            f"checkpoint: {size / 1e9:.2f} GB {kind}, {cache}, workers={workers_text}, rounds={args.rounds}"
         )
         if phases:
             print(

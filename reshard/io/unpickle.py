@@ -186,12 +186,14 @@ class Record:
     # NEWOBJ builds instances with __new__ only, so the defaults live on the class
     args: tuple[Any, ...] = ()
     state: Any = None
+    made: Any = None  # what a reader made of this record (a mesh's MeshInfo), until its state changes
 
     def __init__(self, *args: Any) -> None:
         self.args = args
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
+        self.made = None
 
 
 class _Metadata(Record):
@@ -837,6 +839,9 @@ _ITEM_PARTS = {
     b"<T>": rb"(?: \) | <I>\x85<P> | <I>{2}\x86<P> | <I>{3}\x87<P> | \(<I>*t<P> )",
     b"<I>": b"(?:" + _INT_RE.pattern + b")",
     b"<G>": rb"(?:h.|j....)",
+    # a string (its length is checked where it is read; bounded: a lazy .* tried at every
+    # position where an item does not match would scan the rest of the file each time)
+    b"<S>": rb"(?:\x8c.{1,256}?|X.{4,8196}?)",
 }
 _CHUNK = rb"""
     (<G>) <NEWOBJ>                          # ChunkStorageMetadata(
@@ -858,7 +863,7 @@ _SDM_ITEM = rb"""
 """
 _STORAGE_ITEM = rb"""
     (?P<mi><G>) <NEWOBJ>                                  # MetadataIndex(
-    (?P<kf><G>) (?P<fqn><G>)                              #   fqn=,
+    (?P<kf><G>) (?P<fqn><G> | <S><P>)                     #   fqn= (a string of its own: gathered ranks),
     (?P<ki><G>) (?P<idx><I>)                              #   index=,
     (?P<ko><G>) (?P<szc><G>) (?P<off><T>) \x85<P> R<P>    #   offset=torch.Size(...))
     u b
@@ -885,6 +890,7 @@ class _Patterns:
         self.storage = self._compile(_STORAGE_ITEM)
         self.planner = self._compile(_PLANNER_ITEM)
         self.planner_same = self._compile(rb"(<G>) (<G>) \x85<P>")
+        self.planner_own = self._compile(rb"(<S>) \x94 (<G>) \x85\x94")  # protocol 4 only
         self.gets = self._compile(b"<G>")
 
     def _compile(self, pattern: bytes) -> re.Pattern[bytes]:
@@ -899,12 +905,13 @@ class _Template:
     ``value`` is the converted item (a TensorMeta) when the template leaves no field variable;
     ``puts`` counts its MEMOIZE opcodes (protocol 4: the memo index of what comes next)."""
 
-    __slots__ = ("rx", "value", "puts")
+    __slots__ = ("rx", "value", "puts", "at")
 
-    def __init__(self, rx: re.Pattern[bytes], value: Any, puts: int) -> None:
+    def __init__(self, rx: re.Pattern[bytes], value: Any, puts: int, at: int = -1) -> None:
         self.rx = rx
         self.value = value
         self.puts = puts
+        self.at = at  # a storage item whose fqn is a string of its own: its MEMOIZE among the item's
 
 
 _MAX_TEMPLATES = 256
@@ -934,6 +941,15 @@ class _MetaDecoder:
         self.sdm_hints: dict[bytes, _Template] = {}
         self.storage_templates: list[_Template] = []
         self.tuples: dict[bytes, tuple[int, ...] | None] = {}
+        self.sdm_acc: dict[str, Any] = {}
+        self.names: dict[str, str] | None = None
+
+    def _names(self) -> dict[str, str]:
+        """The state_dict_metadata keys, each its own value (made once): storage rows whose fqn
+        is a string of its own share the key's string (400k rows, 100k names: 30 MB less)."""
+        if self.names is None:
+            self.names = {k: k for k in self.sdm_acc}
+        return self.names
 
     # ------------------------------------------------------------------ the machine
 
@@ -1260,6 +1276,7 @@ class _MetaDecoder:
         kind = type(top)
         if kind is _SdmAcc:
             self.items = self._sdm_items
+            self.sdm_acc = top
         elif kind is _StorageAcc:
             self.items = self._storage_items
         elif kind is _PlannerAcc:
@@ -1395,6 +1412,7 @@ class _MetaDecoder:
         fend = self.frame_end
         t = templates[0] if templates else None
         puts = 0
+        names = self._names()
         try:
             while True:
                 m = None if t is None else t.rx.match(data, pos)
@@ -1407,7 +1425,14 @@ class _MetaDecoder:
                 if stop > fend:
                     return pos
                 fb, ob, pb, sb, lb = m.groups()
-                fqn = memo.get(fb[1] if len(fb) == 2 else from_bytes(fb[1:], "little"))
+                op = fb[0]
+                if op == 0x68 or op == 0x6A:
+                    fqn = memo.get(fb[1] if op == 0x68 else from_bytes(fb[1:], "little"))
+                else:  # a string of its own (each rank's MetadataIndex, gathered by dcp.save)
+                    fqn = _own_string(fb)
+                    if fqn is None:
+                        return pos
+                    fqn = names.get(fqn, fqn)  # the state_dict_metadata key: one string a tensor
                 path = memo.get(pb[1] if len(pb) == 2 else from_bytes(pb[1:], "little"))
                 off = tuples.get(ob, False)
                 if off is False:
@@ -1430,6 +1455,8 @@ class _MetaDecoder:
                     return pos
                 if start > _I64 or length > _I64:
                     return pos
+                if t.at >= 0:
+                    memo[self.memo_len + puts + t.at] = fqn
                 if len(stack) == base:
                     fqns(fqn)
                     offsets(off)
@@ -1454,9 +1481,20 @@ class _MetaDecoder:
         if m is None:
             return None
         memo = self.memo
-        toks = _tokens(data, pos, m.end())
+        try:
+            toks = _tokens(data, pos, m.end())
+        except _Unsupported:  # a string's lazy match ended inside an opcode: the machine reads it
+            return None
         if not _gets_known(data, toks, memo):
             return None
+        at = -1
+        fs, fe = m.span("fqn")
+        if data[fs] not in (0x68, 0x6A):  # the fqn a string of its own, then its memo put
+            ends = {s: (op, e) for op, s, e in toks}
+            op, e = ends.get(fs, (0, 0))
+            if not self.family or op not in (0x8C, 0x58) or ends.get(e, (0, 0)) != (0x94, fe):
+                return None  # (protocol 2/3: a BINPUT index to keep; the machine reads it)
+            at = sum(op == 0x94 for op, s, _ in toks if s < fs)
         r = {g: memo[_gidx(m.group(g))] for g in ("mi", "kf", "ki", "ko", "szc", "si", "kp", "ko2", "kl")}
         if (
             r["mi"] is not _MetadataIndex
@@ -1472,7 +1510,8 @@ class _MetaDecoder:
             return None
         # the fields that vary from chunk to chunk become groups, in the order the reader takes them
         off_s, off_e = m.span("off")
-        groups = {m.start("fqn"): (m.end("fqn"), b"(" + pats.get + b")"),
+        fqn_rx = b"(" + pats.get + b")" if at < 0 else b"(" + _ITEM_PARTS[b"<S>"] + b")" + pats.put
+        groups = {m.start("fqn"): (m.end("fqn"), fqn_rx),
                   m.start("idx"): (m.end("idx"), pats.int),
                   m.start("path"): (m.end("path"), b"(" + pats.get + b")"),
                   m.start("start"): (m.end("start"), b"(" + pats.int + b")"),
@@ -1497,23 +1536,36 @@ class _MetaDecoder:
                 continue
             out.append(pats.put if op in _PUT_OPS and not self.family else re.escape(data[s:e]))
             i += 1
-        t = _Template(re.compile(b"".join(out), re.S), None, sum(op == 0x94 for op, _, _ in toks))
+        t = _Template(re.compile(b"".join(out), re.S), None, sum(op == 0x94 for op, _, _ in toks), at)
         if len(self.storage_templates) < _MAX_TEMPLATES:
             self.storage_templates.append(t)
         again = t.rx.match(data, pos)
         return None if again is None else (t, again)
 
-    def _planner_items(self, pos: int) -> int:
+    def _planner_items(self, pos: int) -> int:  # noqa: C901 - the per-item loop, kept flat for speed
         """``fqn: (path, ...)`` items of memoized strings: checked and dropped."""
         data, memo = self.data, self.memo
         pats = self.pats
         assert pats is not None
-        same, rx, gets = pats.planner_same, pats.planner, pats.gets
+        same, rx, gets, own = pats.planner_same, pats.planner, pats.gets, pats.planner_own
         from_bytes = int.from_bytes
         fend = self.frame_end
-        n = 0
+        p4 = self.family
+        names = self._names()
+        n = 0  # memo puts (protocol 4)
         try:
             while True:
+                if p4 and data[pos] in (0x8C, 0x58):  # a key of its own (gathered ranks): (fqn,)
+                    m = own.match(data, pos)
+                    key = None if m is None or m.end() > fend else _own_string(m.group(1))
+                    if key is None or type(memo.get(_gidx(m.group(2)))) is not str:  # type: ignore[union-attr]
+                        return pos
+                    memo[self.memo_len + n] = names.get(key, key)
+                    n += 2
+                    pos = m.end()  # type: ignore[union-attr]
+                    if pos == fend:
+                        return pos
+                    continue
                 m = same.match(data, pos)  # (fqn,) of the key itself: the common item
                 if m is not None:
                     k, v = m.groups()
@@ -1540,6 +1592,18 @@ class _MetaDecoder:
         finally:
             if self.family:
                 self.memo_len += n
+
+
+def _own_string(b: bytes) -> str | None:
+    """The text of a SHORT_BINUNICODE / BINUNICODE opcode matched by ``<S>`` (a lazy match: None
+    unless its length field says it ends there), or None if it is not UTF-8."""
+    s = 2 if b[0] == 0x8C else 5
+    if len(b) - s != (b[1] if s == 2 else int.from_bytes(b[1:5], "little")):
+        return None
+    try:
+        return str(b[s:], "utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
 
 
 def _first_match(templates: list[_Template], data: Any, pos: int) -> tuple[_Template, re.Match[bytes]] | None:
@@ -1686,6 +1750,16 @@ def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *_re
 
 
 def _placement_text(p: Any) -> str:
+    """``S(0)``, ``_S(0, 2)``, ``R``, ``P(sum)`` (made once a record: placements are shared)."""
+    if isinstance(p, Record) and p.made is not None:
+        return p.made  # type: ignore[no-any-return]
+    text = _placement_text_of(p)
+    if isinstance(p, Record):
+        p.made = text
+    return text
+
+
+def _placement_text_of(p: Any) -> str:
     st = p.state if isinstance(p.state, dict) else {}
     if isinstance(p, _Shard) and type(st.get("dim")) is int:
         return f"S({st['dim']})"
@@ -1700,7 +1774,17 @@ def _placement_text(p: Any) -> str:
 
 def _mesh_info(m: Any, depth: int = 0) -> MeshInfo:
     """A ``DeviceMesh`` record's names, shape (from ``_layout``, or the ``mesh`` tensor of older torch),
-    coordinate, rank and root mesh."""
+    coordinate, rank and root mesh; made once a record (a file's DTensors share their mesh: 100k
+    tensors made 100k of them, 6 s and a MeshInfo each)."""
+    if depth == 0 and isinstance(m, _DeviceMesh) and m.made is not None:
+        return m.made  # type: ignore[no-any-return]
+    info = _mesh_info_of(m, depth)
+    if depth == 0:
+        m.made = info
+    return info
+
+
+def _mesh_info_of(m: Any, depth: int) -> MeshInfo:
     st = _state(m, _DeviceMesh, "a DTensor's mesh")
     layout = st.get("_layout")
     if isinstance(layout, _MeshLayout) and isinstance(layout.state, dict):
