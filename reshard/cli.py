@@ -662,6 +662,9 @@ def plan(
             _emit({"ok": True, "command": "plan", **doc})
         elif not quiet:
             render_plan(doc, console())
+        if not json_:
+            for w in doc["warnings"]:
+                _say("warning: ", w)
 
 
 @app.command()

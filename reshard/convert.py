@@ -315,6 +315,7 @@ def _target_rules(
     if layout:
         cfg = _load_layout(layout)
         mesh = cfg.mesh.with_sizes(sizes) if sizes else cfg.mesh
+        source.warnings.extend(_added_dims(cfg.mesh, sizes, f"the rules of {layout}"))
         return mesh, cfg.with_mesh(mesh)
     if sizes:
         base = source.layout
@@ -330,8 +331,30 @@ def _target_rules(
                 path=source.path,
             )
         mesh = base.mesh.with_sizes(sizes)
+        source.warnings.extend(_added_dims(base.mesh, sizes, "the source's rules"))
         return mesh, base.with_mesh(mesh)
     raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
+
+
+def _added_dims(mesh: Mesh, sizes: dict[str, int] | None, rules: str) -> list[CheckpointWarning]:
+    """A warning per dim ``--target-mesh`` adds to the rules' ``mesh`` with a size above 1: no
+    rule names it, so every tensor is copied to each of its ranks (a misspelt dim name writes
+    that many times the checkpoint)."""
+    import difflib
+
+    out = []
+    for name, n in (sizes or {}).items():
+        if name in mesh.names or n <= 1:
+            continue
+        close = difflib.get_close_matches(name, mesh.names, n=1, cutoff=0.3)
+        hint = f'; did you mean "{close[0]}"?' if close else ""
+        out.append(
+            CheckpointWarning(
+                f'--target-mesh adds dim "{name}" (size {n}), which {rules} do not name (their mesh: '
+                f"{mesh}): every tensor is replicated over it, {n} copies of each{hint}"
+            )
+        )
+    return out
 
 
 def model_files_for(source: Checkpoint, target: Target, config_from: str | None) -> list[Path]:

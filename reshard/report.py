@@ -477,6 +477,7 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
         "buffer_size": budget.buffer,
         "peak_memory_estimate": memory_estimate(plan, budget),
         **_transforms_report(plan),
+        "warnings": [str(w) for w in plan.source.warnings],
     }
 
 
