@@ -9,9 +9,11 @@ the file and the global, and nothing of the pickle runs. Tensor bytes stay in
 the zip's stored ``data/N`` records and are read in place by offset.
 
 - **Rank numbers** come from the file names: ``…rank_{r}.pt``, ``rank-{r}.pt``,
-  or ``…_{r}.pt`` when the name holds one number. A directory holding several
-  kinds of rank files (veRL's ``model_…``, ``optim_…``, ``extra_state_…``) is read
-  through its ``model`` files.
+  or ``…_{r}.pt`` when the name holds one number; ``.bin`` with ``rank`` in the name
+  (accelerate's ``use_dcp=False`` ``pytorch_model_fsdp_0_rank{r}.bin``). A directory
+  holding several kinds of rank files (veRL's ``model_…``, ``optim_…``,
+  ``extra_state_…``; accelerate's ``optimizer_0_rank{r}.bin``) is read through its
+  ``model`` files.
 - **One file** (``torch.save(model.state_dict())``: ``model.pt``, ``pytorch_model.bin``),
   given as the path or alone in its directory without a rank number, is a world of one.
 - **Leaves** of nested dicts and lists are named by their keys joined with ``.``.
@@ -63,11 +65,14 @@ _LEGACY_START = b"\x80\x02\x8a\x0a"  # a protocol-2 pickle of torch's 10-byte ma
 
 def rank_of(name: str) -> tuple[str, int] | None:
     """``(template, rank)`` of a file name: the rank from ``rank_{r}``/``rank-{r}``, else its only
-    number when it ends the stem (``…_{r}.pt``); the template is the name with ``{r}`` for it."""
+    number when it ends the stem (``…_{r}.pt``; a ``.bin`` needs ``rank``); the template is the
+    name with ``{r}`` for it."""
     stem, dot, ext = name.rpartition(".")
-    if not dot or "." + ext not in _SUFFIXES:
+    if not dot or "." + ext not in _SINGLE_SUFFIXES:
         return None
     found = list(_RANK.finditer(stem))
+    if "." + ext not in _SUFFIXES and not found:  # .bin: accelerate's …_rank{r}.bin; never HF's shards
+        return None
     if found:
         a, b = found[-1].span(1)
     else:
@@ -100,8 +105,9 @@ def pt_files(directory: Path) -> list[Path]:
         single = _single_file(directory)
         if single is not None:
             return [single]
-    if len(groups) > 1:  # veRL: model_…, optim_…, extra_state_…: the model is what converts
-        groups = {t: g for t, g in groups.items() if t.startswith("model")} or groups
+    if len(groups) > 1:  # veRL: model_…, optim_…, extra_state_…; accelerate: pytorch_model_fsdp_0_…,
+        # optimizer_0_…: the model is what converts
+        groups = {t: g for t, g in groups.items() if "model" in t.lower()} or groups
     if len(groups) != 1:
         kinds = ", ".join(sorted(groups)) or "none"
         raise HeaderError(
@@ -388,7 +394,8 @@ def _detect(probe: Probe) -> int:
 
 READER = Reader(
     name="pt",
-    help="one torch.save .pt file per rank (rank_{r}.pt, veRL model_world_size_W_rank_r.pt): "
+    help="one torch.save .pt file per rank (rank_{r}.pt, veRL model_world_size_W_rank_r.pt, "
+    "accelerate pytorch_model_fsdp_0_rank{r}.bin): "
     "DTensors self-described, plain tensors with --source-layout; or one whole state dict "
     "(model.pt, pytorch_model.bin)",
     detect=_detect,
