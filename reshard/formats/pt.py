@@ -139,17 +139,63 @@ class PtFile:
     crc32s: dict[str, int]
 
 
-def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Leaves of nested dicts and lists, their keys joined with ``.``."""
+#: Containers nested deeper than this (a state dict needs a handful) are refused: the pickle can
+#: nest lists past Python's recursion limit, or hold a list that contains itself.
+MAX_PT_DEPTH = 256
+#: Containers and leaves visited in one file: a pickle can refer to one list from many places
+#: (``[L1, L1]``, ``L1 = [L2, L2]``, ...), so a small file can name 2**60 leaves.
+MAX_PT_NODES = 5_000_000
+
+
+def _containers(obj: Any) -> Iterator[tuple[Any, Any]] | None:
     if isinstance(obj, Mapping):
-        items: Any = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    else:
-        yield prefix, obj
+        return iter(obj.items())
+    if isinstance(obj, (list, tuple)):
+        return enumerate(obj)
+    return None
+
+
+def _leaves(obj: Any, path: Path) -> Iterator[tuple[str, Any]]:
+    """Leaves of nested dicts and lists, their keys joined with ``.``, depth first in order.
+
+    Raises:
+        HeaderError: containers nested deeper than :data:`MAX_PT_DEPTH` (or a cycle), or more
+            than :data:`MAX_PT_NODES` of them and their leaves.
+    """
+    top = _containers(obj)
+    if top is None:
+        yield "", obj
         return
-    for k, v in items:
-        yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", top)]
+    nodes = 0
+    while stack:
+        prefix, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        nodes += 1
+        if nodes > MAX_PT_NODES:
+            raise HeaderError(
+                f"{path}: the torch.save pickle names more than {MAX_PT_NODES:,} containers and "
+                "values (MAX_PT_NODES); a state dict has one per tensor and a few more, so this "
+                "looks like a file built to exhaust memory",
+                path=str(path),
+            )
+        k, v = item
+        name = f"{prefix}.{k}" if prefix else str(k)
+        inner = _containers(v)
+        if inner is None:
+            yield name, v
+        elif len(stack) >= MAX_PT_DEPTH:
+            raise HeaderError(
+                f"{path}: the torch.save pickle nests dicts and lists more than {MAX_PT_DEPTH} deep "
+                f"(MAX_PT_DEPTH), or holds a list that contains itself, under {name[:80]!r}; a "
+                "state dict is a few levels deep",
+                path=str(path),
+            )
+        else:
+            stack.append((name, inner))
 
 
 def _open_zip(fd: int, path: Path) -> TorchZip:
@@ -219,7 +265,7 @@ def read_pt(path: Path) -> PtFile:
         dtensors: dict[str, StoredDTensor] = {}
         others: dict[str, Any] = {}
         crc32s: dict[str, int] = {}
-        for name, leaf in _leaves(obj):
+        for name, leaf in _leaves(obj, path):
             if isinstance(leaf, (StoredTensor, StoredDTensor)):
                 if isinstance(leaf, StoredDTensor):
                     dtensors[name] = leaf

@@ -45,3 +45,58 @@ def test_a_destination_through_a_loop_of_symlinks_exits_2(tmp_path: Path, below:
     assert doc["error"]["path"] == str(dst)
     assert "Too many levels of symbolic links" in doc["error"]["message"], doc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop1", "loop2", "src"]
+
+
+def _pt_with_extra(path: Path, extra: bytes) -> Path:
+    """A ``torch.save({"w": ...})`` file whose ``data.pkl`` also sets key ``"n"`` to what the
+    pickle opcodes ``extra`` build (torch's own archive, only the pickle edited)."""
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    path.mkdir()
+    f = path / "model.pt"
+    torch.save({"w": torch.ones(2)}, f)
+    with zipfile.ZipFile(f) as z:
+        recs = {n: z.read(n) for n in z.namelist()}
+    pk = next(n for n in recs if n.endswith("/data.pkl"))
+    assert recs[pk].endswith(b".")
+    recs[pk] = recs[pk][:-1] + b"X\x01\x00\x00\x00n" + extra + b"s."  # BINUNICODE "n", ..., SETITEM
+    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as z:
+        for n, data in recs.items():
+            z.writestr(n, data)
+    return path
+
+
+DEEP = b"]" * 100_000 + b"a" * 99_999  # EMPTY_LIST x 100k, APPEND x (100k - 1): [[[...]]]
+CYCLE = b"]r\xff\x00\x00\x00j\xff\x00\x00\x00a"  # L = []; L.append(L)
+# L0 = []; L(i+1) = [Li, Li], 60 times: a few hundred bytes naming 2**60 leaves
+BOMB = b"]" + b"r\xfe\x00\x00\x000]j\xfe\x00\x00\x00aj\xfe\x00\x00\x00a" * 60
+
+
+@pytest.mark.parametrize("kind", ["deep", "cycle"])
+def test_a_pt_pickle_nested_past_the_recursion_limit_exits_2(tmp_path: Path, kind: str) -> None:
+    """Lists nested 100,000 deep, or a list that holds itself, in a ``.pt``'s pickle: exit 2
+    naming the file and the bound, not a RecursionError traceback (exit 1)."""
+    src = _pt_with_extra(tmp_path / "src", DEEP if kind == "deep" else CYCLE)
+    for args in (["inspect", src], ["convert", src, tmp_path / "out", "--consolidate"]):
+        r = run_cli(*args)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        assert f"{src / 'model.pt'}: the torch.save pickle nests dicts and lists more than 256" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pt_pickle_naming_2_to_the_60_leaves_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One list referred to twice at each of 60 levels: refused at the node bound (it walked
+    2**60 leaves, for ever)."""
+    from reshard.errors import HeaderError
+    from reshard.formats import pt
+
+    src = _pt_with_extra(tmp_path / "src", BOMB)
+    monkeypatch.setattr(pt, "MAX_PT_NODES", 10_000)
+    with pytest.raises(HeaderError, match="names more than 10,000 containers and values"):
+        pt.read_pt(src / "model.pt")
+    nested = _pt_with_extra(tmp_path / "ok", b"}X\x01\x00\x00\x00a]K\x01as")  # {"a": [1]}: fine
+    assert sorted(pt.read_pt(nested / "model.pt").others) == ["n.a.0"]
