@@ -265,8 +265,18 @@ def read_pt(path: Path) -> PtFile:
         dtensors: dict[str, StoredDTensor] = {}
         others: dict[str, Any] = {}
         crc32s: dict[str, int] = {}
+        seen: set[str] = set()
         for name, leaf in _leaves(obj, path):
             if isinstance(leaf, (StoredTensor, StoredDTensor)):
+                if name in seen:
+                    raise HeaderError(
+                        f'{path}: two tensors of the state dict are both named "{name}" once nested '
+                        "keys are joined with '.' (a key 'a.b' beside a key 'a' holding 'b', or 1 "
+                        "beside '1'); rename one and re-save",
+                        path=str(path),
+                        tensor=name,
+                    )
+                seen.add(name)
                 if isinstance(leaf, StoredDTensor):
                     dtensors[name] = leaf
                 entry, crc = _entry(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)

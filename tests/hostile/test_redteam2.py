@@ -100,3 +100,19 @@ def test_a_pt_pickle_naming_2_to_the_60_leaves_is_refused(
         pt.read_pt(src / "model.pt")
     nested = _pt_with_extra(tmp_path / "ok", b"}X\x01\x00\x00\x00a]K\x01as")  # {"a": [1]}: fine
     assert sorted(pt.read_pt(nested / "model.pt").others) == ["n.a.0"]
+
+
+def test_pt_keys_that_join_to_one_name_are_named_with_their_file(tmp_path: Path) -> None:
+    """``{"a.b": t, "a": {"b": t2}}`` saved by torch: both are "a.b" once joined; the error names
+    the file (it was 'duplicate tensor name "a.b"' with no file, and no path in --json)."""
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(3)}}, src / "model.pt")
+    r = run_cli("convert", src, tmp_path / "out", "--consolidate", "--json")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    err = json.loads(r.stdout)["error"]
+    assert err["path"] == str(src / "model.pt") and err["tensor"] == "a.b"
+    want = f'{src / "model.pt"}: two tensors of the state dict are both named "a.b"'
+    assert err["message"].startswith(want)
+    assert not (tmp_path / "out").exists()
