@@ -116,3 +116,47 @@ def test_pt_keys_that_join_to_one_name_are_named_with_their_file(tmp_path: Path)
     want = f'{src / "model.pt"}: two tensors of the state dict are both named "a.b"'
     assert err["message"].startswith(want)
     assert not (tmp_path / "out").exists()
+
+
+def _accelerate_state(root: Path, *, scheduler: bool) -> Path:
+    """What accelerate's ``save_state`` leaves for FSDP with ``SHARDED_STATE_DICT``: the model and
+    the optimizer in DCP sub-directories (``dcp.save({"model": ...})``, as its save_fsdp_model
+    calls it), and beside them ``scheduler.bin`` (``torch.save`` of the scheduler's state dict)."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    state = root / "state"
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        model_dir = str(state / "pytorch_model_fsdp_0")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=model_dir, no_dist=True)
+        dcp.save({"optimizer": opt.state_dict()}, checkpoint_id=str(state / "optimizer_0"), no_dist=True)
+    if scheduler:
+        torch.save(torch.optim.lr_scheduler.StepLR(opt, 3).state_dict(), state / "scheduler.bin")
+    return state
+
+
+@pytest.mark.parametrize("scheduler", [True, False])
+def test_accelerate_save_state_directory_points_at_the_model(tmp_path: Path, scheduler: bool) -> None:
+    """SRC the directory accelerate's ``save_state`` wrote: exit 2 naming the sub-directories that
+    hold the checkpoints. With its ``scheduler.bin`` it was read as a one-file pt checkpoint of no
+    tensors and converted to an empty model, exit 0; without, 'no checkpoint found'."""
+    state = _accelerate_state(tmp_path, scheduler=scheduler)
+    out = tmp_path / "hf"
+    for args in (["inspect", state], ["convert", state, out, "--consolidate"]):
+        r = run_cli(*args)
+        assert r.returncode == 2, r.stderr
+        assert "optimizer_0/ (dcp), pytorch_model_fsdp_0/ (dcp)" in r.stderr, r.stderr
+        assert f"(e.g. {state / 'pytorch_model_fsdp_0'})" in r.stderr
+        if scheduler:
+            assert "scheduler.bin holds no tensors, only 8 other value(s)" in r.stderr
+    assert not out.exists()
+    r = run_cli("convert", state / "pytorch_model_fsdp_0", out, "--consolidate", "--quiet")
+    assert r.returncode == 0, r.stderr
+    if scheduler:
+        r = run_cli("inspect", state / "scheduler.bin")
+        assert r.returncode == 2 and "scheduler.bin: holds no tensors" in r.stderr, r.stderr
