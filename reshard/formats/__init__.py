@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
-from ..errors import HeaderError, UsageError
+from ..errors import HeaderError, ReshardError, UsageError
 from ..io.header import forget_shared
 from . import dcp, dcp_safetensors, dcp_writer, hf, per_rank, pt, sharded_state
 from .base import NO, Probe, Reader, ReadOptions, Writer
@@ -191,6 +191,7 @@ def open_checkpoint(
         mesh_sizes: override mesh dim sizes of the layout (``--source-mesh``).
     """
     p = Path(path)
+    detected = fmt is None
     if fmt is None:
         fmt = detect_format(p)
     r = reader(fmt)
@@ -198,6 +199,14 @@ def open_checkpoint(
         raise UsageError(f"{p}: no such file or directory", path=str(p))
     try:
         ckpt = r.open(p, ReadOptions(layout, mesh_sizes))
+    except ReshardError as e:
+        # a pt guess from files beside the checkpoints (HF Trainer's rng_state_{r}.pth next to
+        # accelerate's pytorch_model_fsdp_0/): say where the checkpoints are
+        if detected and r.name == "pt" and e.hint is None and p.is_dir():
+            inner = _checkpoint_subdirs(p)
+            if inner:
+                e.hint = f"{_listed(inner)}: give one of them as the path (e.g. {_example(p, inner)})"
+        raise
     finally:
         forget_shared()
     if ckpt.manifest is None and p.is_dir():

@@ -140,6 +140,29 @@ def _accelerate_state(root: Path, *, scheduler: bool) -> Path:
     return state
 
 
+def test_trainer_rng_states_beside_the_checkpoints_hint_at_them(tmp_path: Path) -> None:
+    """HF Trainer's ``rng_state_{r}.pth`` (numpy's RNG state inside) beside accelerate's FSDP
+    sub-directories: they are read as pt rank files and refused (a numpy global), and the error
+    now says which sub-directory holds the model."""
+    import random
+
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    state = _accelerate_state(tmp_path, scheduler=False)
+    for r in range(2):
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+        torch.save(rng, state / f"rng_state_{r}.pth")
+    r = run_cli("convert", state, tmp_path / "hf", "--consolidate", "--json")
+    assert r.returncode == 2, r.stderr
+    err = json.loads(r.stdout)["error"]
+    assert err["path"] == str(state / "rng_state_0.pth")
+    assert err["hint"] == (
+        "its sub-directories hold checkpoints: optimizer_0/ (dcp), pytorch_model_fsdp_0/ (dcp): "
+        f"give one of them as the path (e.g. {state / 'pytorch_model_fsdp_0'})"
+    )
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize("scheduler", [True, False])
 def test_accelerate_save_state_directory_points_at_the_model(tmp_path: Path, scheduler: bool) -> None:
     """SRC the directory accelerate's ``save_state`` wrote: exit 2 naming the sub-directories that
