@@ -139,7 +139,14 @@ def self_description(header: Header, path: Path, *, tensors: bool = True) -> Ran
         if version not in (1, 2):
             raise ValueError("unsupported format_version")
         mesh = _described_mesh(data, where)
-        data["rank"] = int(data["rank"])
+        rank = data["rank"]
+        if type(rank) is not int or not 0 <= rank < mesh.size:
+            raise ValueError(f"rank {rank!r} is not a rank of mesh {mesh}")
+        coordinate = data.get("coordinate")  # derived from the rank; when given, it must agree
+        if coordinate is not None and coordinate != list(mesh.coordinate(rank)):
+            raise ValueError(
+                f"coordinate {coordinate!r} is not rank {rank}'s {list(mesh.coordinate(rank))} on mesh {mesh}"
+            )
         if version == 2:
             data["tensors"] = _v2_tensors(data, header, mesh, where) if tensors else {}
         _check_tensors(data["tensors"], where)

@@ -183,3 +183,42 @@ def test_accelerate_save_state_directory_points_at_the_model(tmp_path: Path, sch
     if scheduler:
         r = run_cli("inspect", state / "scheduler.bin")
         assert r.returncode == 2 and "scheduler.bin: holds no tensors" in r.stderr, r.stderr
+
+
+def _edit_rank_metadata(path: Path, edit: dict[str, object]) -> None:
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    with safe_open(str(path), "np") as f:
+        meta = json.loads(f.metadata()["reshard"])
+    meta.update(edit)
+    save_file(load_file(str(path)), str(path), metadata={"reshard": json.dumps(meta)})
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"coordinate": [1]}, "coordinate [1] is not rank 0's [0] on mesh tp=2"),  # rank 1's
+        ({"coordinate": [5]}, "coordinate [5] is not rank 0's [0] on mesh tp=2"),
+        ({"rank": "0"}, "rank '0' is not a rank of mesh tp=2"),
+        ({"rank": 7}, "rank 7 is not a rank of mesh tp=2"),
+    ],
+)
+def test_rank_metadata_contradicting_itself_exits_2(
+    tmp_path: Path, edit: dict[str, object], said: str
+) -> None:
+    """A per-rank file whose reshard metadata gives a coordinate that is not its rank's (or a rank
+    that is no int of the mesh): exit 2 naming the file. The coordinate was not read (exit 0),
+    a string rank was taken as a number."""
+    src = _hf(tmp_path)
+    tp2 = tmp_path / "tp2"
+    layout = tmp_path / "tp2.yaml"
+    layout.write_text('mesh: {tp: 2}\nplacements: {"*": {tp: S(1)}}\n')
+    assert run_cli("convert", src, tp2, "--target-layout", layout, "--quiet").returncode == 0
+    (tp2 / "reshard.json").unlink()  # the files' own descriptions are what is read
+    _edit_rank_metadata(tp2 / "rank-00000-of-00002.safetensors", edit)
+    for args in (["inspect", tp2], ["convert", tp2, tmp_path / "hf", "--consolidate"]):
+        r = run_cli(*args)
+        assert r.returncode == 2, r.stderr
+        assert f"{tp2 / 'rank-00000-of-00002.safetensors'}: invalid reshard metadata ({said})" in r.stderr
+    assert not (tmp_path / "hf").exists()
