@@ -185,6 +185,9 @@ def test_accelerate_save_state_directory_points_at_the_model(tmp_path: Path, sch
         assert r.returncode == 2 and "scheduler.bin: holds no tensors" in r.stderr, r.stderr
 
 
+DROP = object()
+
+
 def _edit_rank_metadata(path: Path, edit: dict[str, object]) -> None:
     from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
@@ -192,6 +195,7 @@ def _edit_rank_metadata(path: Path, edit: dict[str, object]) -> None:
     with safe_open(str(path), "np") as f:
         meta = json.loads(f.metadata()["reshard"])
     meta.update(edit)
+    meta = {k: v for k, v in meta.items() if v is not DROP}
     save_file(load_file(str(path)), str(path), metadata={"reshard": json.dumps(meta)})
 
 
@@ -202,6 +206,9 @@ def _edit_rank_metadata(path: Path, edit: dict[str, object]) -> None:
         ({"coordinate": [5]}, "coordinate [5] is not rank 0's [0] on mesh tp=2"),
         ({"rank": "0"}, "rank '0' is not a rank of mesh tp=2"),
         ({"rank": 7}, "rank 7 is not a rank of mesh tp=2"),
+        # the messages were the bare KeyError: "invalid reshard metadata ('9')", "(... ('mesh'))"
+        ({"layout": "9"}, '"layout" code \'9\' names no entry of "placements" (it has 1)'),
+        ({"mesh": DROP}, "no 'mesh' field"),
     ],
 )
 def test_rank_metadata_contradicting_itself_exits_2(
