@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ..checkpoint import Checkpoint
 from ..errors import HeaderError, ReshardError, UsageError
 from ..io.header import forget_shared
+from ..io.staging import STAGE
 from . import dcp, dcp_safetensors, dcp_writer, hf, per_rank, pt, sharded_state
 from .base import NO, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, read_manifest
@@ -191,6 +192,7 @@ def open_checkpoint(
         mesh_sizes: override mesh dim sizes of the layout (``--source-mesh``).
     """
     p = Path(path)
+    _refuse_interrupted_swap(p)
     detected = fmt is None
     if fmt is None:
         fmt = detect_format(p)
@@ -216,6 +218,20 @@ def open_checkpoint(
     if r.name == "pt" and not ckpt.tensors and ckpt.non_tensors:
         _no_tensors(p, ckpt)
     return ckpt
+
+
+def _refuse_interrupted_swap(path: Path) -> None:
+    """A directory a ``convert`` was swapping its new checkpoint into when it was killed: the
+    staging directory holds the new checkpoint whole, DST part of it (read as it is, it was
+    taken for a checkpoint)."""
+    staged = path / STAGE / MANIFEST
+    if path.is_dir() and staged.is_file():
+        raise UsageError(
+            f"{path}: a reshard convert into this directory was interrupted while it moved its new "
+            f"checkpoint in ({STAGE}/ holds it whole; the files here are part of it); run the same "
+            "convert again (with --overwrite) to finish the move, then read it",
+            path=str(path),
+        )
 
 
 def _no_tensors(path: Path, ckpt: Checkpoint) -> None:

@@ -229,3 +229,53 @@ def test_rank_metadata_contradicting_itself_exits_2(
         assert r.returncode == 2, r.stderr
         assert f"{tp2 / 'rank-00000-of-00002.safetensors'}: invalid reshard metadata ({said})" in r.stderr
     assert not (tmp_path / "hf").exists()
+
+
+KILL_AT_FIRST_MOVE = """\
+import os, signal, sys
+real, dst = os.replace, os.path.abspath(sys.argv[1])
+def replace(a, b):
+    real(a, b)
+    if os.path.dirname(os.path.abspath(b)) == dst:  # the swap's first move into DST
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace
+sys.argv = ["reshard", *sys.argv[2:]]
+from reshard.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("to", ["per-rank", "dcp"])
+def test_killed_while_swapping_leaves_no_checkpoint_of_two_sources(tmp_path: Path, to: str) -> None:
+    """``convert --overwrite`` SIGKILLed after its first move into DST. DST held the new rank 0
+    beside the old rank 1 (a name the new checkpoint replaces was left until its turn), which
+    ``inspect --check`` called ok and ``convert`` converted, exit 0: half of each source. Now the
+    old files go first, the files naming the others (DCP's ``.metadata``) move in last, and a
+    directory with a finished checkpoint in its staging directory is refused until a convert
+    finishes the move."""
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": np.arange(24, dtype=np.float32).reshape(4, 6)}, str(a))
+    save_file({"w": -np.arange(24, dtype=np.float32).reshape(4, 6) - 1}, str(b))
+    layout = tmp_path / "tp2.yaml"
+    layout.write_text('mesh: {tp: 2}\nplacements: {"*": {tp: S(0)}}\n')
+    dst = tmp_path / "dst"
+    args = ["convert", dst, "--target-layout", layout, "--to", to, "--quiet"]
+    assert run_cli(*args[:1], a, *args[1:]).returncode == 0
+    old = {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()}
+    cmd = [sys.executable, "-c", KILL_AT_FIRST_MOVE, dst, *args[:1], b, *args[1:], "--overwrite"]
+    killed = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    for p in dst.iterdir():  # no file of the previous checkpoint is left beside the new ones
+        assert not (p.is_file() and p.name in old and old[p.name] == p.read_bytes()), p.name
+    assert not (dst / "reshard.json").exists() and not (dst / ".metadata").exists()
+    out = tmp_path / "hf"
+    for r in (run_cli("inspect", dst, "--check"), run_cli("convert", dst, out, "--consolidate")):
+        assert r.returncode == 2, r.stderr
+        assert f"{dst}: a reshard convert into this directory was interrupted while it moved" in r.stderr
+    assert not out.exists()
+    assert run_cli(*args[:1], b, *args[1:], "--overwrite").returncode == 0  # finishes, then writes
+    assert run_cli("verify", dst, b).returncode == 0
+    assert run_cli("inspect", dst, "--check").returncode == 0
