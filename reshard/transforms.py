@@ -211,39 +211,58 @@ _REF = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}|\\([1-9][0-9]*)")
 class NamePattern:
     """A tensor-name pattern: ``{name}`` captures one dotted component, ``*`` anything; or ``re:REGEX``.
 
+    Matching never backtracks for long: a pattern whose captures are each ended by a ``.`` (or
+    the name's end) and that holds at most one ``*`` runs on Python's ``re`` (each capture has
+    one way to match); any other, and every ``re:``, runs on RE2 (``google-re2``), in time linear
+    in the name (``re:(a+)+b`` or ``*a*a*a*b`` against a long name ran for ever on ``re``). A
+    repeated ``{name}`` needs the first kind.
+
     >>> m = NamePattern("layers.{layer}.experts.{e}.*").match("layers.3.experts.7.w1.weight")
     >>> m.groupdict(), m.groups()
     ({'layer': '3', 'e': '7'}, ('3', '7', 'w1.weight'))
     """
 
     text: str
-    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    regex: Any = field(init=False, repr=False, compare=False)  # re.Pattern, or RE2's compiled pattern
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise ConfigError(f"a tensor-name pattern must be a non-empty string, got {self.text!r}")
         if self.text.startswith("re:"):
             try:
-                rx = re.compile(self.text[3:])
+                re.compile(self.text[3:])  # Python's syntax and messages first: rules are written for it
             except re.error as e:
                 raise ConfigError(f"invalid regex {self.text!r}: {e.msg} at position {e.pos}") from None
+            rx = _re2(self.text[3:], self.text)
         else:
             out: list[str] = []
             seen: set[str] = set()
-            pos = 0
+            pos, stars, safe = 0, 0, True
             for m in _TOKEN.finditer(self.text):
                 out.append(re.escape(self.text[pos : m.start()]))
                 name = m.group(1)
                 if name is None:
                     out.append("(.*)")
+                    stars += 1
                 elif name in seen:
                     out.append(f"(?P={name})")
                 else:
                     seen.add(name)
                     out.append(f"(?P<{name}>[^.]+)")
                 pos = m.end()
+                # a capture must end at a '.' (or the name's end): else where it stops is a choice
+                safe = safe and (pos == len(self.text) or self.text[pos] == ".")
             out.append(re.escape(self.text[pos:]))
-            rx = re.compile("".join(out))
+            body = "".join(out)
+            if safe and stars <= 1:
+                rx = re.compile(body)
+            elif "(?P=" in body:
+                raise ConfigError(
+                    f"pattern {self.text!r} repeats a {{name}}, so each capture must end at a '.' "
+                    "(or the name's end) and it may hold one * at most; write it with fewer captures"
+                )
+            else:
+                rx = _re2(body, self.text)
         object.__setattr__(self, "regex", rx)
 
     @property
@@ -256,7 +275,9 @@ class NamePattern:
         return not self.text.startswith("re:") and "*" not in self.text
 
     def match(self, name: str) -> re.Match[str] | None:
-        return self.regex.fullmatch(name)
+        """The full match (RE2's match object where RE2 runs it: the same group/groups/groupdict)."""
+        m: re.Match[str] | None = self.regex.fullmatch(name)
+        return m
 
     def check_template(self, template: str, what: str) -> None:
         """Refuse a template that refers to captures this pattern does not have."""
@@ -270,6 +291,23 @@ class NamePattern:
                 raise ConfigError(
                     f"{what} {template!r} uses \\{m.group(2)}, but {self.text!r} has fewer groups"
                 )
+
+
+def _re2(body: str, text: str) -> Any:
+    """``body`` compiled by RE2 (linear-time matching, captures as Python's ``re`` gives them)."""
+    import re2  # lazy: only patterns that could backtrack for long load it
+
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(body, options)
+    except re2.error as e:
+        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else e
+        raise ConfigError(
+            f"pattern {text!r} is not supported: {why}; transform patterns run on RE2, which "
+            "guarantees linear-time matching and so has no lookarounds, backreferences, atomic "
+            "groups or possessive repeats; rewrite it without them"
+        ) from None
 
 
 def _fill(template: str, m: re.Match[str], extra: Mapping[str, str] | None = None) -> str:

@@ -279,3 +279,73 @@ def test_killed_while_swapping_leaves_no_checkpoint_of_two_sources(tmp_path: Pat
     assert run_cli(*args[:1], b, *args[1:], "--overwrite").returncode == 0  # finishes, then writes
     assert run_cli("verify", dst, b).returncode == 0
     assert run_cli("inspect", dst, "--check").returncode == 0
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["re:(a+)+b", "*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*b", "{x}{y}{z}{w}{v}{u}b"],
+)
+def test_a_transform_pattern_that_backtracks_for_ever_is_linear(tmp_path: Path, pattern: str) -> None:
+    """A ``--transforms`` rename whose pattern backtracks exponentially (or as n**22) on
+    Python's ``re`` against a 200-character name: the plan ran for ever (killed after 60 s).
+    Layout rules already ran on RE2; transform patterns now do where they could backtrack."""
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(
+        {"a" * 200: np.zeros(2, np.float32), "x.y": np.ones(2, np.float32)}, str(src / "model.safetensors")
+    )
+    spec = tmp_path / "t.yaml"
+    spec.write_text(
+        "transforms:\n"
+        f"  - rename: {{from: {json.dumps(pattern)}, to: z, optional: true}}\n"
+        "allow_unused: true\n"
+    )
+    r = subprocess.run(
+        [str(RESHARD), "plan", src, "--consolidate", "--transforms", spec, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] is True
+
+
+def test_transform_patterns_on_re2_capture_as_python_re() -> None:
+    """RE2 gives the captures Python's ``re`` gives (leftmost, greedy ``*``) for the patterns it
+    now runs, and a pattern repeating a {name} where that is not possible is refused."""
+    import re
+
+    from reshard.errors import ConfigError
+    from reshard.transforms import NamePattern
+
+    names = ["a.b.c.d", "model.layers.3.mlp.w1.weight", "x_y_z.w", "aaa.b", "ab" * 20, "a.weight.weight"]
+    for text in [
+        "*.*",
+        "*.{a}.*",
+        "{a}_{b}.*",
+        "*{a}",
+        "*.weight",
+        "{a}.{b}*",
+        "*_*",
+        "re:(?P<p>.*)\\.(\\w+)",
+    ]:
+        pat = NamePattern(text)
+        body = text[3:] if text.startswith("re:") else None
+        if body is None:
+            body = "".join(
+                "(.*)" if t == "*" else f"(?P<{t[1:-1]}>[^.]+)" if t.startswith("{") else re.escape(t)
+                for t in re.split(r"(\*|\{[a-z]+\})", text)
+                if t
+            )
+        want = re.compile(body)
+        for n in names:
+            got, ref = pat.match(n), want.fullmatch(n)
+            assert (got is None) == (ref is None), (text, n)
+            if ref is not None:
+                assert got is not None and got.groups() == ref.groups() and got.groupdict() == ref.groupdict()
+    assert NamePattern("layers.{i}.x.{i}").match("layers.3.x.3") is not None  # dot-ended: on re
+    with pytest.raises(ConfigError, match="repeats a {name}"):
+        NamePattern("{i}_{i}")
