@@ -349,3 +349,40 @@ def test_transform_patterns_on_re2_capture_as_python_re() -> None:
     assert NamePattern("layers.{i}.x.{i}").match("layers.3.x.3") is not None  # dot-ended: on re
     with pytest.raises(ConfigError, match="repeats a {name}"):
         NamePattern("{i}_{i}")
+
+
+@pytest.mark.parametrize("key", ["saved_offsets", "global_shape"])
+def test_dcp_safetensors_offsets_past_int64_exit_2(tmp_path: Path, key: str) -> None:
+    """A DCP_SHARDING_INFO whose saved_offsets (or global_shape) put a tensor past 2**63 - 1
+    elements: exit 2 naming the file and tensor. ``inspect`` showed a shape
+    [1180591620717411303427, 4], exit 0, and ``inspect --check`` called it a hole (exit 1)."""
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    info = (
+        {"saved_offsets": [2**70, 0]}
+        if key == "saved_offsets"
+        else {"saved_offsets": [0, 0], "global_shape": [2**40, 2**40]}
+    )
+    for i, (part, off) in enumerate(((x[:1], [0, 0]), (x[1:], None))):
+        meta = {"x": {"saved_offsets": off} if off is not None else info}
+        save_file(
+            {"x": np.ascontiguousarray(part)},
+            str(src / f"shard-0000{i + 1}-model-00001-of-00001.safetensors"),
+            metadata={"DCP_SHARDING_INFO": json.dumps(meta), "DCP_VERSION": "1.0"},
+        )
+    bad = src / "shard-00002-model-00001-of-00001.safetensors"
+    for args in (
+        ["inspect", src],
+        ["inspect", src, "--check"],
+        ["convert", src, tmp_path / "o", "--consolidate"],
+    ):
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert f'{bad}: tensor "x": ' in r.stderr and "over 9223372036854775807 elements" in r.stderr, (
+            r.stderr
+        )
+    assert not (tmp_path / "o").exists()
