@@ -386,3 +386,38 @@ def test_dcp_safetensors_offsets_past_int64_exit_2(tmp_path: Path, key: str) -> 
             r.stderr
         )
     assert not (tmp_path / "o").exists()
+
+
+def test_dcp_metadata_size_past_int64_exits_2(tmp_path: Path) -> None:
+    """A DCP ``.metadata`` (torch's own, its size edited) giving a tensor more than 2**63 - 1
+    elements: exit 2 naming it. ``inspect`` showed 18,446,744,073,709,551,625 elements (exit 0)
+    and ``--check`` called it a hole (exit 1)."""
+    import dataclasses
+    import pickle
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"a": torch.ones(4, 3), "b": torch.arange(5)}, checkpoint_id=str(src), no_dist=True)
+    with open(src / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    md.state_dict_metadata["a"] = dataclasses.replace(
+        md.state_dict_metadata["a"], size=torch.Size([4, 2**62])
+    )
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    for args in (
+        ["inspect", src],
+        ["inspect", src, "--check"],
+        ["convert", src, tmp_path / "o", "--consolidate"],
+    ):
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert f'{src / ".metadata"}: tensor "a" has size [4, 4611686018427387904], over' in r.stderr, (
+            r.stderr
+        )
+    assert not (tmp_path / "o").exists()
