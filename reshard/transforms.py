@@ -1613,6 +1613,13 @@ def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(_read(path, "model config"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: not valid JSON ({e.msg}, line {e.lineno})", path=source) from None
+    except RecursionError:  # [[[[...]]]] past Python's recursion limit (1 MiB holds 500k levels)
+        raise ConfigError(
+            f"{source}: not a model config.json: it nests arrays or objects deeper than Python can read",
+            path=source,
+        ) from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise ConfigError(f"{source}: not valid JSON ({e})", path=source) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a model config.json is a JSON object", path=source)
     nested = data.get("text_config")

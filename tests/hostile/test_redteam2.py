@@ -421,3 +421,22 @@ def test_dcp_metadata_size_past_int64_exits_2(tmp_path: Path) -> None:
             r.stderr
         )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["deep", "bigint"])
+def test_a_model_config_json_python_cannot_parse_exits_2(tmp_path: Path, kind: str) -> None:
+    """``--model-config`` (or SRC/config.json, which --transforms reads by default) nesting
+    100,000 objects deep, or holding a 5000-digit integer: exit 2 naming it, not a
+    RecursionError / ValueError traceback (exit 1)."""
+    src = _hf(tmp_path)
+    text = '{"a":' * 100_000 + "1" + "}" * 100_000 if kind == "deep" else '{"a": ' + "9" * 5000 + "}"
+    (src / "config.json").write_text(text)
+    spec = tmp_path / "t.yaml"
+    spec.write_text('transforms:\n  - rename: {"w": "v"}\n')
+    out = tmp_path / "o"
+    for extra in ([], ["--model-config", src / "config.json"]):
+        r = run_cli("convert", src, out, "--consolidate", "--transforms", spec, *extra)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        assert f"{src / 'config.json'}: not" in r.stderr, r.stderr
+    assert not out.exists()
