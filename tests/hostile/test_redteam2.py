@@ -440,3 +440,45 @@ def test_a_model_config_json_python_cannot_parse_exits_2(tmp_path: Path, kind: s
         assert "Traceback" not in r.stderr
         assert f"{src / 'config.json'}: not" in r.stderr, r.stderr
     assert not out.exists()
+
+
+KILL_AT_FIRST_FINISHED = """\
+import os, signal, sys
+import reshard.convert as c
+record = c.record_finished
+def finished(*args, **kwargs):
+    record(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # one output file finished and journaled, the others not
+c.record_finished = finished
+sys.argv = ["reshard", *sys.argv[1:]]
+from reshard.cli import main
+main()
+"""
+
+DAMAGED = [b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe not UTF-8", b'{"source": 5}', b'{"source": {"a": 5}}']
+
+
+@pytest.mark.parametrize("line", range(len(DAMAGED)))
+def test_resume_with_a_damaged_journal(tmp_path: Path, line: int) -> None:
+    """``--resume`` onto a staging directory whose journal is damaged (nested past the recursion
+    limit, not UTF-8, wrong types): a damaged first line (the source record) is refused as an
+    unrecorded source (exit 2), a damaged later line is skipped; both were tracebacks (exit 1)."""
+    src = _hf(tmp_path)
+    layout = tmp_path / "tp2.yaml"
+    layout.write_text('mesh: {tp: 2}\nplacements: {"*": {tp: S(1)}}\n')
+    dst = tmp_path / "dst"
+    args = ["convert", src, dst, "--target-layout", layout, "--quiet"]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_FIRST_FINISHED, *map(str, args)], timeout=120)
+    assert killed.returncode == -9
+    journal = dst / ".reshard-staging" / ".reshard-progress.jsonl"
+    lines = journal.read_bytes().splitlines()
+    assert len(lines) == 2  # the source record and one finished file
+    bad = DAMAGED[line]
+    journal.write_bytes(bad + b"\n" + lines[1] + b"\n")
+    r = run_cli(*args, "--resume")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "the interrupted run did not record it" in r.stderr
+    journal.write_bytes(lines[0] + b"\n" + bad + b"\n")  # a damaged finished-file line: skipped
+    r = run_cli(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert run_cli("verify", dst, src).returncode == 0
