@@ -482,3 +482,15 @@ def test_resume_with_a_damaged_journal(tmp_path: Path, line: int) -> None:
     r = run_cli(*args, "--resume")
     assert r.returncode == 0, r.stderr
     assert run_cli("verify", dst, src).returncode == 0
+
+
+def test_dtype_with_a_config_json_nested_past_the_recursion_limit_exits_2(tmp_path: Path) -> None:
+    """``convert --dtype bf16`` rewrites the copied config.json's dtype: one nested 100,000 deep
+    exits 2 naming it (a RecursionError traceback, exit 1), and nothing is left in DST."""
+    src = _hf(tmp_path)
+    (src / "config.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    out = tmp_path / "o"
+    r = run_cli("convert", src, out, "--consolidate", "--dtype", "bf16")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "config.json: nests arrays or objects deeper than Python can read" in r.stderr
+    assert not out.exists()
