@@ -1187,6 +1187,9 @@ def _op_json(op: Op) -> dict[str, Any]:
     return {op.OP: body}
 
 
+MAX_INT64 = (1 << 63) - 1  # the most elements (and the largest dim) a tensor may have
+
+
 def _advance(
     state: dict[str, TransformedTensor], step: _Step, touched: set[str]
 ) -> dict[str, TransformedTensor]:
@@ -1203,6 +1206,11 @@ def _advance(
                 tensor=o.name,
             )
         made[o.name] = origin
+        if o.alias is None and (max(o.shape, default=0) > MAX_INT64 or math.prod(o.shape) > MAX_INT64):
+            raise ConfigError(  # a pad's padded_size, say: no safetensors header or torch holds it
+                f'"{o.name}" would have shape {list(o.shape)}, over {MAX_INT64} elements (int64)',
+                tensor=o.name,
+            )
         if o.alias is not None:
             t = state[o.alias]
             new[o.name] = TransformedTensor(o.name, t.shape, t.dtype, t.parts)

@@ -494,3 +494,19 @@ def test_dtype_with_a_config_json_nested_past_the_recursion_limit_exits_2(tmp_pa
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "config.json: nests arrays or objects deeper than Python can read" in r.stderr
     assert not out.exists()
+
+
+def test_a_transform_making_a_tensor_past_int64_exits_2(tmp_path: Path) -> None:
+    """A ``pad`` to ``padded_size: 10**23``: exit 2 naming the rule and tensor, not an
+    ``OverflowError: int too big to convert`` traceback (exit 1) while the output header was laid out."""
+    src = _hf(tmp_path)
+    spec = tmp_path / "pad.yaml"
+    spec.write_text('transforms:\n  - pad: {tensors: "w", dim: 0, padded_size: 100000000000000000000000}\n')
+    for cmd in (["plan", src], ["convert", src, tmp_path / "o"]):
+        r = run_cli(*cmd, "--consolidate", "--transforms", spec)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert (
+            f'{spec}:2: transforms rule 1 (pad): "w" would have shape [100000000000000000000000, 4]'
+            in r.stderr
+        )
+    assert not (tmp_path / "o").exists()
