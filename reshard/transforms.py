@@ -32,6 +32,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import itertools
 import json
 import math
 import os
@@ -759,8 +760,10 @@ class Stack(_Base):
 
     def _stack(self, target: str, members: dict[int, str], state: State, env: _Env) -> _Out:
         count = len(members) if self.count is None else env.eval(self.count)
-        missing = sorted(set(range(count)) - set(members))
-        extra = sorted(set(members) - set(range(count)))
+        extra = sorted(e for e in members if not 0 <= e < count)
+        missing: list[int] = []  # the first few: count may be 10**12 (a set of its range was)
+        if len(members) - len(extra) != max(count, 0):
+            missing = [e for e in itertools.islice((e for e in range(count) if e not in members), 8)]
         if missing or extra:
             what = [f"missing {missing[:8]}"] if missing else []
             what += [f"unexpected {extra[:8]}"] if extra else []

@@ -510,3 +510,40 @@ def test_a_transform_making_a_tensor_past_int64_exits_2(tmp_path: Path) -> None:
             in r.stderr
         )
     assert not (tmp_path / "o").exists()
+
+
+def test_a_stack_count_of_10_to_the_12_is_refused_without_making_its_range(tmp_path: Path) -> None:
+    """``stack`` with ``count: 1000000000000`` and two layers: exit 2 naming the first missing
+    indices. It built ``set(range(count))`` to find them: the plan was killed by the kernel for
+    memory (exit 137)."""
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(
+        {f"layers.{i}.w": np.zeros((2, 3), np.float32) for i in range(2)}, str(src / "model.safetensors")
+    )
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        'transforms:\n  - stack: {from: "layers.{i}.w", to: "w", index: i, count: 1000000000000}\n'
+    )
+    r = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'ulimit -v 4000000; exec "$@"',
+            "-",
+            str(RESHARD),
+            "plan",
+            str(src),
+            "--consolidate",
+            "--transforms",
+            str(spec),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "stacking needs indices 0..999999999999; missing [2, 3, 4, 5, 6, 7, 8, 9]" in r.stderr
