@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -504,9 +505,16 @@ def check_destination(
         ) from None
 
 
+def _resolve(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except RuntimeError:  # Python before 3.13 reports a loop of links as RuntimeError, not OSError
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
+
+
 def _check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool, check_empty: bool) -> None:
-    s = src.resolve()
-    d = dst.resolve()
+    s = _resolve(src)
+    d = _resolve(dst)
     src_dir = s if s.is_dir() else s.parent
     # a single-file source: only its own directory is off limits (outputs would mix with it)
     if d == src_dir or (s.is_dir() and _is_within(d, src_dir)):

@@ -61,12 +61,15 @@ def _recorded(stage: Path) -> dict[str, Any] | None:
     p = stage / JOURNAL
     if not p.is_file():
         return None
-    first = p.read_text(encoding="utf-8").partition("\n")[0]
-    try:
-        rec = json.loads(first)
-    except ValueError:
+    first = p.read_bytes().partition(b"\n")[0]
+    try:  # a damaged journal (not UTF-8, not JSON, nested past the recursion limit) recorded nothing
+        rec = json.loads(first.decode("utf-8"))
+    except (ValueError, RecursionError):
         return {}
-    return rec.get("source", {}) if isinstance(rec, dict) else {}
+    source = rec.get("source") if isinstance(rec, dict) else None
+    if not isinstance(source, dict) or not all(isinstance(v, dict) for v in source.values()):
+        return {}
+    return source
 
 
 def _changes(old: dict[str, Any], new: dict[str, dict[str, Any]]) -> list[str]:
@@ -113,12 +116,12 @@ def record_finished(stage: Path, result: FileResult, rank: int = 0) -> None:
 def _journal(stage: Path) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
     for p in sorted(stage.glob(JOURNAL + "*")):
-        for line in p.read_text(encoding="utf-8").splitlines():
+        for line in p.read_bytes().splitlines():
             try:
-                rec = json.loads(line)
+                rec = json.loads(line.decode("utf-8"))
                 out[str(rec["name"])] = rec
-            except (ValueError, KeyError, TypeError):
-                continue  # the source record, or a torn last line from an interrupted run
+            except (ValueError, KeyError, TypeError, RecursionError):
+                continue  # the source record, or a torn (or damaged) line
     return out
 
 

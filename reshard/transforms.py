@@ -32,6 +32,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import itertools
 import json
 import math
 import os
@@ -211,39 +212,58 @@ _REF = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}|\\([1-9][0-9]*)")
 class NamePattern:
     """A tensor-name pattern: ``{name}`` captures one dotted component, ``*`` anything; or ``re:REGEX``.
 
+    Matching never backtracks for long: a pattern whose captures are each ended by a ``.`` (or
+    the name's end) and that holds at most one ``*`` runs on Python's ``re`` (each capture has
+    one way to match); any other, and every ``re:``, runs on RE2 (``google-re2``), in time linear
+    in the name (``re:(a+)+b`` or ``*a*a*a*b`` against a long name ran for ever on ``re``). A
+    repeated ``{name}`` needs the first kind.
+
     >>> m = NamePattern("layers.{layer}.experts.{e}.*").match("layers.3.experts.7.w1.weight")
     >>> m.groupdict(), m.groups()
     ({'layer': '3', 'e': '7'}, ('3', '7', 'w1.weight'))
     """
 
     text: str
-    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    regex: Any = field(init=False, repr=False, compare=False)  # re.Pattern, or RE2's compiled pattern
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise ConfigError(f"a tensor-name pattern must be a non-empty string, got {self.text!r}")
         if self.text.startswith("re:"):
             try:
-                rx = re.compile(self.text[3:])
+                re.compile(self.text[3:])  # Python's syntax and messages first: rules are written for it
             except re.error as e:
                 raise ConfigError(f"invalid regex {self.text!r}: {e.msg} at position {e.pos}") from None
+            rx = _re2(self.text[3:], self.text)
         else:
             out: list[str] = []
             seen: set[str] = set()
-            pos = 0
+            pos, stars, safe = 0, 0, True
             for m in _TOKEN.finditer(self.text):
                 out.append(re.escape(self.text[pos : m.start()]))
                 name = m.group(1)
                 if name is None:
                     out.append("(.*)")
+                    stars += 1
                 elif name in seen:
                     out.append(f"(?P={name})")
                 else:
                     seen.add(name)
                     out.append(f"(?P<{name}>[^.]+)")
                 pos = m.end()
+                # a capture must end at a '.' (or the name's end): else where it stops is a choice
+                safe = safe and (pos == len(self.text) or self.text[pos] == ".")
             out.append(re.escape(self.text[pos:]))
-            rx = re.compile("".join(out))
+            body = "".join(out)
+            if safe and stars <= 1:
+                rx = re.compile(body)
+            elif "(?P=" in body:
+                raise ConfigError(
+                    f"pattern {self.text!r} repeats a {{name}}, so each capture must end at a '.' "
+                    "(or the name's end) and it may hold one * at most; write it with fewer captures"
+                )
+            else:
+                rx = _re2(body, self.text)
         object.__setattr__(self, "regex", rx)
 
     @property
@@ -256,7 +276,9 @@ class NamePattern:
         return not self.text.startswith("re:") and "*" not in self.text
 
     def match(self, name: str) -> re.Match[str] | None:
-        return self.regex.fullmatch(name)
+        """The full match (RE2's match object where RE2 runs it: the same group/groups/groupdict)."""
+        m: re.Match[str] | None = self.regex.fullmatch(name)
+        return m
 
     def check_template(self, template: str, what: str) -> None:
         """Refuse a template that refers to captures this pattern does not have."""
@@ -270,6 +292,23 @@ class NamePattern:
                 raise ConfigError(
                     f"{what} {template!r} uses \\{m.group(2)}, but {self.text!r} has fewer groups"
                 )
+
+
+def _re2(body: str, text: str) -> Any:
+    """``body`` compiled by RE2 (linear-time matching, captures as Python's ``re`` gives them)."""
+    import re2  # lazy: only patterns that could backtrack for long load it
+
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(body, options)
+    except re2.error as e:
+        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else e
+        raise ConfigError(
+            f"pattern {text!r} is not supported: {why}; transform patterns run on RE2, which "
+            "guarantees linear-time matching and so has no lookarounds, backreferences, atomic "
+            "groups or possessive repeats; rewrite it without them"
+        ) from None
 
 
 def _fill(template: str, m: re.Match[str], extra: Mapping[str, str] | None = None) -> str:
@@ -721,8 +760,10 @@ class Stack(_Base):
 
     def _stack(self, target: str, members: dict[int, str], state: State, env: _Env) -> _Out:
         count = len(members) if self.count is None else env.eval(self.count)
-        missing = sorted(set(range(count)) - set(members))
-        extra = sorted(set(members) - set(range(count)))
+        extra = sorted(e for e in members if not 0 <= e < count)
+        missing: list[int] = []  # the first few: count may be 10**12 (a set of its range was)
+        if len(members) - len(extra) != max(count, 0):
+            missing = [e for e in itertools.islice((e for e in range(count) if e not in members), 8)]
         if missing or extra:
             what = [f"missing {missing[:8]}"] if missing else []
             what += [f"unexpected {extra[:8]}"] if extra else []
@@ -1149,6 +1190,9 @@ def _op_json(op: Op) -> dict[str, Any]:
     return {op.OP: body}
 
 
+MAX_INT64 = (1 << 63) - 1  # the most elements (and the largest dim) a tensor may have
+
+
 def _advance(
     state: dict[str, TransformedTensor], step: _Step, touched: set[str]
 ) -> dict[str, TransformedTensor]:
@@ -1165,6 +1209,11 @@ def _advance(
                 tensor=o.name,
             )
         made[o.name] = origin
+        if o.alias is None and (max(o.shape, default=0) > MAX_INT64 or math.prod(o.shape) > MAX_INT64):
+            raise ConfigError(  # a pad's padded_size, say: no safetensors header or torch holds it
+                f'"{o.name}" would have shape {list(o.shape)}, over {MAX_INT64} elements (int64)',
+                tensor=o.name,
+            )
         if o.alias is not None:
             t = state[o.alias]
             new[o.name] = TransformedTensor(o.name, t.shape, t.dtype, t.parts)
@@ -1575,6 +1624,13 @@ def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(_read(path, "model config"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: not valid JSON ({e.msg}, line {e.lineno})", path=source) from None
+    except RecursionError:  # [[[[...]]]] past Python's recursion limit (1 MiB holds 500k levels)
+        raise ConfigError(
+            f"{source}: not a model config.json: it nests arrays or objects deeper than Python can read",
+            path=source,
+        ) from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise ConfigError(f"{source}: not valid JSON ({e})", path=source) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a model config.json is a JSON object", path=source)
     nested = data.get("text_config")

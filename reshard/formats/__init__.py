@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
-from ..errors import HeaderError, UsageError
+from ..errors import HeaderError, ReshardError, UsageError
 from ..io.header import forget_shared
+from ..io.staging import STAGE
 from . import dcp, dcp_safetensors, dcp_writer, hf, per_rank, pt, sharded_state
 from .base import NO, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, read_manifest
@@ -120,12 +121,58 @@ def detect_format(path: Path) -> str:
         return best_name
     if probe.is_file:
         raise UsageError(f"{path}: not a .safetensors file or a checkpoint directory", path=str(path))
+    inner = _checkpoint_subdirs(path)
+    if inner:
+        raise UsageError(
+            f"{path}: no checkpoint in the directory itself, but {_listed(inner)}; give one of them as "
+            f"the path (e.g. {_example(path, inner)})",
+            path=str(path),
+        )
     raise UsageError(
         f"{path}: no checkpoint found (expected "
         + "; ".join(f"{r.name}: {r.help}" for r in _READERS.values())
         + ")",
         path=str(path),
     )
+
+
+#: Sub-directories looked into for :func:`_checkpoint_subdirs` (accelerate's ``save_state``
+#: holds two or three, torchtitan's ``checkpoint/`` one per saved step).
+_MAX_SUBDIRS = 64
+
+
+def _checkpoint_subdirs(path: Path) -> list[tuple[str, str]]:
+    """``(name, format)`` of the sub-directories of ``path`` a reader recognises, sorted by name
+    (accelerate's ``save_state`` output: ``pytorch_model_fsdp_0/``, ``optimizer_0/``; torchtitan's
+    ``checkpoint/step-N/``); [] when it has none, or more than :data:`_MAX_SUBDIRS`."""
+    try:
+        subs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    found = []
+    for sub in subs[:_MAX_SUBDIRS]:
+        try:
+            probe = Probe.of(sub)
+        except (OSError, UsageError):
+            continue
+        best, best_name = NO, None
+        for r in _READERS.values():
+            score = r.detect(probe)
+            if score > best:
+                best, best_name = score, r.name
+        if best_name is not None:
+            found.append((sub.name, best_name))
+    return found
+
+
+def _example(path: Path, inner: list[tuple[str, str]]) -> Path:
+    """The sub-directory to name in the hint: the model's when one is named so."""
+    return path / next((n for n, _ in inner if "model" in n.lower()), inner[0][0])
+
+
+def _listed(inner: list[tuple[str, str]]) -> str:
+    shown = ", ".join(f"{name}/ ({fmt})" for name, fmt in inner[:6]) + (", ..." if len(inner) > 6 else "")
+    return f"its sub-director{'y holds a checkpoint' if len(inner) == 1 else 'ies hold checkpoints'}: {shown}"
 
 
 def open_checkpoint(
@@ -145,6 +192,8 @@ def open_checkpoint(
         mesh_sizes: override mesh dim sizes of the layout (``--source-mesh``).
     """
     p = Path(path)
+    _refuse_interrupted_swap(p)
+    detected = fmt is None
     if fmt is None:
         fmt = detect_format(p)
     r = reader(fmt)
@@ -152,13 +201,53 @@ def open_checkpoint(
         raise UsageError(f"{p}: no such file or directory", path=str(p))
     try:
         ckpt = r.open(p, ReadOptions(layout, mesh_sizes))
+    except ReshardError as e:
+        # a pt guess from files beside the checkpoints (HF Trainer's rng_state_{r}.pth next to
+        # accelerate's pytorch_model_fsdp_0/): say where the checkpoints are
+        if detected and r.name == "pt" and e.hint is None and p.is_dir():
+            inner = _checkpoint_subdirs(p)
+            if inner:
+                e.hint = f"{_listed(inner)}: give one of them as the path (e.g. {_example(p, inner)})"
+        raise
     finally:
         forget_shared()
     if ckpt.manifest is None and p.is_dir():
         ckpt.manifest = read_manifest(p)
     if r.name in ("pt", "dcp"):  # names from pickles; safetensors headers are checked as decoded
         _check_names_encode(ckpt)
+    if r.name == "pt" and not ckpt.tensors and ckpt.non_tensors:
+        _no_tensors(p, ckpt)
     return ckpt
+
+
+def _refuse_interrupted_swap(path: Path) -> None:
+    """A directory a ``convert`` was swapping its new checkpoint into when it was killed: the
+    staging directory holds the new checkpoint whole, DST part of it (read as it is, it was
+    taken for a checkpoint)."""
+    staged = path / STAGE / MANIFEST
+    if path.is_dir() and staged.is_file():
+        raise UsageError(
+            f"{path}: a reshard convert into this directory was interrupted while it moved its new "
+            f"checkpoint in ({STAGE}/ holds it whole; the files here are part of it); run the same "
+            "convert again (with --overwrite) to finish the move, then read it",
+            path=str(path),
+        )
+
+
+def _no_tensors(path: Path, ckpt: Checkpoint) -> None:
+    """A ``torch.save`` file of no tensors at all (accelerate's ``scheduler.bin`` beside the model's
+    sub-directories) is no checkpoint of weights: converting it wrote an empty model, exit 0."""
+    names = ", ".join(n.name for n in ckpt.non_tensors[:3]) + (", ..." if len(ckpt.non_tensors) > 3 else "")
+    what = f"{path}: {', '.join(Path(f).name for f in ckpt.files)}" if path.is_dir() else f"{path}:"
+    inner = _checkpoint_subdirs(path) if path.is_dir() else []
+    where = ""
+    if inner:
+        where = f"; {_listed(inner)}: give one of them as the path (e.g. {_example(path, inner)})"
+    raise UsageError(
+        f"{what} holds no tensors, only {len(ckpt.non_tensors)} other value(s) ({names}): "
+        f"not a checkpoint of weights{where}",
+        path=str(path),
+    )
 
 
 def _check_names_encode(ckpt: Checkpoint) -> None:

@@ -53,6 +53,7 @@ What the format does not say, and how it is handled:
 from __future__ import annotations
 
 import io
+import math
 import operator
 import os
 import re
@@ -67,7 +68,7 @@ from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, TensorSource,
 from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, UsageError, WriteError
 from ..intervals import Block, Interval, normalize, overlapping_pairs
-from ..io.header import MAX_HEADER_SIZE, Header, decode_header
+from ..io.header import MAX_HEADER_SIZE, MAX_INT64, Header, decode_header
 from ..io.pages import scratch_dir
 from ..io.safe import file_kind
 from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range
@@ -801,6 +802,13 @@ class _Reader:
             if type(m) is not TensorMeta:
                 continue
             prev = self.meta.setdefault(fqn, m)
+            if prev is m and (math.prod(m.size) > MAX_INT64 or max(m.size, default=0) > MAX_INT64):
+                raise HeaderError(
+                    f'{mpath}: tensor "{fqn}" has size {list(m.size)}, over {MAX_INT64} elements '
+                    "(int64; torch refuses it)",
+                    path=str(mpath),
+                    tensor=fqn,
+                )
             if prev is not m and (prev.dtype, prev.size) != (m.dtype, m.size):
                 raise LayoutError(
                     f'{mpath}: tensor "{fqn}" is {m.dtype} {list(m.size)} but another rank\'s metadata '

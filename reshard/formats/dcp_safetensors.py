@@ -37,6 +37,7 @@ What the format cannot say:
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from pathlib import Path
 from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource
 from ..errors import HeaderError, LayoutError
 from ..intervals import Block, Box, Interval, format_box, normalize, overlapping_pairs
-from ..io.header import Header, read_header
+from ..io.header import MAX_INT64, Header, read_header
 from ..io.safe import load_json
 from .base import NO, YES, Probe, Reader, ReadOptions
 
@@ -289,6 +290,19 @@ def _global_shape(name: str, chunks: Sequence[StoredChunk], files: Sequence[Path
             for d, (o, s) in enumerate(zip(c.offsets, c.shape, strict=True)):
                 ext[d] = max(ext[d], o + s)
         shape = tuple(ext)
+    if math.prod(shape) > MAX_INT64 or max(shape, default=0) > MAX_INT64:
+
+        def end(c: StoredChunk) -> int:
+            return max((o + s for o, s in zip(c.offsets, c.shape)), default=0)
+
+        far = stated[0] if stated else max(chunks, key=end)
+        said = f"{_GLOBAL_SHAPE_KEY}" if stated else f"{SAVED_OFFSETS_KEY} {list(far.offsets)} give it"
+        raise HeaderError(
+            f'{files[far.file]}: tensor "{name}": {said} a global shape {list(shape)} over '
+            f"{MAX_INT64} elements (int64; torch refuses it)",
+            path=str(files[far.file]),
+            tensor=name,
+        )
     for c in chunks:
         if any(o + s > n for o, s, n in zip(c.offsets, c.shape, shape, strict=True)):
             raise LayoutError(

@@ -205,14 +205,21 @@ def rewrite_config_dtype(text: str, dtype: str, *, where: str = "config.json") -
     name = config_dtype_name(dtype)
     try:
         obj = json.loads(text, object_pairs_hook=dict)
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: not a JSON object; cannot set its dtype for --dtype", path=where)
+        _set_dtype(obj, name)
+        return json.dumps(obj, indent=2) + "\n"
+    except ConfigError:
+        raise
+    except RecursionError:  # loading, walking or dumping {"a": {"a": ...}} past the recursion limit
+        raise ConfigError(
+            f"{where}: nests arrays or objects deeper than Python can read; cannot set its dtype for --dtype",
+            path=where,
+        ) from None
     except ValueError as e:
         raise ConfigError(
             f"{where}: not valid JSON ({e}); cannot set its dtype for --dtype", path=where
         ) from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: not a JSON object; cannot set its dtype for --dtype", path=where)
-    _set_dtype(obj, name)
-    return json.dumps(obj, indent=2) + "\n"
 
 
 def _read_text(path: Path) -> str:

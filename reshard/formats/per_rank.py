@@ -139,11 +139,20 @@ def self_description(header: Header, path: Path, *, tensors: bool = True) -> Ran
         if version not in (1, 2):
             raise ValueError("unsupported format_version")
         mesh = _described_mesh(data, where)
-        data["rank"] = int(data["rank"])
+        rank = data["rank"]
+        if type(rank) is not int or not 0 <= rank < mesh.size:
+            raise ValueError(f"rank {rank!r} is not a rank of mesh {mesh}")
+        coordinate = data.get("coordinate")  # derived from the rank; when given, it must agree
+        if coordinate is not None and coordinate != list(mesh.coordinate(rank)):
+            raise ValueError(
+                f"coordinate {coordinate!r} is not rank {rank}'s {list(mesh.coordinate(rank))} on mesh {mesh}"
+            )
         if version == 2:
             data["tensors"] = _v2_tensors(data, header, mesh, where) if tensors else {}
         _check_tensors(data["tensors"], where)
-    except (ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:
+    except KeyError as e:  # a field left out
+        raise HeaderError(f"{path}: invalid reshard metadata (no {e} field)", path=str(path)) from None
+    except (ValueError, TypeError, IndexError, ArithmeticError) as e:
         raise HeaderError(f"{path}: invalid reshard metadata ({e})", path=str(path)) from None
     return cast(RankMetadata, data)  # the fields used are checked above
 
@@ -196,6 +205,11 @@ def _v2_tensors(data: dict[str, Any], header: Header, mesh: Mesh, where: str) ->
     if not isinstance(codes, str) or len(codes) != len(header.entries) or not isinstance(shapes, dict):
         raise ValueError(f'"layout" must hold one code per tensor ({len(header.entries)})')
     index = {c: i for i, c in enumerate(_CODES[: len(table)])}
+    unknown = set(codes) - index.keys()
+    if unknown:
+        raise ValueError(
+            f'"layout" code {min(unknown)!r} names no entry of "placements" (it has {len(table)})'
+        )
     derived: dict[tuple[tuple[int, ...], str], TensorDescription] = {}  # one description per geometry
     # given shapes that are lists of ints (else each is described alone, and checked so): one
     # description per shape and code, as derived ones (64 ranks of 100k unevenly split tensors

@@ -9,9 +9,11 @@ the file and the global, and nothing of the pickle runs. Tensor bytes stay in
 the zip's stored ``data/N`` records and are read in place by offset.
 
 - **Rank numbers** come from the file names: ``…rank_{r}.pt``, ``rank-{r}.pt``,
-  or ``…_{r}.pt`` when the name holds one number. A directory holding several
-  kinds of rank files (veRL's ``model_…``, ``optim_…``, ``extra_state_…``) is read
-  through its ``model`` files.
+  or ``…_{r}.pt`` when the name holds one number; ``.bin`` with ``rank`` in the name
+  (accelerate's ``use_dcp=False`` ``pytorch_model_fsdp_0_rank{r}.bin``). A directory
+  holding several kinds of rank files (veRL's ``model_…``, ``optim_…``,
+  ``extra_state_…``; accelerate's ``optimizer_0_rank{r}.bin``) is read through its
+  ``model`` files.
 - **One file** (``torch.save(model.state_dict())``: ``model.pt``, ``pytorch_model.bin``),
   given as the path or alone in its directory without a rank number, is a world of one.
 - **Leaves** of nested dicts and lists are named by their keys joined with ``.``.
@@ -63,11 +65,14 @@ _LEGACY_START = b"\x80\x02\x8a\x0a"  # a protocol-2 pickle of torch's 10-byte ma
 
 def rank_of(name: str) -> tuple[str, int] | None:
     """``(template, rank)`` of a file name: the rank from ``rank_{r}``/``rank-{r}``, else its only
-    number when it ends the stem (``…_{r}.pt``); the template is the name with ``{r}`` for it."""
+    number when it ends the stem (``…_{r}.pt``; a ``.bin`` needs ``rank``); the template is the
+    name with ``{r}`` for it."""
     stem, dot, ext = name.rpartition(".")
-    if not dot or "." + ext not in _SUFFIXES:
+    if not dot or "." + ext not in _SINGLE_SUFFIXES:
         return None
     found = list(_RANK.finditer(stem))
+    if "." + ext not in _SUFFIXES and not found:  # .bin: accelerate's …_rank{r}.bin; never HF's shards
+        return None
     if found:
         a, b = found[-1].span(1)
     else:
@@ -100,8 +105,9 @@ def pt_files(directory: Path) -> list[Path]:
         single = _single_file(directory)
         if single is not None:
             return [single]
-    if len(groups) > 1:  # veRL: model_…, optim_…, extra_state_…: the model is what converts
-        groups = {t: g for t, g in groups.items() if t.startswith("model")} or groups
+    if len(groups) > 1:  # veRL: model_…, optim_…, extra_state_…; accelerate: pytorch_model_fsdp_0_…,
+        # optimizer_0_…: the model is what converts
+        groups = {t: g for t, g in groups.items() if "model" in t.lower()} or groups
     if len(groups) != 1:
         kinds = ", ".join(sorted(groups)) or "none"
         raise HeaderError(
@@ -133,17 +139,63 @@ class PtFile:
     crc32s: dict[str, int]
 
 
-def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Leaves of nested dicts and lists, their keys joined with ``.``."""
+#: Containers nested deeper than this (a state dict needs a handful) are refused: the pickle can
+#: nest lists past Python's recursion limit, or hold a list that contains itself.
+MAX_PT_DEPTH = 256
+#: Containers and leaves visited in one file: a pickle can refer to one list from many places
+#: (``[L1, L1]``, ``L1 = [L2, L2]``, ...), so a small file can name 2**60 leaves.
+MAX_PT_NODES = 5_000_000
+
+
+def _containers(obj: Any) -> Iterator[tuple[Any, Any]] | None:
     if isinstance(obj, Mapping):
-        items: Any = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    else:
-        yield prefix, obj
+        return iter(obj.items())
+    if isinstance(obj, (list, tuple)):
+        return enumerate(obj)
+    return None
+
+
+def _leaves(obj: Any, path: Path) -> Iterator[tuple[str, Any]]:
+    """Leaves of nested dicts and lists, their keys joined with ``.``, depth first in order.
+
+    Raises:
+        HeaderError: containers nested deeper than :data:`MAX_PT_DEPTH` (or a cycle), or more
+            than :data:`MAX_PT_NODES` of them and their leaves.
+    """
+    top = _containers(obj)
+    if top is None:
+        yield "", obj
         return
-    for k, v in items:
-        yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", top)]
+    nodes = 0
+    while stack:
+        prefix, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        nodes += 1
+        if nodes > MAX_PT_NODES:
+            raise HeaderError(
+                f"{path}: the torch.save pickle names more than {MAX_PT_NODES:,} containers and "
+                "values (MAX_PT_NODES); a state dict has one per tensor and a few more, so this "
+                "looks like a file built to exhaust memory",
+                path=str(path),
+            )
+        k, v = item
+        name = f"{prefix}.{k}" if prefix else str(k)
+        inner = _containers(v)
+        if inner is None:
+            yield name, v
+        elif len(stack) >= MAX_PT_DEPTH:
+            raise HeaderError(
+                f"{path}: the torch.save pickle nests dicts and lists more than {MAX_PT_DEPTH} deep "
+                f"(MAX_PT_DEPTH), or holds a list that contains itself, under {name[:80]!r}; a "
+                "state dict is a few levels deep",
+                path=str(path),
+            )
+        else:
+            stack.append((name, inner))
 
 
 def _open_zip(fd: int, path: Path) -> TorchZip:
@@ -213,8 +265,18 @@ def read_pt(path: Path) -> PtFile:
         dtensors: dict[str, StoredDTensor] = {}
         others: dict[str, Any] = {}
         crc32s: dict[str, int] = {}
-        for name, leaf in _leaves(obj):
+        seen: set[str] = set()
+        for name, leaf in _leaves(obj, path):
             if isinstance(leaf, (StoredTensor, StoredDTensor)):
+                if name in seen:
+                    raise HeaderError(
+                        f'{path}: two tensors of the state dict are both named "{name}" once nested '
+                        "keys are joined with '.' (a key 'a.b' beside a key 'a' holding 'b', or 1 "
+                        "beside '1'); rename one and re-save",
+                        path=str(path),
+                        tensor=name,
+                    )
+                seen.add(name)
                 if isinstance(leaf, StoredDTensor):
                     dtensors[name] = leaf
                 entry, crc = _entry(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
@@ -388,7 +450,8 @@ def _detect(probe: Probe) -> int:
 
 READER = Reader(
     name="pt",
-    help="one torch.save .pt file per rank (rank_{r}.pt, veRL model_world_size_W_rank_r.pt): "
+    help="one torch.save .pt file per rank (rank_{r}.pt, veRL model_world_size_W_rank_r.pt, "
+    "accelerate pytorch_model_fsdp_0_rank{r}.bin): "
     "DTensors self-described, plain tensors with --source-layout; or one whole state dict "
     "(model.pt, pytorch_model.bin)",
     detect=_detect,

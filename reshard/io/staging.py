@@ -4,11 +4,13 @@ A conversion writes every file, its index and ``reshard.json`` into
 ``DST/.reshard-staging/``. Only when that directory holds a finished checkpoint
 (its ``reshard.json``, written last) does :meth:`Stage.swap` replace the
 previous checkpoint in ``DST``: remove the old ``reshard.json`` (DST is now
-unfinished), remove the old checkpoint's other files, rename the new files in,
-``reshard.json`` last. A failure (a full disk) before the swap leaves the
-previous checkpoint untouched. An interruption during the swap leaves the new
-checkpoint finished in the staging directory, and the next run in ``DST``
-completes the swap first (:meth:`Stage.recover`). ``--resume`` keeps the
+unfinished), remove the old checkpoint's other files (also those a new file
+replaces by name), rename the new files in, the files naming the others (DCP's
+``.metadata``, the HF index) after them, ``reshard.json`` last. A failure (a
+full disk) before the swap leaves the previous checkpoint untouched. An
+interruption during the swap leaves the new checkpoint finished in the staging
+directory, and the next run in ``DST`` completes the swap first
+(:meth:`Stage.recover`); readers refuse ``DST`` until then. ``--resume`` keeps the
 staging directory's finished files.
 """
 
@@ -110,14 +112,20 @@ class Stage:
             owned: whether a name in DST is a checkpoint file reshard may remove.
             skip: staged names not to move (the resume journals).
         """
-        names = sorted(n for n in os.listdir(self.dir) if not (is_temp(n) or skip(n)))
+        # data files first, then what names them (DCP's .metadata, the HF index), reshard.json last
+        names = sorted(
+            (n for n in os.listdir(self.dir) if not (is_temp(n) or skip(n) or n == self.marker)),
+            key=lambda n: (n.startswith(".") or n.endswith(".json"), n),
+        )
         refuse_non_files(self.dst, names)
         (self.dst / self.marker).unlink(missing_ok=True)
-        keep = set(names)
+        # every previous file goes, also those the new checkpoint replaces by name: an interruption
+        # must not leave DST holding new files beside old ones of one name set (rank 0 new, rank
+        # 1 old: a checkpoint that reads as whole, of two sources)
         for name in os.listdir(self.dst):
-            if name not in keep and owned(name) and (self.dst / name).is_file():
+            if owned(name) and (self.dst / name).is_file():
                 (self.dst / name).unlink()
-        for name in [n for n in names if n != self.marker] + [self.marker]:
+        for name in [*names, self.marker]:
             os.replace(self.dir / name, self.dst / name)
         _fsync_dir(self.dst)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -80,6 +80,20 @@ def test_fsdp_tp_placements_sub_mesh_and_non_tensor_leaves(world: Path, tmp_path
     assert_same_as_torch(tmp_path / "hf", world / "fsdp_tp.safetensors")
 
 
+def test_accelerate_use_dcp_false_rank_bin_files(world: Path, tmp_path: Path) -> None:
+    """accelerate's FSDP2 ``save_state`` with ``use_dcp=False``: ``pytorch_model_fsdp_0_rank{r}.bin``
+    beside ``optimizer_0_rank{r}.bin`` are read through the model files (the directory was 'no
+    checkpoint found': .bin was not a rank-file suffix)."""
+    src = world / "accelerate"
+    if not src.exists():
+        pytest.skip("accelerate is not installed")
+    assert sorted(p.name for p in src.iterdir())[:2] == ["optimizer_0_rank0.bin", "optimizer_0_rank1.bin"]
+    doc = json.loads(reshard("inspect", src, "--check", "--json").stdout)
+    assert doc["ok"] is True and doc["format"] == "pt" and doc["mesh"]["shape"] == [4]
+    reshard("convert", src, tmp_path / "hf", "--consolidate", "--quiet")
+    assert_same_as_torch(tmp_path / "hf", world / "accelerate.safetensors")
+
+
 def test_target_mesh_adding_a_dim_to_the_dtensors_mesh(world: Path, tmp_path: Path) -> None:
     """A new dim on the DTensors' own rules is replicated, as for per-rank files (the rules were
     positional, one placement per source dim: exit 2 naming a rule of the "file metadata")."""

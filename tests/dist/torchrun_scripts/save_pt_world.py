@@ -13,6 +13,9 @@ tensor as torch holds it whole, ``full_tensor()`` of DTensors, the oracle):
 - ``fsdp_tp``: FSDP2-over-TP placements on ``("dp", "tp")``: ``(_StridedShard(0, 2), Shard(0))``,
   ``(Shard(0), Shard(1))``, a DTensor on the ``mesh["tp"]`` sub-mesh, nested dicts and lists and
   non-tensor leaves, ``ckpt_{r}.pt``;
+- ``accelerate``: accelerate's own ``save_fsdp_model``/``save_fsdp_optimizer`` with
+  ``use_dcp=False`` (FSDP2, ``SHARDED_STATE_DICT``): ``pytorch_model_fsdp_0_rank{r}.bin`` beside
+  ``optimizer_0_rank{r}.bin`` (skipped without accelerate);
 - ``plain``: ``torch.save`` of plain local tensors (``distribute_tensor(...).to_local()`` on a tp=4
   mesh, :data:`PLAIN_LAYOUT`), ``rank-{r}.pt``.
 """
@@ -132,6 +135,43 @@ def _fsdp_tp(out: Path, rank: int) -> None:
     _save(state, out, "fsdp_tp", rank, f"ckpt_{rank}.pt")
 
 
+def _accelerate(out: Path, rank: int) -> None:
+    """What ``Accelerator.save_state`` writes for FSDP2 with ``SHARDED_STATE_DICT`` and
+    ``use_dcp=False``, by accelerate's own functions (its plugin and accelerator stood in for)."""
+    import logging
+    from types import SimpleNamespace
+
+    try:
+        import accelerate.utils.fsdp_utils as fu
+    except ImportError:
+        return
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import StateDictType, fully_shard
+
+    fu.logger = logging.getLogger("accelerate-stand-in")  # its own logger needs an Accelerator
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 7), torch.nn.LayerNorm(7))
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.arange(4)).sum().backward()
+    opt.step()
+    plugin = SimpleNamespace(
+        fsdp_version=2,
+        state_dict_type=StateDictType.SHARDED_STATE_DICT,
+        state_dict_config=SimpleNamespace(offload_to_cpu=False, rank0_only=False),
+        optim_state_dict_config=None,
+    )
+    acc = SimpleNamespace(process_index=rank, num_processes=WORLD, is_main_process=rank == 0)
+    d = out / "accelerate"
+    fu.save_fsdp_model(plugin, acc, model, str(d), use_dcp=False)
+    fu.save_fsdp_optimizer(plugin, acc, opt, model, str(d), use_dcp=False)
+    full = _full(model.state_dict())  # collectives: every rank takes part
+    if rank == 0:
+        save_file({k: v.clone() for k, v in full.items()}, str(out / "accelerate.safetensors"))
+
+
 def _plain(out: Path, rank: int) -> None:
     import torch
     from safetensors.torch import save_file
@@ -164,7 +204,7 @@ def main(out: Path) -> int:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    for case in (_verl, _hsdp, _fsdp_tp, _plain):
+    for case in (_verl, _hsdp, _fsdp_tp, _accelerate, _plain):
         case(out, rank)
         dist.barrier()
     dist.destroy_process_group()
