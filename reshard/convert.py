@@ -447,6 +447,12 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             f"non-tensor items ({kept}), which are not converted: nothing to convert",
             path=source.path,
         )
+    if not source.tensors:  # e.g. an HF index whose weight_map is empty: never an empty output
+        items = f" (only {len(source.non_tensors)} non-tensor item(s))" if source.non_tensors else ""
+        raise UsageError(
+            f"{source.path}: the {source.format} checkpoint holds no tensors{items}: nothing to convert",
+            path=source.path,
+        )
     rules = target.rules
     tf = target.transforms
     tensors, transformed = (None, None) if tf is None else tf.plan_inputs(source)

@@ -105,3 +105,23 @@ def test_a_selection_of_non_tensor_items_only_converts_nothing(tmp_path: Path) -
         assert "keep no tensor of its 1, only non-tensor items (lr_scheduler.last_epoch)" in p.stderr
         assert "Traceback" not in p.stderr and not out.exists()
     assert _run("convert", src, out, "--consolidate", "--include", "model.*").returncode == 0
+
+
+def test_a_checkpoint_of_no_tensors_converts_nothing(tmp_path: Path) -> None:
+    """An HF index whose weight_map is empty (its shard's tensor unlisted): convert and plan exit 2
+    (they wrote an empty checkpoint, exit 0); inspect still shows it."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"a": torch.zeros(2)}, str(src / "model-00001-of-00001.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    out = tmp_path / "out"
+    for args in (
+        ["convert", src, out, "--target-layout", "llama-tp", "--target-mesh", "tp=2"],
+        ["convert", src, out, "--to", "dcp"],
+        ["plan", src, "--consolidate"],
+    ):
+        p = _run(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert f"{src}: the hf checkpoint holds no tensors: nothing to convert" in p.stderr
+        assert not out.exists()
+    assert _run("inspect", src).returncode == 0
