@@ -48,15 +48,11 @@ def suspects(
 
     out: list[TensorSource] = []
     size = np.array([-1 if s is None else s for s in sizes], np.int64)
-    compare = Batch((sources, sources), cap)
-    batch = _Replicas(compare, out)
-    try:
-        for group, (numels, pairs) in groups:
-            for c in range(0, len(group), _CHUNK):
-                _chunk(group[c : c + _CHUNK], numels, pairs, size, batch, out)
-        batch.flush()
-    finally:
-        compare.close()
+    batch = _Replicas(Batch((sources, sources), cap), out)
+    for group, (numels, pairs) in groups:
+        for c in range(0, len(group), _CHUNK):
+            _chunk(group[c : c + _CHUNK], numels, pairs, size, batch, out)
+    batch.flush()
     return out
 
 

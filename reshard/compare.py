@@ -10,9 +10,7 @@ the item) and differ only in where their pieces lie, so their piece offsets are 
 1. A side's source bytes are read by one ``pread`` per *cluster* (the span of a file the
    items' pieces cover, gaps of up to :data:`GAP` included) into a window buffer, or
    straight into the side's buffer when its items lie back to back in one file in the
-   buffer's order (a consolidated file). The two sides are read at once, side 1 by a
-   helper thread (``pread`` and the numpy copies let go of the GIL): each side has its
-   own window.
+   buffer's order (a consolidated file).
 2. Each run of a group is moved from the window as a few strided numpy copies: the
    items are cut into progressions, where the steps between consecutive items'
    positions (in the window and in the buffer) stay the same, taking every second,
@@ -29,9 +27,7 @@ touched for the first time is slow on the VMs we measured on).
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -101,10 +97,8 @@ class Batch:
 
     Args:
         sources: the files of side 0 and of side 1 (the same object for one checkpoint).
-        cap: bytes of items one :meth:`compare` takes (each side's buffer); each side's window
-            the source spans are read into holds up to twice that.
-
-    Call :meth:`close` when done (it stops the thread that reads side 1).
+        cap: bytes of items one :meth:`compare` takes (each side's buffer); the window the
+            source spans are read into holds up to twice that.
     """
 
     def __init__(self, sources: tuple[SourceFiles, SourceFiles], cap: int) -> None:
@@ -112,16 +106,7 @@ class Batch:
         self.cap = max(1, cap)
         self._bufs: tuple[bytearray, bytearray] | None = None
         self._mask = bytearray(0)
-        self._windows = [bytearray(0), bytearray(0)]
-        self._helper: ThreadPoolExecutor | None = None  # fills side 1 while side 0 is filled
-        self._parallel = (os.cpu_count() or 1) > 1
-
-    def close(self) -> None:
-        """Stop the helper thread (the batch may still be used: it reads both sides itself)."""
-        if self._helper is not None:
-            self._helper.shutdown(wait=True)
-            self._helper = None
-        self._parallel = False
+        self._window = bytearray(0)
 
     def compare(self, groups: Sequence[Group]) -> list[tuple[int, int]]:
         """Compare items that lie end to end from position 0, at most :attr:`cap` bytes in all.
@@ -153,7 +138,7 @@ class Batch:
         if not len(starts):
             return
         assert self._bufs is not None
-        if self._both(groups, arrays, sel):
+        if all(self._fill(side, groups, arrays, sel, self._bufs[side]) for side in (0, 1)):
             pos = self._differing(lo, hi)
             if pos is not None:
                 out += _items_at(pos, arrays, sel)
@@ -163,22 +148,6 @@ class Batch:
             self._span(groups, arrays, mid, hi, out)
         else:
             out += [(gi, int(s[0])) for gi, s in enumerate(sel) if len(s)]
-
-    def _both(self, groups: Sequence[Group], arrays: list[_Arrays], sel: list[Ints]) -> bool:
-        """Fill both sides' buffers (side 1 on the helper thread); False if either side's
-        source spans do not fit its window."""
-        assert self._bufs is not None
-        bufs = self._bufs
-        if not self._parallel:
-            return all(self._fill(side, groups, arrays, sel, bufs[side]) for side in (0, 1))
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="reshard-compare")
-        other = self._helper.submit(self._fill, 1, groups, arrays, sel, bufs[1])
-        try:
-            ok = self._fill(0, groups, arrays, sel, bufs[0])
-        finally:
-            wait([other])  # never leave the helper writing into a buffer we go on with
-        return other.result() and ok
 
     def _differing(self, lo: int, hi: int) -> Ints | None:
         """Positions of the bytes in ``[lo, hi)`` that differ between the two buffers (None: none)."""
@@ -254,11 +223,10 @@ class Batch:
         total = int(sizes.sum())
         if total > 2 * self.cap:
             return False
-        window = self._windows[side]
-        if len(window) < total:
-            window = self._windows[side] = bytearray(max(total, min(2 * self.cap, 2 * len(window))))
+        if len(self._window) < total:
+            self._window = bytearray(max(total, min(2 * self.cap, 2 * len(self._window))))
         base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        view = memoryview(window)
+        view = memoryview(self._window)
         for b, c, z in zip(base.tolist(), c_lo.tolist(), sizes.tolist(), strict=True):
             fi, off = divmod(c, stride)
             sources.pread(fi, view[b : b + z], off)
@@ -267,7 +235,7 @@ class Batch:
         win[order] = base[cid] + klo - c_lo[cid]
         done = 0
         for runs, _, x, y in jobs:
-            _move(runs, win[done : done + x.size].reshape(x.shape), y, window, buf)
+            _move(runs, win[done : done + x.size].reshape(x.shape), y, self._window, buf)
             done += x.size
         return True
 

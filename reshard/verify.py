@@ -30,9 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-import os
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
@@ -277,14 +275,11 @@ def _first_difference(
     m: _Match,
     max_bytes: int,
     bufs: tuple[list[bytearray], list[bytearray], list[bytearray]],
-    helper: ThreadPoolExecutor | None = None,
 ) -> tuple[int, tuple[list[int], int, int] | None]:
     """Bytes compared, and the smallest differing global index with A's and B's bits (or None).
 
-    ``bufs``: A's and B's gather buffers and the mask's, reused from call to call. With a
-    ``helper`` thread, A's slab is read on it while B's is read here, and the two halves of
-    each slab are compared at once (the mapped pages are faulted in as they are read: page
-    faults and copies let go of the GIL).
+    ``bufs``: A's and B's gather buffers and the mask's, reused from call to call (a fresh
+    mask a slab was memory touched for the first time, at a fraction of copy speed here).
     """
     import numpy as np
 
@@ -307,9 +302,10 @@ def _first_difference(
         for slab in slabs(dshape, 1, items):
             shape = tuple(hi - lo for lo, hi in slab)
             n = _prod(shape)
-            va, vb = _both_slabs(ra, rb, slab, shape, n, helper)
+            va = ra.slab(slab, shape, n)
+            vb = rb.slab(slab, shape, n)
             compared += n * isz
-            neq = _not_equal(va, vb, shape, n, bufs[2], helper)
+            neq = _not_equal(va, vb, shape, n, bufs[2])
             if neq is not None:
                 pos = int(np.argmax(neq.reshape(-1)))
                 local = [int(x) for x in np.unravel_index(pos, shape)] if shape else []
@@ -326,38 +322,8 @@ def _first_difference(
     return compared, best
 
 
-def _cores() -> int:
-    return os.cpu_count() or 1
-
-
-_PARALLEL = 1 << 16
-"""Items of a slab below which both sides are read and compared on one thread."""
-
-
-def _both_slabs(
-    ra: _Region,
-    rb: _Region,
-    slab: tuple[tuple[int, int], ...],
-    shape: tuple[int, ...],
-    n: int,
-    helper: ThreadPoolExecutor | None,
-) -> tuple[Any, Any]:
-    """A's and B's items of ``slab`` (A's read on ``helper`` meanwhile, when given)."""
-    if helper is None or n < _PARALLEL:
-        return ra.slab(slab, shape, n), rb.slab(slab, shape, n)
-    fut = helper.submit(ra.slab, slab, shape, n)
-    try:
-        vb = rb.slab(slab, shape, n)
-    finally:
-        wait([fut])  # never leave the helper writing into a buffer we go on with
-    return fut.result(), vb
-
-
-def _not_equal(
-    va: Any, vb: Any, shape: tuple[int, ...], n: int, mask: list[bytearray], helper: ThreadPoolExecutor | None
-) -> Any:
-    """Where ``va`` and ``vb`` differ (a bool array shaped ``shape`` in ``mask[0]``), or None when
-    nowhere; the first half of the rows compared on ``helper`` meanwhile, when given."""
+def _not_equal(va: Any, vb: Any, shape: tuple[int, ...], n: int, mask: list[bytearray]) -> Any:
+    """Where ``va`` and ``vb`` differ (a bool array shaped ``shape`` in ``mask[0]``), or None when nowhere."""
     import numpy as np
 
     if not mask:
@@ -365,16 +331,7 @@ def _not_equal(
     if len(mask[0]) < n:
         mask[0] = bytearray(n)
     neq = np.frombuffer(mask[0], np.bool_, n).reshape(shape)
-    if helper is None or n < _PARALLEL or not shape or shape[0] < 2:
-        np.not_equal(va, vb, out=neq)
-        return neq if neq.any() else None
-    h = shape[0] // 2
-    fut = helper.submit(np.not_equal, va[:h], vb[:h], out=neq[:h])
-    try:
-        np.not_equal(va[h:], vb[h:], out=neq[h:])
-    finally:
-        wait([fut])
-    fut.result()
+    np.not_equal(va, vb, out=neq)
     return neq if neq.any() else None
 
 
@@ -460,20 +417,15 @@ class _Verifier:
         self.fa = MappedFiles(a.files, max_bytes // 4)
         self.fb = MappedFiles(b.files, max_bytes // 4)
         self.bufs: tuple[list[bytearray], list[bytearray], list[bytearray]] = ([], [], [])
-        self.helper = ThreadPoolExecutor(1, thread_name_prefix="reshard-verify") if _cores() > 1 else None
         self.matches: dict[tuple[Hashable, ...], _Match] = {}
         self.kinds: dict[tuple[int, int, tuple[int, ...], str], int] = {}  # by signature ids
         self.by_value: dict[tuple[Hashable, ...], int] = {}  # by signatures
         self.kind_list: list[_Kind] = []
         self.groups: dict[tuple[int, str], int] = {}
-        self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 12)))
+        self.batch = Batch((self.fa.sources, self.fb.sources), max(1, min(_BATCH, max_bytes // 8)))
 
     def close(self) -> None:
         self.bufs = ([], [], [])
-        if self.helper is not None:
-            self.helper.shutdown(wait=True)
-            self.helper = None
-        self.batch.close()
         self.fa.close()
         self.fb.close()
 
@@ -579,9 +531,7 @@ class _Verifier:
     def _alone(self, name: str, ta: TensorSource, tb: TensorSource, kind: _Kind) -> None:
         """One tensor compared region by region (its first differing index, if any)."""
         assert kind.match is not None
-        n, first = _first_difference(
-            self.fa, self.fb, ta, tb, kind.match, self.max_bytes, self.bufs, self.helper
-        )
+        n, first = _first_difference(self.fa, self.fb, ta, tb, kind.match, self.max_bytes, self.bufs)
         self.compared += n
         if first is not None:
             self.diffs.append(_values_difference(name, ta.dtype, *first))
