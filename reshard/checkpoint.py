@@ -238,6 +238,12 @@ def tensor_source(
     return made  # type: ignore[return-value]  # its class is TensorSource now
 
 
+HOLDS_TENSORS = "object holding tensors"
+"""The :attr:`NonTensor.kind` of an item whose pickle holds tensors: a whole dict that
+``dcp.save(..., planner=DefaultSavePlanner(flatten_state_dict=False))`` stored as one object.
+Converting without it would drop those tensors: ``convert`` refuses it unless excluded."""
+
+
 @dataclass(frozen=True, slots=True)
 class NonTensor:
     """An item of the checkpoint that is not a tensor (bytes, a pickled object): listed, never converted.

@@ -14,7 +14,7 @@ from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
 from .check import check_metadata, source_hashes
-from .checkpoint import Checkpoint, CheckpointWarning, TensorSource
+from .checkpoint import HOLDS_TENSORS, Checkpoint, CheckpointWarning, TensorSource
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
 from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, UsageError, WriteError
@@ -446,6 +446,16 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             f"{source.path}: --include/--exclude keep no tensor of its {source.left_out}, only "
             f"non-tensor items ({kept}), which are not converted: nothing to convert",
             path=source.path,
+        )
+    hidden = [n.name for n in source.non_tensors if n.kind == HOLDS_TENSORS]
+    if hidden:  # converting the rest would drop them
+        raise UsageError(
+            f'{source.path}: item "{hidden[0]}" is a pickled object holding tensors (what dcp.save '
+            "writes with DefaultSavePlanner(flatten_state_dict=False)); reshard reads only the tensors "
+            "DCP stores as tensors, so converting would drop them. Re-save with the default planner, "
+            f"or --exclude '{hidden[0]}' to convert the rest",
+            path=source.path,
+            tensor=hidden[0],
         )
     if not source.tensors:  # e.g. an HF index whose weight_map is empty: never an empty output
         items = f" (only {len(source.non_tensors)} non-tensor item(s))" if source.non_tensors else ""

@@ -64,7 +64,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, TensorSource, tensor_source
+from ..checkpoint import HOLDS_TENSORS, Checkpoint, CheckpointWarning, NonTensor, TensorSource, tensor_source
 from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, UsageError, WriteError
 from ..intervals import Block, Interval, normalize, overlapping_pairs
@@ -101,6 +101,20 @@ RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 
 _ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _object_kind(fd: int, path: str, start: int, length: int) -> str:
+    """``"object"``, or :data:`HOLDS_TENSORS` when the item's ``torch.save`` archive has tensor
+    data records (read from its zip directory; nothing is unpickled)."""
+    from ..io.torchzip import read_torch_zip
+
+    try:
+        tz = read_torch_zip(fd, path, start, length)
+    except HeaderError:
+        return "object"
+    return HOLDS_TENSORS if tz.get("data/0") is not None else "object"
+
+
 _SPOOL_BLOCK = 1 << 20
 _SPOOL_TILE = 8 << 20
 _MAX_OPEN = 64
@@ -611,7 +625,9 @@ class _Reader:
                     kind = ""  # compressed: unknown without decompressing
                     if i not in transforms:
                         zipped = os.pread(files.fd(fi), 4, start) == _ZIP_MAGIC
-                        kind = "object" if zipped else "bytes"
+                        kind = "bytes"
+                        if zipped:
+                            kind = _object_kind(files.fd(fi), str(files.paths[fi]), start, length)
                     self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind)
                     reader_fi = -1
                 continue

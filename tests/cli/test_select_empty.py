@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 RESHARD = str(Path(sys.executable).parent / "reshard")
 
@@ -125,3 +125,34 @@ def test_a_checkpoint_of_no_tensors_converts_nothing(tmp_path: Path) -> None:
         assert f"{src}: the hf checkpoint holds no tensors: nothing to convert" in p.stderr
         assert not out.exists()
     assert _run("inspect", src).returncode == 0
+
+
+def test_a_dcp_object_holding_tensors_is_not_dropped(tmp_path: Path) -> None:
+    """torch's dcp.save with DefaultSavePlanner(flatten_state_dict=False) stores a nested dict
+    as one pickled object: its tensors are not DCP tensors. convert dropped them (exit 0, a
+    warning); now it exits 2 unless the item is excluded. A plain object is still just listed."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    src = tmp_path / "dcp"
+    state = {"model": {"w": torch.ones(4, 4)}, "step": torch.arange(3), "sched": {"last_epoch": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(
+            state, checkpoint_id=str(src), no_dist=True, planner=DefaultSavePlanner(flatten_state_dict=False)
+        )
+    p = _run("inspect", src, "--json")
+    assert p.returncode == 0, p.stderr
+    kinds = {n["name"]: n["kind"] for n in json.loads(p.stdout)["non_tensors"]}
+    assert kinds == {"model": "object holding tensors", "sched": "object"}
+    out = tmp_path / "out"
+    for args in (["convert", src, out, "--consolidate"], ["plan", src, "--consolidate"]):
+        p = _run(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert f'{src}: item "model" is a pickled object holding tensors' in p.stderr
+        assert "--exclude 'model'" in p.stderr and "Traceback" not in p.stderr and not out.exists()
+    p = _run("convert", src, out, "--consolidate", "--exclude", "model")
+    assert p.returncode == 0, p.stderr
+    assert list(load_file(str(out / "model.safetensors"))) == ["step"]
