@@ -112,11 +112,7 @@ def detect_format(path: Path) -> str:
         manifest = read_manifest(path)
         if manifest is not None and manifest.get("format") in _READERS:
             return str(manifest["format"])
-    best, best_name = NO, None
-    for r in _READERS.values():
-        score = r.detect(probe)
-        if score > best:
-            best, best_name = score, r.name
+    best_name = _best_reader(probe)
     if best_name is not None:
         return best_name
     if probe.is_file:
@@ -155,14 +151,20 @@ def _checkpoint_subdirs(path: Path) -> list[tuple[str, str]]:
             probe = Probe.of(sub)
         except (OSError, UsageError):
             continue
-        best, best_name = NO, None
-        for r in _READERS.values():
-            score = r.detect(probe)
-            if score > best:
-                best, best_name = score, r.name
+        best_name = _best_reader(probe)
         if best_name is not None:
             found.append((sub.name, best_name))
     return found
+
+
+def _best_reader(probe: Probe) -> str | None:
+    """The name of the reader most sure it reads ``probe``, or None when none is."""
+    best, best_name = NO, None
+    for r in _READERS.values():
+        score = r.detect(probe)
+        if score > best:
+            best, best_name = score, r.name
+    return best_name
 
 
 def _example(path: Path, inner: list[tuple[str, str]]) -> Path:
