@@ -706,13 +706,22 @@ def _suspects(
     names: set[str] = set()
     clean: list[tuple[list[TensorSource], Geometry]] = []
     for ts, g in _by_geometry(ckpt, cache):
-        if g.outside or any(grp.holes or grp.overlaps for grp in g.groups):
+        bulk = _bulk_geometry(g)
+        if bulk is None:
             names.update(x.name for x in ts)
         else:
-            clean.append((ts, (g.numels, tuple(p for grp in g.groups for p in grp.replicas))))
+            clean.append((ts, bulk))
     cap = max(1, min(_BATCH, max_bytes // 8))
     names.update(t.name for t in suspects(clean, sizes, data.files.sources, cap))
     return names
+
+
+def _bulk_geometry(g: _Geometry) -> Geometry | None:
+    """``g`` as :func:`reshard.bulkcheck.suspects` takes it (element counts, replica pairs), or
+    None when it is not clean (pieces outside the tensor, holes or overlaps)."""
+    if g.outside or any(grp.holes or grp.overlaps for grp in g.groups):
+        return None
+    return g.numels, tuple(p for grp in g.groups for p in grp.replicas)
 
 
 def _by_geometry(
@@ -753,9 +762,9 @@ def replica_problems(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
     cache: dict[tuple[Hashable, ...], _Geometry] = {}
     clean: list[tuple[list[TensorSource], Geometry]] = []
     for ts, g in _by_geometry(ckpt, cache):
-        pairs = tuple(p for grp in g.groups for p in grp.replicas)
-        if pairs and not g.outside and not any(grp.holes or grp.overlaps for grp in g.groups):
-            clean.append((ts, (g.numels, pairs)))
+        bulk = _bulk_geometry(g)
+        if bulk is not None and bulk[1]:  # clean, with replicas
+            clean.append((ts, bulk))
     out: list[Problem] = []
     if not clean:
         return out

@@ -151,19 +151,21 @@ def _select(
         return ckpt, []
     kept, unused = selected([*ckpt.tensors, *(n.name for n in ckpt.non_tensors)], include, exclude)
     keep = set(kept)
+    tensors = {k: v for k, v in ckpt.tensors.items() if k in keep}
+    dropped = len(ckpt.tensors) - len(tensors)
     manifest = ckpt.manifest
     if manifest is not None and isinstance(manifest.get("tensors"), dict):
         listed = manifest["tensors"]
         assert isinstance(listed, dict)
         manifest = {**manifest, "tensors": {k: v for k, v in listed.items() if k in keep}}
     if manifest is not None and "tensor_count" in manifest:  # version 2 counts them: the check adds these
-        manifest = {**manifest, LEFT_OUT: len(ckpt.tensors) - sum(1 for k in ckpt.tensors if k in keep)}
+        manifest = {**manifest, LEFT_OUT: dropped}
     out = dataclasses.replace(
         ckpt,
-        tensors={k: v for k, v in ckpt.tensors.items() if k in keep},
+        tensors=tensors,
         non_tensors=tuple(n for n in ckpt.non_tensors if n.name in keep),
         manifest=manifest,
         warnings=list(ckpt.warnings),
-        left_out=ckpt.left_out + len(ckpt.tensors) - len(keep.intersection(ckpt.tensors)),
+        left_out=ckpt.left_out + dropped,
     )
     return out, unused
