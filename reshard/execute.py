@@ -127,6 +127,10 @@ def _box_offset(shape: Sequence[int], starts: Sequence[int]) -> int:
     return sum(s * st for s, st in zip(starts, row_major_strides(shape)))
 
 
+_REGROW = 8
+"""Batches in a row that fit under a cap :meth:`_Writer._batches` set after a refusal before
+it tries twice as many entries again."""
+
 _STRIDED_MAX = 65536
 """Strided boxes up to this many bytes are copied as rows from the map (one numpy copy each),
 with the queue; larger ones are gathered slab by slab (whole rows read once, shared by the
@@ -380,10 +384,14 @@ class _Writer:
         """Entries ``lo`` to ``hi`` a buffer at a time, yielding after each buffer: the entries in
         ``bad`` (sorted) one by one with ``alone(i)``, the others in batches ``[i, j)`` (``j`` at
         most ``batch_end(i, b)``, ``b`` where ``i`` would sit in ``bad``) with ``copy(i, j)``,
-        halved while it refuses (its reads would not stay for the siblings)."""
+        halved while it refuses (its reads would not stay for the siblings). A batch that had
+        to be halved caps the next ones at its size (the next entries are most often alike: a
+        refusal gathers nothing but costs as much to find), lifted again after
+        :data:`_REGROW` batches that fit."""
         import numpy as np
 
         i = lo
+        cap, fits = hi - lo, 0  # entries a batch may take; batches in a row that fit in it
         while i < hi:
             _check(self.stop)
             b = int(np.searchsorted(bad, i))
@@ -391,10 +399,17 @@ class _Writer:
                 yield from alone(i)
                 i += 1
                 continue
-            j = max(i + 1, batch_end(i, b))
+            j = max(i + 1, min(batch_end(i, b), i + cap))
             self._flush()
+            halved = False
             while not copy(i, j):
-                j = i + (j - i) // 2
+                j, halved = i + (j - i) // 2, True
+            if halved:
+                cap, fits = j - i, 0
+            elif j - i == cap:
+                fits += 1
+                if fits >= _REGROW:
+                    cap, fits = 2 * cap, 0
             self.at = (self._place(tensors[j - 1]), 0)
             yield
             i = j

@@ -280,3 +280,63 @@ def test_dcp_ranks_holding_different_tensors_still_read_each_row_once(
     assert lockstep == cols + rest
     for f in plan.files:
         assert (tmp_path / "lockstep" / f.name).read_bytes() == (tmp_path / "single" / f.name).read_bytes()
+
+
+def test_a_batch_that_had_to_be_halved_caps_the_next_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One source file of many small tensors cut into 8 rank files: a batch of target entries
+    reads 8 times its size of source windows, more than the slots keep for the siblings, so
+    it is refused and halved. The size that fitted caps the next batches (a refusal costs as
+    much as a copy and gathers nothing), so refusals are a few per file, not one or more per
+    batch; and the bytes are those of batches never capped (each refused batch retried)."""
+    gen = torch.Generator().manual_seed(5)
+    full = {f"e{i}": torch.randn(16, 32, generator=gen) for i in range(1500)}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    (tmp_path / "l.yaml").write_text('mesh: {tp: 8}\nplacements:\n  "*": {tp: S(0)}\n')
+    ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
+    plan = build_plan(ck, resolve_target(ck, TargetSpec(layout=str(tmp_path / "l.yaml"))))
+    monkeypatch.setattr(ex, "_SPAN", 16 << 10)  # 8 slots of 16 KiB: 16 KiB of target a batch
+    real = ex._Writer._copy_columns
+    tries = [0, 0]
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        ok = real(self, *args)
+        tries[ok] += 1
+        return ok
+
+    monkeypatch.setattr(ex._Writer, "_copy_columns", counting)
+    (tmp_path / "capped").mkdir()
+    ex.execute_plan(plan, tmp_path / "capped", workers=1, buffer_size=64 << 10)
+    refused, copied = tries
+    assert copied > 8 * 8, tries  # many batches a file
+    assert refused <= copied // 4, tries
+    monkeypatch.setattr(ex, "_REGROW", 10**9)  # and with every batch tried at its full size first
+    monkeypatch.setattr(ex._Writer, "_batches", _uncapped_batches)
+    (tmp_path / "full").mkdir()
+    ex.execute_plan(plan, tmp_path / "full", workers=1, buffer_size=64 << 10)
+    for r in range(8):
+        name = f"rank-{r:05d}-of-00008.safetensors"
+        assert (tmp_path / "capped" / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
+        got = load_file(str(tmp_path / "capped" / name))
+        assert all(torch.equal(got[k], v.chunk(8, 0)[r]) for k, v in full.items())
+
+
+def _uncapped_batches(self, tensors, lo, hi, bad, alone, batch_end, copy):  # type: ignore[no-untyped-def]
+    """The batching before caps: every batch first tried at ``batch_end``, halved while refused."""
+    import numpy as np
+
+    i = lo
+    while i < hi:
+        b = int(np.searchsorted(bad, i))
+        if b < len(bad) and bad[b] == i:
+            yield from alone(i)
+            i += 1
+            continue
+        j = max(i + 1, batch_end(i, b))
+        self._flush()
+        while not copy(i, j):
+            j = i + (j - i) // 2
+        yield
+        i = j
+    self._flush()
