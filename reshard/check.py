@@ -630,10 +630,16 @@ def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:
     # per file: (start, stop, crc, tensor, piece) of each piece, as columns; pieces at one start
     # (none, in a sound file): the last one's, as a dict by start would keep
     crcs: dict[int, list[list[Any]]] = {}
+    counts: dict[int, tuple[tuple[Block, ...], list[int]]] = {}  # items per piece, by blocks (shared)
     for t in ckpt.tensors.values():
         if t.piece_crc32 is None:
             continue
         isz = DTYPE_SIZES[t.dtype]
+        blocks = t.piece_blocks
+        hit = counts.get(id(blocks))
+        if hit is None or hit[0] is not blocks:
+            hit = counts[id(blocks)] = (blocks, [block_volume(b) for b in blocks])
+        numels = hit[1]
         for k, want in enumerate(t.piece_crc32):
             fi, start = t.piece_files[k], t.piece_offsets[k]
             if want is not None and fi not in files:
@@ -641,7 +647,7 @@ def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:
                 if cols is None:
                     cols = crcs[fi] = [[], [], [], [], []]
                 cols[0].append(start)
-                cols[1].append(start + t.piece_numel(k) * isz)
+                cols[1].append(start + numels[k] * isz)
                 cols[2].append(want)
                 cols[3].append(t.name)
                 cols[4].append(k)
