@@ -333,7 +333,9 @@ CHECKED_RECORDS = ("data.pkl", "byteorder")
 _CONSTANT_RECORDS = (".format_version", ".storage_alignment", "version")
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _MAX_LAYOUTS = 64  # per archive length: past this, archives of new layouts are parsed one by one
-_RELEASE = 8 << 20  # give the map's pages back every this many bytes of the file
+_RELEASE = 2 << 20
+"""Bytes of a file after which the map's pages are given back (a reader per file: with 8 MiB,
+the 8 files of a TP-8 DCP of 100k tensors held 64 MiB of pages at the peak)."""
 
 
 @dataclass(eq=False, slots=True)
