@@ -25,6 +25,7 @@ from typing import Any
 from .checkpoint import Checkpoint
 from .errors import UsageError
 from .io.checksum import file_checksum
+from .io.pages import is_scratch
 from .io.writer import FileResult
 from .plan import OutFile, Plan
 from .text import shown
@@ -57,10 +58,16 @@ def _append(path: Path, line: str) -> None:
 
 
 def source_identity(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
-    """Per source file name: size, mtime (ns) and, where its ``reshard.json`` lists one, checksum."""
+    """Per source file name: size, mtime (ns) and, where its ``reshard.json`` lists one, checksum.
+
+    A file the reader made under ``$TMPDIR`` (the DCP reader's spool of decompressed or
+    row-major chunks, made anew by every run) is not the source's: it is left out.
+    """
     listed = (ckpt.manifest or {}).get("files")
     out: dict[str, dict[str, Any]] = {}
     for f in ckpt.files:
+        if is_scratch(f):
+            continue
         st = os.stat(f)
         rec: dict[str, Any] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         info = listed.get(Path(f).name) if isinstance(listed, dict) else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,40 @@ def test_resume_with_other_options_keeps_no_file_of_the_first_run(tmp_path: Path
     assert json.loads(r.stdout)["resumed_files"] == 1
     assert "other options" not in r.stderr
     assert run_cli("verify", dst2, clean).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["transposed", "zstd"])
+def test_resume_of_a_dcp_source_read_through_a_spool(tmp_path: Path, kind: str) -> None:
+    """A DCP checkpoint torch saved with a transposed chunk (``x.t()``) or zstd-compressed
+    (``_extensions=[ZStandard()]``) is read through a spool file the reader makes under $TMPDIR,
+    anew each run. It was counted as a source file, so every ``--resume`` was refused: "the source
+    changed since the interrupted run (spool.bin: mtime_ns ... -> ...)", exit 2. The spool is
+    not the source's now: the finished file is kept and the output equals the source."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(16, 16, generator=g) for i in range(4)}
+    src = tmp_path / "src"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        if kind == "zstd":
+            from torch.distributed.checkpoint._extension import ZStandard
+
+            if not ZStandard.is_available():
+                pytest.skip("torch's ZStandard extension needs the zstandard module")
+            writer = FileSystemWriter(str(src), _extensions=[ZStandard()])
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        else:
+            state["t"] = torch.randn(8, 12, generator=g).t()
+            dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    dst = tmp_path / "dst"
+    args = ["convert", src, dst, "--consolidate", "--max-shard-size", "1100", "--quiet"]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_FIRST_FINISHED, *map(str, args)], timeout=120)
+    assert killed.returncode == -9
+    r = run_cli(*args, "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed_files"] == 1
+    v = run_cli("verify", src, dst)
+    assert v.returncode == 0, v.stdout + v.stderr
