@@ -6,6 +6,7 @@ Each test here failed before its fix; real files, real CLI subprocesses.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -126,7 +127,12 @@ def test_resume_of_a_dcp_source_read_through_a_spool(tmp_path: Path, kind: str) 
             dcp.save(state, checkpoint_id=str(src), no_dist=True)
     dst = tmp_path / "dst"
     args = ["convert", src, dst, "--consolidate", "--max-shard-size", "1100", "--quiet"]
-    killed = subprocess.run([sys.executable, "-c", KILL_AT_FIRST_FINISHED, *map(str, args)], timeout=120)
+    scratch = tmp_path / "tmp"  # a killed run cannot remove its spool: keep it out of $TMPDIR
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_AT_FIRST_FINISHED, *map(str, args)], env=env, timeout=120
+    )
     assert killed.returncode == -9
     r = run_cli(*args, "--resume", "--json")
     assert r.returncode == 0, r.stderr
