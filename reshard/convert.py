@@ -29,7 +29,7 @@ from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
 from .plan import Plan, WriteOptions, distinct_layouts, make_plan, match_blocks, plan_copies
-from .resume import finished_files, is_journal, record_finished, source_identity, start_journal
+from .resume import finished_files, is_journal, recipe, record_finished, source_identity, start_journal
 from .transform_plan import Transforms, layout_transforms, match_any, transforms_for, unfused
 
 __all__ = [
@@ -636,6 +636,8 @@ def convert(
         run.hashes = _source_hashes(ckpt, run.budget) if verify_source and coordinator().is_main else None
         run.extras, run.extras_dtype = extras, tgt.dtype
         ordered, kept = run.guarded()
+        if run.note is not None:
+            ckpt.warnings.append(CheckpointWarning(run.note, path=str(dst_path)))
     return {
         "source": {
             "path": str(src_path),
@@ -679,6 +681,7 @@ class _Run:
         self.hashes: ReadHashes | None = None  # the source's recorded hashes, fed as the copy reads
         self.extras: Sequence[Path] = ()
         self.extras_dtype: str | None = None
+        self.note: str | None = None  # resuming with other options: no finished file kept
 
     def guarded(self) -> tuple[list[FileResult], int]:
         """Write everything; on failure remove what this run wrote. Returns results and files kept."""
@@ -711,7 +714,12 @@ class _Run:
         self.stage.recover(_owned, is_journal)
         self.staged = True
         self.stage.prepare(keep=self.resume)
-        start_journal(self.stage.dir, source_identity(self.plan.source), resume=self.resume)
+        self.note = start_journal(
+            self.stage.dir,
+            source_identity(self.plan.source),
+            resume=self.resume,
+            made_by=recipe(self.plan, self.extras_dtype),  # extras_dtype: the target --dtype
+        )
 
     def _write(self) -> tuple[list[FileResult], int]:
         coord, plan, stage = self.coord, self.plan, self.stage

@@ -29,7 +29,7 @@ from ..errors import HeaderError, SourceChangedError
 from ..intervals import box_span
 from .safe import open_regular
 
-__all__ = ["SourceFiles", "PageWindow", "Seen", "scratch_dir", "remove_scratch"]
+__all__ = ["SourceFiles", "PageWindow", "Seen", "scratch_dir", "is_scratch", "remove_scratch"]
 
 
 Seen = Callable[[int, int, memoryview], None]
@@ -216,6 +216,12 @@ def scratch_dir(prefix: str) -> Path:
     d = tempfile.mkdtemp(prefix=prefix)
     _SCRATCH.append(d)
     return Path(d)
+
+
+def is_scratch(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is in a directory :func:`scratch_dir` made (a reader's file, not the source's)."""
+    parent = os.path.dirname(os.fspath(path))
+    return any(parent == d or parent.startswith(d + os.sep) for d in _SCRATCH)
 
 
 def remove_scratch() -> None:

@@ -323,13 +323,13 @@ def test_resume_keeps_verified_files_and_redoes_the_rest(tp4: Path, tmp_path: Pa
     stage.mkdir(parents=True)
     import shutil
 
-    from reshard.config import load_layout
-    from reshard.formats import open_checkpoint
+    from reshard.convert import SourceSpec, TargetSpec, build_plan, open_source, resolve_target
     from reshard.io.checksum import file_checksum
-    from reshard.resume import source_identity
+    from reshard.resume import recipe, source_identity
 
-    ident = source_identity(open_checkpoint(tp4, layout=load_layout(lay)))
-    lines = [json.dumps({"source": ident})]
+    ck = open_source(SourceSpec(str(tp4), layout=lay))
+    plan = build_plan(ck, resolve_target(ck, TargetSpec(mesh="tp=4")))
+    lines = [json.dumps({"source": source_identity(ck), "recipe": recipe(plan, None)})]
     for r in (0, 1):
         name = f"rank-{r:05d}-of-00004.safetensors"
         shutil.copy(ref / name, stage / name)
