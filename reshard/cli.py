@@ -346,6 +346,21 @@ def _errors(as_json: bool) -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
+@contextmanager
+def _options_named(**names: str) -> Iterator[None]:
+    """Errors met opening a source that tell the user to pass ``convert``'s source options
+    (``--source-layout``, ``--source-mesh``) name this command's own ones (``names``: each old
+    option, with ``_`` for ``-``, to its replacement)."""
+    try:
+        yield
+    except ReshardError as e:
+        for old, new in names.items():
+            old = "--" + old.replace("_", "-")
+            e.message = e.message.replace(old, new)
+            e.hint = e.hint.replace(old, new) if e.hint else e.hint
+        raise
+
+
 def _show_progress(as_json: bool, quiet: bool) -> bool:
     return not (as_json or quiet) and console().is_terminal
 
@@ -554,7 +569,8 @@ def inspect(
 
     with _errors(json_):
         _no_json_show(show, json_)
-        ck = open_source(_source(ckpt, from_, layout, mesh, include, exclude))
+        with _options_named(source_layout="--layout"):
+            ck = open_source(_source(ckpt, from_, layout, mesh, include, exclude))
         if show is not None:
             from .show import source_picture
 
@@ -679,6 +695,14 @@ def verify(
         str | None,
         typer.Option("--layout-b", help="Layout of B if it does not describe itself.", metavar="FILE"),
     ] = None,
+    mesh_a: Annotated[
+        str | None,
+        typer.Option("--mesh-a", help="Override A's mesh sizes, e.g. tp=4.", metavar="SPEC"),
+    ] = None,
+    mesh_b: Annotated[
+        str | None,
+        typer.Option("--mesh-b", help="Override B's mesh sizes, e.g. tp=4.", metavar="SPEC"),
+    ] = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     transforms: Annotated[
@@ -715,8 +739,10 @@ def verify(
     with _errors(json_):
         from .select import select_pair, without_excluded
 
-        ca = open_source(SourceSpec(a, None, layout_a, None))
-        cb = open_source(SourceSpec(b, None, layout_b, None))
+        with _options_named(source_layout="--layout-a", source_mesh="--mesh-a"):
+            ca = open_source(SourceSpec(a, None, layout_a, mesh_a))
+        with _options_named(source_layout="--layout-b", source_mesh="--mesh-b"):
+            cb = open_source(SourceSpec(b, None, layout_b, mesh_b))
         from .transform_plan import transforms_for
 
         matched: list[str] = []

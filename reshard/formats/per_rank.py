@@ -672,6 +672,15 @@ def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
                 "copy the index with them",
                 path=str(directory),
             )
+        loose = _loose_rank_files(directory) if strict else None
+        if loose:  # rank files by a looser name (rank-0.safetensors) are read with a layout only
+            shown = ", ".join(p.name for p in loose[:3]) + (", ..." if len(loose) > 3 else "")
+            raise LayoutError(
+                f"{directory}: {len(loose)} files named as ranks ({shown}) that do not describe their "
+                "layout; pass --source-layout FILE (a YAML layout, see configs/) to read them as "
+                "per-rank files",
+                path=str(directory),
+            )
         raise HeaderError(
             f"{directory}: no rank files found: none of its {len(names)} .safetensors files "
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) has one rank number in its "
@@ -684,6 +693,17 @@ def _rank_paths(directory: Path, *, strict: bool) -> list[Path]:
     if missing:
         raise HeaderError(f"{directory}: no file for rank(s) {missing[:8]}", path=str(directory))
     return [files[r] for r in range(world)]
+
+
+def _loose_rank_files(directory: Path) -> list[Path]:
+    """The files ``rank_files(strict=False)`` would take as ranks 0 to N-1 (two or more), else []."""
+    try:
+        files = rank_files(directory, strict=False)
+    except HeaderError:
+        return []
+    if len(files) < 2 or sorted(files) != list(range(len(files))):
+        return []
+    return [files[r] for r in range(len(files))]
 
 
 def _rank_mesh(
