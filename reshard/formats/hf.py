@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from operator import attrgetter
 from pathlib import Path
 
 from ..checkpoint import Checkpoint, CheckpointWarning, TensorSource, tensor_source
@@ -43,6 +44,8 @@ def _tensor(name: str, header: Header, file_index: int, e: TensorEntry | None = 
     )
 
 
+_NAME = attrgetter("name")
+
 _FILES = tuple((i,) for i in range(4096))
 """``(i,)`` for each file index, one object each (not one per tensor: 200k tensors, 10 MB)."""
 
@@ -67,70 +70,76 @@ def open_hf(path: Path) -> Checkpoint:
         files, weight_map, warning = [path], None, None
     else:
         files, weight_map, warning = hf_weight_files(path)
-    headers = [read_header(f) for f in files]
     warnings = [CheckpointWarning(warning, path=str(path))] if warning else []
-    tensors: dict[str, TensorSource] = {}
     if weight_map is None:
-        for e in headers[0].entries:
-            tensors[e.name] = _tensor(e.name, headers[0], 0, e)
+        header = read_header(files[0])
+        # made in name order: the dict is the checkpoint's as it is (not remade sorted: 10 MB at 200k)
+        tensors = {e.name: _tensor(e.name, header, 0, e) for e in sorted(header.entries, key=_NAME)}
     else:
-        pos = {f.name: i for i, f in enumerate(files)}
-        for name, fname in weight_map.items():
-            i = pos[fname]
-            try:
-                tensors[name] = _tensor(name, headers[i], i)
-            except TensorNotFoundError:
-                raise TensorNotFoundError(
-                    f'{files[i]}: tensor "{name}" is missing ({INDEX} says it is here)',
-                    path=str(files[i]),
-                    tensor=name,
-                ) from None
-        warnings += _duplicates(files, headers, weight_map)
-        for f, h in zip(files, headers):
-            extra = [n for n in h.names if n not in weight_map]
-            if extra:
-                msg = f'{f.name}: tensor "{extra[0]}" is not in {INDEX}; ignored'
-                warnings.append(CheckpointWarning(msg, path=str(f)))
+        found = _sharded(files, weight_map, warnings)
+        del weight_map  # (200k names and their shards: 28 MB) before the dict is made in name order
+        tensors = {n: found[n] for n in sorted(found)}
+        del found
     return Checkpoint(
         path=str(path),
         format="hf",
         files=tuple(str(f) for f in files),
         file_sizes=tuple(f.stat().st_size for f in files),
-        tensors={k: tensors[k] for k in sorted(tensors)},  # not a (name, tensor) pair each: 12 MiB at 200k
+        tensors=tensors,
         warnings=warnings,
     )
 
 
-def _duplicates(
-    files: Sequence[Path], headers: Sequence[Header], weight_map: dict[str, str]
-) -> list[CheckpointWarning]:
-    """Tensors that shards other than the index's choice hold too.
+def _sharded(
+    files: Sequence[Path], weight_map: dict[str, str], warnings: list[CheckpointWarning]
+) -> dict[str, TensorSource]:
+    """The tensors of an index's shards (in file order), a shard's header at a time (a 200k-tensor
+    checkpoint holds one header, not all of them, next to the index; no name index per header).
 
-    The index decides which file is read; a second copy of another dtype or shape
-    means the shards disagree (a stale file from another save), which is refused
-    rather than silently resolved. Same dtype and shape: a warning.
+    The index decides which file is read. A tensor a shard holds that the index does not name is
+    ignored with a warning (one a shard). A second copy of a tensor in another shard of another
+    dtype or shape means the shards disagree (a stale file from another save), which is refused
+    rather than silently resolved; of the same dtype and shape, a warning.
 
     Raises:
-        HeaderError: naming both files and both descriptions.
+        TensorNotFoundError: the index names a tensor its shard does not hold.
+        HeaderError: two shards disagree (naming both files and both descriptions).
     """
-    pos = {f.name: i for i, f in enumerate(files)}
-    out: list[CheckpointWarning] = []
-    for f, h in zip(files, headers):
-        for n in h.names:
-            home = weight_map.get(n)
-            if home is None or home == f.name:
-                continue
-            a, b = headers[pos[home]].entry(n), h.entry(n)
-            if (a.dtype, a.shape) != (b.dtype, b.shape):
-                raise HeaderError(
-                    f'tensor "{n}" is {a.dtype} {list(a.shape)} in {home} ({INDEX} names that file) but '
-                    f"{b.dtype} {list(b.shape)} in {f.name}: two shards disagree; remove the stale file",
-                    path=str(f),
-                    tensor=n,
-                )
-            msg = f'{f.name}: tensor "{n}" is also in {home}; reading {home}, as {INDEX} says'
-            out.append(CheckpointWarning(msg, path=str(f), tensor=n))
-    return out
+    tensors: dict[str, TensorSource] = {}
+    copies: list[tuple[str, str, str, tuple[int, ...]]] = []  # (name, file, dtype, shape) held elsewhere too
+    for i, f in enumerate(files):
+        header = read_header(f)
+        extra = None
+        for e in header.entries:
+            home = weight_map.get(e.name)
+            if home == f.name:
+                tensors[e.name] = _tensor(e.name, header, i, e)
+            elif home is None:
+                extra = extra or e.name
+            else:
+                copies.append((e.name, f.name, e.dtype, e.shape))
+        if extra is not None:
+            msg = f'{f.name}: tensor "{extra}" is not in {INDEX}; ignored'
+            warnings.append(CheckpointWarning(msg, path=str(f)))
+        del header
+    if len(tensors) < len(weight_map):
+        name = next(n for n in weight_map if n not in tensors)
+        where = files[0].parent / weight_map[name]
+        raise TensorNotFoundError(
+            f'{where}: tensor "{name}" is missing ({INDEX} says it is here)', path=str(where), tensor=name
+        )
+    for n, fname, dtype, shape in copies:
+        home, a = weight_map[n], tensors[n]
+        if (a.dtype, a.shape) != (dtype, shape):
+            raise HeaderError(
+                f'tensor "{n}" is {a.dtype} {list(a.shape)} in {home} ({INDEX} names that file) but '
+                f"{dtype} {list(shape)} in {fname}: two shards disagree; remove the stale file",
+                path=str(files[0].parent / fname),
+                tensor=n,
+            )
+        msg = f'{fname}: tensor "{n}" is also in {home}; reading {home}, as {INDEX} says'
+        warnings.append(CheckpointWarning(msg, path=str(files[0].parent / fname), tensor=n))
+    return tensors
 
 
 def _detect(probe: Probe) -> int:

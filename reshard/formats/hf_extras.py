@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError, HeaderError, UsageError, WriteError
-from ..io.safe import expect_object, load_json
+from ..io.safe import MAX_JSON_BYTES, expect_object, load_json, read_document
 from ..io.writer import create_exclusive, temp_name
 
 __all__ = [
@@ -294,9 +295,65 @@ def copy_model_files(
     return done
 
 
+_WS = "[ \t\n\r]*"  # JSON's whitespace (not str.isspace's)
+_MAP_KEY = re.compile(f'"weight_map"{_WS}:{_WS}\\{{')
+_MAP_PAIR = re.compile(f'{_WS}"([^"\\\\\\x00-\\x1f]*)"{_WS}:{_WS}"([^"\\\\\\x00-\\x1f]*)"{_WS}([,}}])')
+_MAP_END = re.compile(f"{_WS}\\}}")
+
+
+def _weight_map_pairs(text: str) -> tuple[dict[str, str], str] | None:
+    """The index's ``weight_map`` read pair by pair, and the document with it emptied (to parse
+    as the rest is parsed); None when the text is not that plain (an escape, a second
+    ``"weight_map"``, a value that is not a string, a repeated name): the strict parser decides.
+
+    ``json.loads`` of a 200k-tensor index (17 MB) holds a list of 200k pairs and a string per
+    value besides the map: 100 MiB at its peak. Here the names are the only strings made per
+    tensor, and every value is its shard's one string.
+    """
+    if "\\" in text or text.count('"weight_map"') != 1:
+        return None
+    m = _MAP_KEY.search(text)
+    if m is None:
+        return None
+    out: dict[str, str] = {}
+    shards: dict[str, str] = {}
+    pos, pairs = m.end(), 0
+    end = _MAP_END.match(text, pos)
+    if end is None:
+        match, setdefault = _MAP_PAIR.match, shards.setdefault
+        while True:
+            p = match(text, pos)
+            if p is None:
+                return None
+            k, v, sep = p.groups()
+            out[k] = setdefault(v, v)
+            pairs += 1
+            pos = p.end()
+            if sep == "}":
+                break
+        if pairs != len(out):
+            return None
+    else:
+        pos = end.end()
+    return out, text[: m.start()] + '"weight_map": {}' + text[pos:]
+
+
 def _read_index(index: Path) -> dict[str, str]:
     # bounded, regular-file-only, strict JSON (duplicate keys refused): io.safe
-    data = load_json(index, what="HF index", error=HeaderError)
+    raw = read_document(index, limit=MAX_JSON_BYTES, what="HF index", error=HeaderError)
+    try:
+        fast = _weight_map_pairs(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        fast = None
+    if fast is not None:
+        del raw
+        weight_map, rest = fast
+        data = load_json(rest.encode("utf-8"), what="HF index", path=str(index), error=HeaderError)
+        if not isinstance(data, dict) or data.get("weight_map") != {}:
+            raise HeaderError(f"{index}: not a valid safetensors index (weight_map)", path=str(index))
+        data["weight_map"] = weight_map
+    else:
+        data = load_json(raw, what="HF index", path=str(index), error=HeaderError)
     try:
         weight_map = expect_object(data, path=str(index), field="the HF index", error=HeaderError)[
             "weight_map"
@@ -307,7 +364,10 @@ def _read_index(index: Path) -> dict[str, str]:
             raise TypeError("weight_map must map tensor names to file names")
     except (ValueError, KeyError, TypeError) as e:
         raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
-    for n in sorted(set(weight_map.values())):
+    names: dict[str, str] = {}
+    for k, v in weight_map.items():  # one string per shard, not one per tensor (200k: 16 MB)
+        weight_map[k] = names.setdefault(v, v)
+    for n in sorted(names):
         if "/" in n or n.startswith("."):
             raise HeaderError(f"{index}: shard name {n!r} points outside the checkpoint", path=str(index))
         if not (index.parent / n).exists():
