@@ -18,7 +18,7 @@ from .hf_extras import INDEX, SINGLE, hf_weight_files
 from .manifest import complete_self_described
 from .safetensors import SafetensorsFile, header_order, split_parts
 
-__all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
+__all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf", "duplicates"]
 
 
 @lru_cache(maxsize=65536)
@@ -85,7 +85,7 @@ def open_hf(path: Path) -> Checkpoint:
                     path=str(files[i]),
                     tensor=name,
                 ) from None
-        warnings += _duplicates(files, headers, weight_map)
+        warnings += duplicates(files, headers, weight_map)
         for f, h in zip(files, headers):
             extra = [n for n in h.names if n not in weight_map]
             if extra:
@@ -101,8 +101,8 @@ def open_hf(path: Path) -> Checkpoint:
     )
 
 
-def _duplicates(
-    files: Sequence[Path], headers: Sequence[Header], weight_map: dict[str, str]
+def duplicates(
+    files: Sequence[Path], headers: Sequence[Header], weight_map: dict[str, str], index: str = INDEX
 ) -> list[CheckpointWarning]:
     """Tensors that shards other than the index's choice hold too.
 
@@ -123,12 +123,12 @@ def _duplicates(
             a, b = headers[pos[home]].entry(n), h.entry(n)
             if (a.dtype, a.shape) != (b.dtype, b.shape):
                 raise HeaderError(
-                    f'tensor "{n}" is {a.dtype} {list(a.shape)} in {home} ({INDEX} names that file) but '
+                    f'tensor "{n}" is {a.dtype} {list(a.shape)} in {home} ({index} names that file) but '
                     f"{b.dtype} {list(b.shape)} in {f.name}: two shards disagree; remove the stale file",
                     path=str(f),
                     tensor=n,
                 )
-            msg = f'{f.name}: tensor "{n}" is also in {home}; reading {home}, as {INDEX} says'
+            msg = f'{f.name}: tensor "{n}" is also in {home}; reading {home}, as {index} says'
             out.append(CheckpointWarning(msg, path=str(f), tensor=n))
     return out
 

@@ -37,6 +37,7 @@ __all__ = [
     "config_dtype_name",
     "rewrite_config_dtype",
     "hf_weight_files",
+    "read_weight_index",
 ]
 
 SINGLE = "model.safetensors"
@@ -294,7 +295,14 @@ def copy_model_files(
     return done
 
 
-def _read_index(index: Path) -> dict[str, str]:
+def read_weight_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a transformers index (``model.safetensors.index.json``, or the legacy
+    ``pytorch_model.bin.index.json``): tensor name -> shard file name, every shard checked present.
+
+    Raises:
+        HeaderError: not a JSON object with a ``weight_map`` of strings, a shard name pointing
+            outside the directory, or shards it names that are missing (all of them named).
+    """
     # bounded, regular-file-only, strict JSON (duplicate keys refused): io.safe
     data = load_json(index, what="HF index", error=HeaderError)
     try:
@@ -306,14 +314,26 @@ def _read_index(index: Path) -> dict[str, str]:
         ):
             raise TypeError("weight_map must map tensor names to file names")
     except (ValueError, KeyError, TypeError) as e:
-        raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
-    for n in sorted(set(weight_map.values())):
+        what = "safetensors index" if index.name == INDEX else "weight index"
+        raise HeaderError(f"{index}: not a valid {what} ({e})", path=str(index)) from None
+    names = sorted(set(weight_map.values()))
+    for n in names:
         if "/" in n or n.startswith("."):
             raise HeaderError(f"{index}: shard name {n!r} points outside the checkpoint", path=str(index))
-        if not (index.parent / n).exists():
-            raise HeaderError(
-                f"{index.parent / n}: listed in {INDEX} but missing", path=str(index.parent / n)
-            )
+    missing = [n for n in names if not (index.parent / n).exists()]
+    if missing:
+        counts = {n: 0 for n in missing}
+        for f in weight_map.values():
+            if f in counts:
+                counts[f] += 1
+        shown = ", ".join(f"{n} ({counts[n]} tensor(s))" for n in missing[:4])
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise HeaderError(
+            f"{index.parent / missing[0]}: listed in {index.name} but missing"
+            + (f" (missing: {shown}{more})" if len(missing) > 1 else f" ({counts[missing[0]]} tensor(s))")
+            + "; copy the missing shard(s) in, or download the checkpoint again",
+            path=str(index.parent / missing[0]),
+        )
     return weight_map
 
 
@@ -339,7 +359,7 @@ def hf_weight_files(directory: str | os.PathLike[str]) -> HfWeights:
             )
         return HfWeights([single], None, warning)
     if index.exists():
-        weight_map = _read_index(index)
+        weight_map = read_weight_index(index)
         return HfWeights([root / n for n in sorted(set(weight_map.values()))], weight_map, None)
     cands = sorted(root.glob("*.safetensors"))
     if len(cands) == 1:
@@ -347,5 +367,5 @@ def hf_weight_files(directory: str | os.PathLike[str]) -> HfWeights:
     found = ", ".join(p.name for p in cands[:4]) if cands else "no .safetensors file"
     hint = None
     if (root / "pytorch_model.bin").exists() or (root / "pytorch_model.bin.index.json").exists():
-        hint = "it holds pytorch_model.bin (pickle), which reshard does not read; save it as safetensors"
+        hint = "it holds transformers' pickle weights (pytorch_model.bin): read it with --from pt"
     raise HeaderError(f"{root}: no {SINGLE} or {INDEX} found ({found})", path=str(root), hint=hint)
