@@ -449,10 +449,13 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         )
     hidden = [n.name for n in source.non_tensors if n.kind == HOLDS_TENSORS]
     if hidden:  # converting the rest would drop them
+        why = next((w.message for w in source.warnings if w.tensor == hidden[0]), None)
         raise UsageError(
             f'{source.path}: item "{hidden[0]}" is a pickled object holding tensors (what dcp.save '
-            "writes with DefaultSavePlanner(flatten_state_dict=False)); reshard reads only the tensors "
-            "DCP stores as tensors, so converting would drop them. Re-save with the default planner, "
+            "writes with DefaultSavePlanner(flatten_state_dict=False)) that reshard cannot read"
+            + (f" ({why})" if why else "")
+            + ", so converting would drop them. Re-save it with the default planner "
+            "(dcp.save(state_dict, checkpoint_id=DIR), which stores each tensor as a DCP tensor), "
             f"or --exclude '{hidden[0]}' to convert the rest",
             path=source.path,
             tensor=hidden[0],

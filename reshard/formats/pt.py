@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any
 from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor
 from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, TensorNotFoundError, UsageError
-from ..intervals import row_major_strides
 from ..io.header import Header, TensorEntry
-from ..io.torchzip import STORED, TorchZip, read_record, read_torch_zip
-from ..io.unpickle import SAFETENSORS_DTYPES, MeshInfo, StoredDTensor, StoredTensor, load_torch_save
+from ..io.torchsave import leaves, locate
+from ..io.torchzip import TorchZip, read_record, read_torch_zip
+from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, load_torch_save
 from ..mesh import Mesh
 from ..placements import Placement
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions
@@ -157,57 +157,6 @@ MAX_PT_DEPTH = 256
 MAX_PT_NODES = 5_000_000
 
 
-def _containers(obj: Any) -> Iterator[tuple[Any, Any]] | None:
-    if isinstance(obj, Mapping):
-        return iter(obj.items())
-    if isinstance(obj, (list, tuple)):
-        return enumerate(obj)
-    return None
-
-
-def _leaves(obj: Any, path: Path) -> Iterator[tuple[str, Any]]:
-    """Leaves of nested dicts and lists, their keys joined with ``.``, depth first in order.
-
-    Raises:
-        HeaderError: containers nested deeper than :data:`MAX_PT_DEPTH` (or a cycle), or more
-            than :data:`MAX_PT_NODES` of them and their leaves.
-    """
-    top = _containers(obj)
-    if top is None:
-        yield "", obj
-        return
-    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", top)]
-    nodes = 0
-    while stack:
-        prefix, items = stack[-1]
-        item = next(items, None)
-        if item is None:
-            stack.pop()
-            continue
-        nodes += 1
-        if nodes > MAX_PT_NODES:
-            raise HeaderError(
-                f"{path}: the torch.save pickle names more than {MAX_PT_NODES:,} containers and "
-                "values (MAX_PT_NODES); a state dict has one per tensor and a few more, so this "
-                "looks like a file built to exhaust memory",
-                path=str(path),
-            )
-        k, v = item
-        name = f"{prefix}.{k}" if prefix else str(k)
-        inner = _containers(v)
-        if inner is None:
-            yield name, v
-        elif len(stack) >= MAX_PT_DEPTH:
-            raise HeaderError(
-                f"{path}: the torch.save pickle nests dicts and lists more than {MAX_PT_DEPTH} deep "
-                f"(MAX_PT_DEPTH), or holds a list that contains itself, under {name[:80]!r}; a "
-                "state dict is a few levels deep",
-                path=str(path),
-            )
-        else:
-            stack.append((name, inner))
-
-
 def _open_zip(fd: int, path: Path) -> TorchZip:
     head = os.pread(fd, 16, 0)
     if head.startswith(_LEGACY_START):
@@ -219,39 +168,6 @@ def _open_zip(fd: int, path: Path) -> TorchZip:
     if not head.startswith(b"PK"):
         raise HeaderError(f"{path}: not a torch.save zip archive", path=str(path))
     return read_torch_zip(fd, str(path))
-
-
-def _entry(name: str, st: StoredTensor, tz: TorchZip, path: Path) -> tuple[TensorEntry, int | None]:
-    """Where the local tensor's bytes are, after checking its record and strides."""
-    q = f'{path}: tensor "{name}"'
-    dtype = SAFETENSORS_DTYPES.get(st.dtype)
-    if dtype is None:
-        raise HeaderError(
-            f"{q} has dtype {st.dtype}, which safetensors cannot hold", path=str(path), tensor=name
-        )
-    numel = 1
-    for s in st.size:
-        numel *= s
-    want = row_major_strides(st.size)
-    if numel and any(n != 1 and a != b for n, a, b in zip(st.size, st.stride, want)):
-        raise LayoutError(
-            f"{q} of shape {list(st.size)} is stored with strides {list(st.stride)}, not row-major; "
-            "re-save the state dict with .contiguous() tensors",
-            path=str(path),
-            tensor=name,
-        )
-    rec = tz.record(f"data/{st.key}")
-    isz = DTYPE_SIZES[dtype]
-    first, nbytes = st.storage_offset * isz, numel * isz
-    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
-        raise HeaderError(
-            f"{q}: data record {rec.name} is {rec.size} bytes (zip method {rec.compress_type}); the "
-            f"tensor needs {nbytes} stored bytes at {first} of a {st.storage_nbytes}-byte storage",
-            path=str(path),
-            tensor=name,
-        )
-    crc = rec.crc32 if first == 0 and nbytes == rec.size else None
-    return TensorEntry(name, dtype, st.size, rec.offset + first, rec.offset + first + nbytes), crc
 
 
 def read_pt(path: Path) -> PtFile:
@@ -276,7 +192,7 @@ def read_pt(path: Path) -> PtFile:
         others: dict[str, Any] = {}
         crc32s: dict[str, int] = {}
         seen: set[str] = set()
-        for name, leaf in _leaves(obj, path):
+        for name, leaf in leaves(obj, path, max_depth=MAX_PT_DEPTH, max_nodes=MAX_PT_NODES):
             if isinstance(leaf, (StoredTensor, StoredDTensor)):
                 if name in seen:
                     raise HeaderError(
@@ -289,7 +205,7 @@ def read_pt(path: Path) -> PtFile:
                 seen.add(name)
                 if isinstance(leaf, StoredDTensor):
                     dtensors[name] = leaf
-                entry, crc = _entry(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
+                entry, crc = locate(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
                 entries.append(entry)
                 if crc is not None:
                     crc32s[name] = crc
