@@ -625,6 +625,7 @@ def _prepare_save(state_dict: Mapping[str, Any], coord: Coordinator) -> _Save:
 
 def _check_state_dict(state_dict: Mapping[str, Any]) -> None:
     import torch
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(state_dict, Mapping):
         raise UsageError(f"save_dtensors takes a mapping of name -> tensor, got {type(state_dict).__name__}")
@@ -635,6 +636,16 @@ def _check_state_dict(state_dict: Mapping[str, Any]) -> None:
             raise UsageError(
                 f'save_dtensors: "{name}" ({type(value).__name__}) is not a tensor; '
                 "save only tensors (keep other state elsewhere)",
+                tensor=name,
+            )
+        if value.is_meta or value.device.type == "meta":  # a DTensor on meta, or a plain meta tensor
+            kind = "DTensor" if isinstance(value, DTensor) else "tensor"
+            raise UsageError(
+                f'save_dtensors: "{name}" is a {kind} on the meta device ({str(value.dtype)[6:]} '
+                f"{list(value.shape)}): it has a shape but no data (a model built under "
+                'torch.device("meta") or init_empty_weights and never materialized); give it '
+                "values first (model.to_empty(device=...) then initialize, or load_state_dict) "
+                "and save again",
                 tensor=name,
             )
 
