@@ -37,6 +37,7 @@ __all__ = [
     "TargetSpec",
     "open_source",
     "resolve_target",
+    "MAX_TARGET_RANKS",
     "build_plan",
     "model_files_for",
     "convert",
@@ -258,6 +259,11 @@ class Target:
         return self.writer.name
 
 
+#: Most ranks a target mesh may have (one output file each; reading is bounded by the wider
+#: :data:`reshard.mesh.MAX_WORLD_SIZE`). Planning is linear in the ranks: 8,192 take ~5 s.
+MAX_TARGET_RANKS = 1 << 16
+
+
 def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
     """Decide the target format, mesh and rules (SPEC §4 convert).
 
@@ -297,6 +303,13 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
     w = to or writer(SHARDED if mesh.size > 1 else CONSOLIDATED)
     if w.consolidated:
         return Target(w, Mesh.single(), None, dtype, options, tf)
+    if mesh.size > MAX_TARGET_RANKS:
+        raise UsageError(
+            f"target mesh {mesh}: {mesh.size:,} ranks is over the limit of {MAX_TARGET_RANKS:,} target "
+            "ranks (MAX_TARGET_RANKS): reshard writes a file for every target rank and plans each one "
+            "(32,768 ranks: ~25 s and ~360 MiB to plan a 21-tensor model), so a mesh this size is "
+            "almost surely a typo; check --target-mesh and the layout's mesh"
+        )
     return Target(w, mesh, rules, dtype, options, tf)
 
 
@@ -449,10 +462,13 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
         )
     hidden = [n.name for n in source.non_tensors if n.kind == HOLDS_TENSORS]
     if hidden:  # converting the rest would drop them
+        why = next((w.message for w in source.warnings if w.tensor == hidden[0]), None)
         raise UsageError(
             f'{source.path}: item "{hidden[0]}" is a pickled object holding tensors (what dcp.save '
-            "writes with DefaultSavePlanner(flatten_state_dict=False)); reshard reads only the tensors "
-            "DCP stores as tensors, so converting would drop them. Re-save with the default planner, "
+            "writes with DefaultSavePlanner(flatten_state_dict=False)) that reshard cannot read"
+            + (f" ({why})" if why else "")
+            + ", so converting would drop them. Re-save it with the default planner "
+            "(dcp.save(state_dict, checkpoint_id=DIR), which stores each tensor as a DCP tensor), "
             f"or --exclude '{hidden[0]}' to convert the rest",
             path=source.path,
             tensor=hidden[0],

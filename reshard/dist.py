@@ -39,7 +39,7 @@ from .io.writer import create_exclusive, temp_name
 from .layout import TensorLayout
 from .mesh import Mesh
 from .placements import Owned, Partial, Placement, Replicate, Shard, StridedShard
-from .plan import copy_boxes, match_blocks, natural_key
+from .plan import check_reduce, copy_boxes, match_blocks, natural_key
 
 __all__ = ["Coordinator", "coordinator", "share_by_bytes", "load_dtensors", "save_dtensors"]
 
@@ -288,7 +288,7 @@ def load_dtensors(
 
     Partial sources (``P(sum)`` etc., e.g. a per-rank checkpoint saved from
     Partial DTensors) are reduced as ``reshard convert`` reduces them (torch ops on
-    the raw values, ``avg`` of integers rounding down); this holds one buffer per
+    the raw values; ``avg`` of integers is refused, as torch refuses it); this holds one buffer per
     partial group of the local block while reducing.
 
     Tensors a rule places ``Own(NAME)`` on a mesh dim (whole-tensor assignment: expert
@@ -399,6 +399,7 @@ def _read_block(sources: SourceFiles, src: TensorSource, block: Block) -> Any:
     if n == 0:
         return local
     (copies,), groups = match_blocks(src, [block])
+    check_reduce(src)
     # raw items of the local tensor; bool and fp8 go through uint8 like every 1-byte dtype
     dst = local.reshape(-1).view(torch.uint8).numpy().view(npt).reshape(shape)
     bufs = [dst] if groups == 1 else [np.empty(shape, dtype=npt) for _ in range(groups)]
@@ -624,6 +625,7 @@ def _prepare_save(state_dict: Mapping[str, Any], coord: Coordinator) -> _Save:
 
 def _check_state_dict(state_dict: Mapping[str, Any]) -> None:
     import torch
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(state_dict, Mapping):
         raise UsageError(f"save_dtensors takes a mapping of name -> tensor, got {type(state_dict).__name__}")
@@ -634,6 +636,16 @@ def _check_state_dict(state_dict: Mapping[str, Any]) -> None:
             raise UsageError(
                 f'save_dtensors: "{name}" ({type(value).__name__}) is not a tensor; '
                 "save only tensors (keep other state elsewhere)",
+                tensor=name,
+            )
+        if value.is_meta or value.device.type == "meta":  # a DTensor on meta, or a plain meta tensor
+            kind = "DTensor" if isinstance(value, DTensor) else "tensor"
+            raise UsageError(
+                f'save_dtensors: "{name}" is a {kind} on the meta device ({str(value.dtype)[6:]} '
+                f"{list(value.shape)}): it has a shape but no data (a model built under "
+                'torch.device("meta") or init_empty_weights and never materialized); give it '
+                "values first (model.to_empty(device=...) then initialize, or load_state_dict) "
+                "and save again",
                 tensor=name,
             )
 

@@ -46,6 +46,7 @@ __all__ = [
     "Plan",
     "Matcher",
     "make_plan",
+    "check_reduce",
     "copies_counts",
     "plan_copies",
 ]
@@ -176,6 +177,31 @@ def match_blocks(src: TensorSource, dst_blocks: Sequence[Block]) -> tuple[tuple[
 _MATCH_CACHE: dict[tuple[object, ...], tuple[tuple[tuple[Copy, ...], ...], int]] = {}
 
 
+def check_reduce(src: TensorSource) -> None:
+    """Refuse what torch refuses to reduce: a ``Partial("avg")`` source of an integer or bool
+    dtype in more than one partial group. torch 2.13's ``full_tensor()`` and
+    ``redistribute(mesh, [Replicate()])`` of such a DTensor raise (``result type Float can't be
+    cast to the desired output type Int``), so it has no value to convert (reshard rounded down).
+    ``sum``, ``max`` and ``min`` of integers wrap and compare as torch's do.
+
+    Raises:
+        PlanError: naming the tensor, its placements and what to do.
+    """
+    if src.reduce_op != "avg" or src.dtype in FLOAT_DTYPES or src.piece_partials is None:
+        return
+    groups = len(set(src.piece_partials))
+    if groups > 1:  # an empty tensor too: torch refuses it whatever its size
+        placed = f" placed {', '.join(map(str, src.placements))}" if src.placements else ""
+        raise PlanError(
+            f'tensor "{src.name}" ({src.dtype}{placed}) is saved as Partial(avg) of {groups} partial '
+            "values: torch refuses to reduce an integer or bool Partial(avg) DTensor (full_tensor() and "
+            "redistribute to Replicate raise \"result type Float can't be cast to the desired output "
+            'type"), so it has no value to convert. Reduce it in torch as you mean it (e.g. a sum, then '
+            "a rounding division) and save that, or --exclude it",
+            tensor=src.name,
+        )
+
+
 def plan_tensor(src: TensorSource, layout: TensorLayout, dtype: str) -> TargetTensor:
     """Plan one tensor: reuse the matching of any earlier tensor of the same geometry."""
     return _target(src, layout, dtype, _matched(src, layout))
@@ -209,6 +235,7 @@ def _target(
     src: TensorSource, layout: TensorLayout, dtype: str, hit: tuple[tuple[tuple[Copy, ...], ...], int]
 ) -> TargetTensor:
     copies, groups = hit
+    check_reduce(src)
     return TargetTensor(
         name=src.name,
         src=src,
@@ -714,6 +741,8 @@ def make_plan(
         if dtype is not None and out_dtype != dtype and out_dtype in FLOAT_DTYPES:
             out_dtype = dtype
         reduce_op = src.reduce_op if groups > 1 else None
+        if src.reduce_op == "avg":
+            check_reduce(src)
         tensors.append(_Target(src.name, src, out_dtype, layout, copies, groups, reduce_op))  # type: ignore[arg-type]
     files = writer.files(tensors, mesh, options)
     return Plan(source, writer, mesh, tensors, files, rules=rules, transforms=transforms)

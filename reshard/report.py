@@ -524,6 +524,10 @@ def feed_text(f: dict[str, Any]) -> str:
     return f"{shown(f['source'])} [{region}] bytes {span[0]}..{span[1]} ({human(f['bytes'])})"
 
 
+#: Output files ``plan`` shows a row each (the first ones and the last); ``--json`` lists every one.
+PLAN_ROWS = 64
+
+
 def render_plan(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -538,7 +542,14 @@ def render_plan(doc: dict[str, Any], console: Any) -> None:
     table = Table(show_edge=False, pad_edge=False)
     for col in ("output file", "writes", "reads", "from", "copies", "read/write"):
         table.add_column(col)
-    for f in doc["files"]:
+    files = doc["files"]
+    shown_files = files if len(files) <= PLAN_ROWS else [*files[: PLAN_ROWS - 1], None, files[-1]]
+    for f in shown_files:
+        if f is None:  # thousands of rank files: rendering every row took most of plan's time
+            table.add_row(
+                f"... {len(files) - PLAN_ROWS} more files (--json lists them all)", "", "", "", "", ""
+            )
+            continue
         srcs = ", ".join(s["file"] for s in f["sources"][:3]) + (" ..." if len(f["sources"]) > 3 else "")
         table.add_row(
             Text(shown(f["name"])),

@@ -46,9 +46,8 @@ def cast_reduce(views: list[Any], src_dtype: str, dst_dtype: str, reduce_op: str
             else:
                 raise AssertionError(f"unknown reduce op {reduce_op}")
         if reduce_op == "avg":
-            if acc.is_floating_point():
-                acc /= len(parts)
-            else:
-                acc = torch.div(acc, len(parts), rounding_mode="floor").to(sdt)
+            # integer avg never gets here (plan.check_reduce refuses it, as torch does)
+            assert acc.is_floating_point(), f"Partial(avg) of {src_dtype}"
+            acc /= len(parts)
     out = acc.to(torch_dtype(dst_dtype)) if dst_dtype != src_dtype else acc
     return out.contiguous().view(torch.uint8).numpy()

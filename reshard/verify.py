@@ -55,7 +55,7 @@ from .intervals import (
 )
 from .io.reader import MappedFiles, Piece, Run, read_box, uint_dtype
 from .io.views import open_piece
-from .plan import Copy, copy_boxes, match_blocks, natural_key
+from .plan import Copy, check_reduce, copy_boxes, match_blocks, natural_key
 from .transform_plan import TransformedSource, file_at, match_any, target_sources
 from .transforms import Repeat
 
@@ -121,6 +121,7 @@ class _Region:
         geometry: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
         bufs: list[bytearray],
     ) -> None:
+        check_reduce(src)
         self.files = files
         self.src = src
         self.groups = groups

@@ -48,6 +48,15 @@ What the format does not say, and how it is handled:
   go into safetensors: they are listed in :attr:`Checkpoint.non_tensors` (name,
   size, file; kind ``object`` for a ``torch.save``'d value, ``bytes`` for raw
   ``io.BytesIO`` contents, unknown when compressed), never decoded.
+- **Objects holding tensors** (``dcp.save(..., planner=DefaultSavePlanner(flatten_state_dict=False))``
+  stores every nested dict of the state dict as one ``torch.save``'d object): the object's
+  ``data.pkl`` goes through the restricted unpickler of the ``pt`` reader (nothing runs) and
+  each tensor in it becomes a whole tensor named ``<item>.<keys>`` (the keys joined with
+  ``.``, as ``dcp_to_torch_save`` and flattening name it), read in place from the object's
+  stored ``data/N`` record; its other leaves are listed as non-tensor items. A DTensor split
+  over ranks inside one (only one rank's object is stored: its local shard), a class the
+  unpickler does not allow, or a tensor it cannot read leaves the item an
+  ``object holding tensors``, with a warning saying why; ``convert`` refuses it.
 """
 
 from __future__ import annotations
@@ -59,27 +68,30 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..checkpoint import HOLDS_TENSORS, Checkpoint, CheckpointWarning, NonTensor, TensorSource, tensor_source
 from ..dtypes import DTYPE_SIZES
-from ..errors import HeaderError, LayoutError, UsageError, WriteError
-from ..intervals import Block, Interval, normalize, overlapping_pairs
+from ..errors import HeaderError, LayoutError, ReshardError, UsageError, WriteError
+from ..intervals import Block, Interval, full_block, normalize, overlapping_pairs
 from ..io.header import MAX_HEADER_SIZE, MAX_INT64, Header, decode_header
 from ..io.pages import scratch_dir
 from ..io.safe import file_kind
-from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range
+from ..io.torchsave import leaves, locate
+from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
     ChunkMeta,
     DcpMetadata,
+    StoredDTensor,
     StoredTensor,
     TensorMeta,
     load_dcp_metadata,
     load_stored_tensor,
+    load_torch_save,
 )
 from .base import NO, YES, Probe, Reader, ReadOptions
 from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning
@@ -106,8 +118,6 @@ _ZIP_MAGIC = b"PK\x03\x04"
 def _object_kind(fd: int, path: str, start: int, length: int) -> str:
     """``"object"``, or :data:`HOLDS_TENSORS` when the item's ``torch.save`` archive has tensor
     data records (read from its zip directory; nothing is unpickled)."""
-    from ..io.torchzip import read_torch_zip
-
     try:
         tz = read_torch_zip(fd, path, start, length)
     except HeaderError:
@@ -571,6 +581,8 @@ class _Reader:
         self.chunks: dict[tuple[int, tuple[int, ...] | None], _Chunk] = {}
         self.pickles: dict[ArchiveLayout, StoredTensor] = {}
         self.stored: dict[tuple[ArchiveLayout, str, tuple[int, ...]], _Stored] = {}
+        # tensors of pickled objects (flatten_state_dict=False): name -> (item, source)
+        self.object_tensors: dict[str, tuple[str, TensorSource]] = {}
 
     def read(self, mpath: Path) -> None:  # noqa: C901 - the per-chunk loop, kept flat for speed
         md = _read_metadata(mpath)
@@ -628,7 +640,8 @@ class _Reader:
                         kind = "bytes"
                         if zipped:
                             kind = _object_kind(files.fd(fi), str(files.paths[fi]), start, length)
-                    self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind)
+                    if kind != HOLDS_TENSORS or not self._object(fqn, fi, start, length):
+                        self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind)
                     reader_fi = -1
                 continue
             off = offs[i]
@@ -699,6 +712,61 @@ class _Reader:
 
     def _where(self, fi: int, start: int, length: int) -> str:
         return f"{self.files.paths[fi]} (bytes {start}..{start + length})"
+
+    def _object(self, fqn: str, fi: int, start: int, length: int) -> bool:
+        """Take the tensors of item ``fqn``, a pickled object holding tensors, as whole tensors
+        named ``<fqn>.<keys>`` and its other leaves as non-tensor items; False, with a warning
+        saying why, when they cannot be taken (the item then stays an object holding tensors)."""
+        path = str(self.files.paths[fi])
+        where = self._where(fi, start, length)
+        fd = self.files.fd(fi)
+        found: list[tuple[str, TensorSource]] = []
+        others: list[NonTensor] = []
+        try:
+            tz = read_torch_zip(fd, path, start, length)
+            bo = tz.get("byteorder")
+            if bo is not None and read_record(fd, tz, bo).strip() != b"little":
+                raise HeaderError(f"{where}: saved big-endian", path=path)
+            obj = load_torch_save(read_record(fd, tz, tz.record("data.pkl")), path=where)
+            for key, leaf in leaves(obj, where):
+                name = f"{fqn}.{key}" if key else fqn
+                if isinstance(leaf, StoredDTensor):
+                    if any(p != "R" for p in leaf.placements):
+                        msg = (
+                            f'{where}: item "{fqn}" holds DTensor "{name}" placed '
+                            f"{', '.join(leaf.placements)} on mesh {list(leaf.mesh.shape)}: dcp.save "
+                            "(flatten_state_dict=False) stored one rank's object, so only that rank's "
+                            "shard of it is in the checkpoint; re-save with the default planner"
+                        )
+                        self.warnings.append(CheckpointWarning(msg, True, path, fqn))
+                        return False
+                    leaf = leaf.local
+                if not isinstance(leaf, StoredTensor):
+                    size = len(leaf) if isinstance(leaf, (str, bytes)) else 0
+                    others.append(NonTensor(name, size, fi, type(leaf).__name__))
+                    continue
+                e, crc = locate(name, leaf, tz, where)
+                src = tensor_source(
+                    name, e.dtype, e.shape, (fi,), (e.start,), (full_block(e.shape),), ("full", e.shape)
+                )
+                found.append((name, replace(src, piece_crc32=(crc,))))
+        except ReshardError as e:
+            msg = f'{where}: item "{fqn}" is a pickled object holding tensors that reshard cannot read: {e}'
+            self.warnings.append(CheckpointWarning(msg, False, path, fqn))
+            return False
+        for name, src in found:
+            prev = self.object_tensors.get(name)
+            if prev is not None:
+                raise HeaderError(
+                    f'{where}: items "{prev[0]}" and "{fqn}" both hold a tensor named "{name}" once '
+                    "their keys are joined with '.'; rename one and re-save",
+                    path=path,
+                    tensor=name,
+                )
+            self.object_tensors[name] = (fqn, src)
+        for n in others:
+            self.non_tensors.setdefault(n.name, n)
+        return True
 
     def _chunk(
         self, m: TensorMeta, offset: tuple[int, ...] | None, fqn: str, fi: int, start: int, length: int
@@ -883,6 +951,18 @@ class _Reader:
                 None,
                 crcs,
             )
+        if self.object_tensors:
+            for name, (item, src) in self.object_tensors.items():
+                if name in out:
+                    raise HeaderError(
+                        f'{paths[src.piece_files[0]]}: item "{item}" holds a tensor named "{name}" once its '
+                        f"keys are joined with '.', and the checkpoint also stores a tensor \"{name}\"; "
+                        "rename one and re-save",
+                        path=str(paths[src.piece_files[0]]),
+                        tensor=name,
+                    )
+                out[name] = src
+            out = {k: out[k] for k in sorted(out)}
         return out
 
     def _stored_chunks(

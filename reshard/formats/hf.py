@@ -19,7 +19,7 @@ from .hf_extras import INDEX, SINGLE, hf_weight_files
 from .manifest import complete_self_described
 from .safetensors import SafetensorsFile, header_order, split_parts
 
-__all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf"]
+__all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf", "duplicates"]
 
 
 @lru_cache(maxsize=65536)
@@ -140,6 +140,39 @@ def _sharded(
         msg = f'{fname}: tensor "{n}" is also in {home}; reading {home}, as {INDEX} says'
         warnings.append(CheckpointWarning(msg, path=str(files[0].parent / fname), tensor=n))
     return tensors
+
+
+def duplicates(
+    files: Sequence[Path], headers: Sequence[Header], weight_map: dict[str, str], index: str = INDEX
+) -> list[CheckpointWarning]:
+    """Tensors that shards other than the index's choice hold too (the pt reader's legacy
+    ``.bin`` shards; :func:`_sharded` checks the safetensors shards as it reads them).
+
+    The index decides which file is read; a second copy of another dtype or shape
+    means the shards disagree (a stale file from another save), which is refused
+    rather than silently resolved. Same dtype and shape: a warning.
+
+    Raises:
+        HeaderError: naming both files and both descriptions.
+    """
+    pos = {f.name: i for i, f in enumerate(files)}
+    out: list[CheckpointWarning] = []
+    for f, h in zip(files, headers):
+        for n in h.names:
+            home = weight_map.get(n)
+            if home is None or home == f.name:
+                continue
+            a, b = headers[pos[home]].entry(n), h.entry(n)
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                raise HeaderError(
+                    f'tensor "{n}" is {a.dtype} {list(a.shape)} in {home} ({index} names that file) but '
+                    f"{b.dtype} {list(b.shape)} in {f.name}: two shards disagree; remove the stale file",
+                    path=str(f),
+                    tensor=n,
+                )
+            msg = f'{f.name}: tensor "{n}" is also in {home}; reading {home}, as {index} says'
+            out.append(CheckpointWarning(msg, path=str(f), tensor=n))
+    return out
 
 
 def _detect(probe: Probe) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "config_dtype_name",
     "rewrite_config_dtype",
     "hf_weight_files",
+    "read_weight_index",
 ]
 
 SINGLE = "model.safetensors"
@@ -338,7 +339,14 @@ def _weight_map_pairs(text: str) -> tuple[dict[str, str], str] | None:
     return out, text[: m.start()] + '"weight_map": {}' + text[pos:]
 
 
-def _read_index(index: Path) -> dict[str, str]:
+def read_weight_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a transformers index (``model.safetensors.index.json``, or the legacy
+    ``pytorch_model.bin.index.json``): tensor name -> shard file name, every shard checked present.
+
+    Raises:
+        HeaderError: not a JSON object with a ``weight_map`` of strings, a shard name pointing
+            outside the directory, or shards it names that are missing (all of them named).
+    """
     # bounded, regular-file-only, strict JSON (duplicate keys refused): io.safe
     raw = read_document(index, limit=MAX_JSON_BYTES, what="HF index", error=HeaderError)
     try:
@@ -350,7 +358,8 @@ def _read_index(index: Path) -> dict[str, str]:
         weight_map, rest = fast
         data = load_json(rest.encode("utf-8"), what="HF index", path=str(index), error=HeaderError)
         if not isinstance(data, dict) or data.get("weight_map") != {}:
-            raise HeaderError(f"{index}: not a valid safetensors index (weight_map)", path=str(index))
+            what = "safetensors index" if index.name == INDEX else "weight index"
+            raise HeaderError(f"{index}: not a valid {what} (weight_map)", path=str(index))
         data["weight_map"] = weight_map
     else:
         data = load_json(raw, what="HF index", path=str(index), error=HeaderError)
@@ -363,17 +372,29 @@ def _read_index(index: Path) -> dict[str, str]:
         ):
             raise TypeError("weight_map must map tensor names to file names")
     except (ValueError, KeyError, TypeError) as e:
-        raise HeaderError(f"{index}: not a valid safetensors index ({e})", path=str(index)) from None
-    names: dict[str, str] = {}
+        what = "safetensors index" if index.name == INDEX else "weight index"
+        raise HeaderError(f"{index}: not a valid {what} ({e})", path=str(index)) from None
+    shards: dict[str, str] = {}
     for k, v in weight_map.items():  # one string per shard, not one per tensor (200k: 16 MB)
-        weight_map[k] = names.setdefault(v, v)
-    for n in sorted(names):
+        weight_map[k] = shards.setdefault(v, v)
+    names = sorted(shards)
+    for n in names:
         if "/" in n or n.startswith("."):
             raise HeaderError(f"{index}: shard name {n!r} points outside the checkpoint", path=str(index))
-        if not (index.parent / n).exists():
-            raise HeaderError(
-                f"{index.parent / n}: listed in {INDEX} but missing", path=str(index.parent / n)
-            )
+    missing = [n for n in names if not (index.parent / n).exists()]
+    if missing:
+        counts = {n: 0 for n in missing}
+        for f in weight_map.values():
+            if f in counts:
+                counts[f] += 1
+        shown = ", ".join(f"{n} ({counts[n]} tensor(s))" for n in missing[:4])
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise HeaderError(
+            f"{index.parent / missing[0]}: listed in {index.name} but missing"
+            + (f" (missing: {shown}{more})" if len(missing) > 1 else f" ({counts[missing[0]]} tensor(s))")
+            + "; copy the missing shard(s) in, or download the checkpoint again",
+            path=str(index.parent / missing[0]),
+        )
     return weight_map
 
 
@@ -399,7 +420,7 @@ def hf_weight_files(directory: str | os.PathLike[str]) -> HfWeights:
             )
         return HfWeights([single], None, warning)
     if index.exists():
-        weight_map = _read_index(index)
+        weight_map = read_weight_index(index)
         return HfWeights([root / n for n in sorted(set(weight_map.values()))], weight_map, None)
     cands = sorted(root.glob("*.safetensors"))
     if len(cands) == 1:
@@ -407,5 +428,5 @@ def hf_weight_files(directory: str | os.PathLike[str]) -> HfWeights:
     found = ", ".join(p.name for p in cands[:4]) if cands else "no .safetensors file"
     hint = None
     if (root / "pytorch_model.bin").exists() or (root / "pytorch_model.bin.index.json").exists():
-        hint = "it holds pytorch_model.bin (pickle), which reshard does not read; save it as safetensors"
+        hint = "it holds transformers' pickle weights (pytorch_model.bin): read it with --from pt"
     raise HeaderError(f"{root}: no {SINGLE} or {INDEX} found ({found})", path=str(root), hint=hint)

@@ -16,6 +16,11 @@ the zip's stored ``data/N`` records and are read in place by offset.
   ``model`` files.
 - **One file** (``torch.save(model.state_dict())``: ``model.pt``, ``pytorch_model.bin``),
   given as the path or alone in its directory without a rank number, is a world of one.
+- **transformers' legacy weights** (``save_pretrained(safe_serialization=False)``): a directory
+  holding ``pytorch_model.bin``, or ``pytorch_model-0000i-of-0000N.bin`` shards with
+  ``pytorch_model.bin.index.json``, is one consolidated checkpoint (a world of one whose
+  tensors lie in several files), chosen as ``from_pretrained`` chooses, whatever else the
+  directory holds (``training_args.bin``, ``optimizer.pt``, ``rng_state_{r}.pth``).
 - **Leaves** of nested dicts and lists are named by their keys joined with ``.``.
   Non-tensor leaves (ints, strings, ...) are listed, not converted.
 - **DTensors describe themselves**: global shape, placements (``_StridedShard``
@@ -34,32 +39,37 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor
 from ..dtypes import DTYPE_SIZES
-from ..errors import HeaderError, LayoutError, UsageError
-from ..intervals import row_major_strides
+from ..errors import HeaderError, LayoutError, TensorNotFoundError, UsageError
 from ..io.header import Header, TensorEntry
-from ..io.torchzip import STORED, TorchZip, read_record, read_torch_zip
-from ..io.unpickle import SAFETENSORS_DTYPES, MeshInfo, StoredDTensor, StoredTensor, load_torch_save
+from ..io.torchsave import leaves, locate
+from ..io.torchzip import TorchZip, read_record, read_torch_zip
+from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, load_torch_save
 from ..mesh import Mesh
 from ..placements import Placement
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions
+from .hf import duplicates
+from .hf_extras import read_weight_index
 from .per_rank import RankFiles, exact_rules, layout_describe, rank_checkpoint, source_layout
 
 if TYPE_CHECKING:
     pass
 
-__all__ = ["READER", "pt_files", "rank_of", "read_pt"]
+__all__ = ["READER", "BIN_SINGLE", "BIN_INDEX", "pt_files", "rank_of", "read_pt", "open_bin_shards"]
 
 _SUFFIXES = (".pt", ".pth")
 _SINGLE_SUFFIXES = (*_SUFFIXES, ".bin")  # one whole state dict: also HF's legacy pytorch_model.bin
 _RANK = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)", re.I)
 _NUMBER = re.compile(r"\d+")
+#: transformers' pickle weights (``save_pretrained(safe_serialization=False)``; transformers < 5)
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
 _LEGACY_START = b"\x80\x02\x8a\x0a"  # a protocol-2 pickle of torch's 10-byte magic number (LONG1)
 
 
@@ -147,57 +157,6 @@ MAX_PT_DEPTH = 256
 MAX_PT_NODES = 5_000_000
 
 
-def _containers(obj: Any) -> Iterator[tuple[Any, Any]] | None:
-    if isinstance(obj, Mapping):
-        return iter(obj.items())
-    if isinstance(obj, (list, tuple)):
-        return enumerate(obj)
-    return None
-
-
-def _leaves(obj: Any, path: Path) -> Iterator[tuple[str, Any]]:
-    """Leaves of nested dicts and lists, their keys joined with ``.``, depth first in order.
-
-    Raises:
-        HeaderError: containers nested deeper than :data:`MAX_PT_DEPTH` (or a cycle), or more
-            than :data:`MAX_PT_NODES` of them and their leaves.
-    """
-    top = _containers(obj)
-    if top is None:
-        yield "", obj
-        return
-    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", top)]
-    nodes = 0
-    while stack:
-        prefix, items = stack[-1]
-        item = next(items, None)
-        if item is None:
-            stack.pop()
-            continue
-        nodes += 1
-        if nodes > MAX_PT_NODES:
-            raise HeaderError(
-                f"{path}: the torch.save pickle names more than {MAX_PT_NODES:,} containers and "
-                "values (MAX_PT_NODES); a state dict has one per tensor and a few more, so this "
-                "looks like a file built to exhaust memory",
-                path=str(path),
-            )
-        k, v = item
-        name = f"{prefix}.{k}" if prefix else str(k)
-        inner = _containers(v)
-        if inner is None:
-            yield name, v
-        elif len(stack) >= MAX_PT_DEPTH:
-            raise HeaderError(
-                f"{path}: the torch.save pickle nests dicts and lists more than {MAX_PT_DEPTH} deep "
-                f"(MAX_PT_DEPTH), or holds a list that contains itself, under {name[:80]!r}; a "
-                "state dict is a few levels deep",
-                path=str(path),
-            )
-        else:
-            stack.append((name, inner))
-
-
 def _open_zip(fd: int, path: Path) -> TorchZip:
     head = os.pread(fd, 16, 0)
     if head.startswith(_LEGACY_START):
@@ -209,39 +168,6 @@ def _open_zip(fd: int, path: Path) -> TorchZip:
     if not head.startswith(b"PK"):
         raise HeaderError(f"{path}: not a torch.save zip archive", path=str(path))
     return read_torch_zip(fd, str(path))
-
-
-def _entry(name: str, st: StoredTensor, tz: TorchZip, path: Path) -> tuple[TensorEntry, int | None]:
-    """Where the local tensor's bytes are, after checking its record and strides."""
-    q = f'{path}: tensor "{name}"'
-    dtype = SAFETENSORS_DTYPES.get(st.dtype)
-    if dtype is None:
-        raise HeaderError(
-            f"{q} has dtype {st.dtype}, which safetensors cannot hold", path=str(path), tensor=name
-        )
-    numel = 1
-    for s in st.size:
-        numel *= s
-    want = row_major_strides(st.size)
-    if numel and any(n != 1 and a != b for n, a, b in zip(st.size, st.stride, want)):
-        raise LayoutError(
-            f"{q} of shape {list(st.size)} is stored with strides {list(st.stride)}, not row-major; "
-            "re-save the state dict with .contiguous() tensors",
-            path=str(path),
-            tensor=name,
-        )
-    rec = tz.record(f"data/{st.key}")
-    isz = DTYPE_SIZES[dtype]
-    first, nbytes = st.storage_offset * isz, numel * isz
-    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
-        raise HeaderError(
-            f"{q}: data record {rec.name} is {rec.size} bytes (zip method {rec.compress_type}); the "
-            f"tensor needs {nbytes} stored bytes at {first} of a {st.storage_nbytes}-byte storage",
-            path=str(path),
-            tensor=name,
-        )
-    crc = rec.crc32 if first == 0 and nbytes == rec.size else None
-    return TensorEntry(name, dtype, st.size, rec.offset + first, rec.offset + first + nbytes), crc
 
 
 def read_pt(path: Path) -> PtFile:
@@ -266,7 +192,7 @@ def read_pt(path: Path) -> PtFile:
         others: dict[str, Any] = {}
         crc32s: dict[str, int] = {}
         seen: set[str] = set()
-        for name, leaf in _leaves(obj, path):
+        for name, leaf in leaves(obj, path, max_depth=MAX_PT_DEPTH, max_nodes=MAX_PT_NODES):
             if isinstance(leaf, (StoredTensor, StoredDTensor)):
                 if name in seen:
                     raise HeaderError(
@@ -279,7 +205,7 @@ def read_pt(path: Path) -> PtFile:
                 seen.add(name)
                 if isinstance(leaf, StoredDTensor):
                     dtensors[name] = leaf
-                entry, crc = _entry(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
+                entry, crc = locate(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
                 entries.append(entry)
                 if crc is not None:
                     crc32s[name] = crc
@@ -427,8 +353,109 @@ def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None 
     return ckpt
 
 
+def open_bin_shards(directory: Path, options: ReadOptions) -> Checkpoint:
+    """transformers' sharded pickle weights: ``pytorch_model-0000i-of-0000N.bin`` files named by
+    ``pytorch_model.bin.index.json``, as one checkpoint (a world of one) whose tensors lie in
+    several ``torch.save`` zips, each read as :func:`read_pt` reads one (nothing pickled runs).
+
+    The index decides which file each tensor is read from, as ``hf`` does for safetensors shards:
+    a tensor the index names but its file does not hold exits 2, a tensor in a shard the index
+    does not name is ignored with a warning, a second copy elsewhere is checked (see
+    :func:`~reshard.formats.hf.duplicates`).
+
+    Raises:
+        HeaderError: a broken index, shards it names that are missing.
+        TensorNotFoundError: tensors the index names that their shard does not hold.
+    """
+    weight_map = read_weight_index(directory / BIN_INDEX)
+    paths = [directory / n for n in sorted(set(weight_map.values()))]
+    parts = [open_pt(directory, options, [p]) for p in paths]
+    headers = [_header_of(part) for part in parts]
+    pos = {p.name: i for i, p in enumerate(paths)}
+    missing = [n for n, f in weight_map.items() if n not in parts[pos[f]].tensors]
+    if missing:
+        _index_names_missing(directory, missing, weight_map, paths, parts)
+    warnings: list[CheckpointWarning] = [w for part in parts for w in part.warnings]
+    warnings += duplicates(paths, headers, weight_map, BIN_INDEX)
+    for p, part in zip(paths, parts):
+        extra = [n for n in part.tensors if n not in weight_map]
+        if extra:
+            msg = f'{p.name}: tensor "{extra[0]}"' + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+            msg += f" not in {BIN_INDEX}; ignored"
+            warnings.append(CheckpointWarning(msg, path=str(p), tensor=extra[0]))
+    tensors = {}
+    for name in sorted(weight_map):
+        i = pos[weight_map[name]]
+        t = parts[i].tensors[name]
+        tensors[name] = replace(t, piece_files=(i,) * len(t.piece_files))
+    ckpt = Checkpoint(
+        path=str(directory),
+        format="pt",
+        files=tuple(str(p) for p in paths),
+        file_sizes=tuple(part.file_sizes[0] for part in parts),
+        tensors=tensors,
+        mesh=parts[0].mesh,
+        warnings=warnings,
+        non_tensors=tuple(replace(n, file=i) for i, part in enumerate(parts) for n in part.non_tensors),
+    )
+    cfg = source_layout(options)
+    ckpt.layout = cfg if cfg is not None else exact_rules(ckpt)
+    return ckpt
+
+
+def _header_of(ckpt: Checkpoint) -> Header:
+    """A one-file checkpoint's tensors as header entries (for :func:`~reshard.formats.hf.duplicates`)."""
+    entries = []
+    for t in ckpt.tensors.values():
+        size = DTYPE_SIZES[t.dtype] * t.numel
+        entries.append(TensorEntry(t.name, t.dtype, t.shape, t.piece_offsets[0], t.piece_offsets[0] + size))
+    return Header(tuple(entries), None, 0)
+
+
+def _index_names_missing(
+    directory: Path,
+    missing: Sequence[str],
+    weight_map: Mapping[str, str],
+    paths: Sequence[Path],
+    parts: Sequence[Checkpoint],
+) -> None:
+    """Tensors the index names that their shard does not hold: exit 2 naming them (and where they
+    are, when another shard holds them: the index belongs to another save)."""
+    name = missing[0]
+    home = weight_map[name]
+    elsewhere = [p.name for p, part in zip(paths, parts) if name in part.tensors]
+    more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})"
+    where = (
+        f"; {', '.join(elsewhere)} holds it: the index and the shards are from different saves"
+        if elsewhere
+        else "; no shard holds it"
+    )
+    raise TensorNotFoundError(
+        f'{directory / home}: tensor "{name}" is missing ({BIN_INDEX} says it is here)'
+        + (more if len(missing) > 1 else "")
+        + where
+        + "; download or save the checkpoint again",
+        path=str(directory / home),
+        tensor=name,
+    )
+
+
 def _open(path: Path, options: ReadOptions) -> Checkpoint:
     if path.is_dir():
+        single, index = path / BIN_SINGLE, path / BIN_INDEX
+        if single.is_file():
+            ckpt = open_pt(path, options, [single])
+            if index.exists():
+                ckpt.warnings.append(
+                    CheckpointWarning(
+                        f"{path}: holds both {BIN_SINGLE} and {BIN_INDEX}; reading {BIN_SINGLE}, as "
+                        f"transformers does (remove {BIN_SINGLE} to read the shards)",
+                        path=str(path),
+                    )
+                )
+            return ckpt
+        if index.exists():
+            return open_bin_shards(path, options)
         return open_pt(path, options)
     if not path.name.endswith(_SINGLE_SUFFIXES):
         raise UsageError(
@@ -442,6 +469,8 @@ def _open(path: Path, options: ReadOptions) -> Checkpoint:
 def _detect(probe: Probe) -> int:
     if probe.is_file:
         return MAYBE if probe.path.name.endswith(_SINGLE_SUFFIXES) else NO
+    if BIN_SINGLE in probe.names or BIN_INDEX in probe.names:
+        return YES  # transformers' names; a safetensors model beside them is hf's (it wins ties)
     if any(rank_of(n) is not None for n in probe.names):
         return YES
     single = [n for n in probe.names if n.endswith(_SINGLE_SUFFIXES)]
@@ -453,7 +482,7 @@ READER = Reader(
     help="one torch.save .pt file per rank (rank_{r}.pt, veRL model_world_size_W_rank_r.pt, "
     "accelerate pytorch_model_fsdp_0_rank{r}.bin): "
     "DTensors self-described, plain tensors with --source-layout; or one whole state dict "
-    "(model.pt, pytorch_model.bin)",
+    "(model.pt, pytorch_model.bin); transformers' pytorch_model-*-of-*.bin with pytorch_model.bin.index.json",
     detect=_detect,
     open=_open,
 )

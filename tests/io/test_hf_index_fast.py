@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reshard.errors import HeaderError
-from reshard.formats.hf_extras import _read_index, _weight_map_pairs
+from reshard.formats.hf_extras import _weight_map_pairs, read_weight_index
 from reshard.io.safe import load_json
 
 _names = st.text(st.characters(min_codepoint=0, max_codepoint=0x2FF), max_size=12)
@@ -45,7 +45,7 @@ def test_fast_reading_matches_strict_json(text: str) -> None:
         strict = None
     fast = _weight_map_pairs(text)
     if fast is None:
-        return  # the strict parser decides (as _read_index does)
+        return  # the strict parser decides (as read_weight_index does)
     weight_map, rest = fast
     assert strict is not None, text  # read fast only what strict JSON reads
     assert isinstance(strict, dict) and strict["weight_map"] == weight_map
@@ -81,7 +81,7 @@ def _index(tmp_path: Path, text: str, shards: tuple[str, ...] = ("a.safetensors"
 )
 def test_bad_indexes_are_refused_as_before(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(HeaderError, match=message):
-        _read_index(_index(tmp_path, text))
+        read_weight_index(_index(tmp_path, text))
 
 
 def test_a_200k_tensor_index_is_read_in_bounded_memory(tmp_path: Path) -> None:
@@ -94,9 +94,10 @@ def test_a_200k_tensor_index_is_read_in_bounded_memory(tmp_path: Path) -> None:
         tuple(sorted(set(wm.values()))),
     )
     code = (
-        "import resource, sys; from pathlib import Path; from reshard.formats.hf_extras import _read_index\n"
+        "import resource, sys; from pathlib import Path\n"
+        "from reshard.formats.hf_extras import read_weight_index\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        f"wm = _read_index(Path({str(p)!r}))\n"
+        f"wm = read_weight_index(Path({str(p)!r}))\n"
         "print(len(wm), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)"
     )
     out = subprocess.run(
@@ -104,4 +105,4 @@ def test_a_200k_tensor_index_is_read_in_bounded_memory(tmp_path: Path) -> None:
     ).stdout.split()
     assert int(out[0]) == 200_000
     assert int(out[1]) < 64, out  # MiB over the interpreter's; the strict path took ~100
-    assert _read_index(p) == wm
+    assert read_weight_index(p) == wm

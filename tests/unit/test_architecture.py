@@ -20,6 +20,7 @@ LAYERS = [
         "io",
         "io.header",
         "io.torchzip",
+        "io.torchsave",
         "io.unpickle",
         "io.checksum",
         "io.pages",

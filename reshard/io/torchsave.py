@@ -1,0 +1,125 @@
+"""The tensors of a ``torch.save`` object, located in its archive (pure: nothing of the pickle runs).
+
+:func:`reshard.io.unpickle.load_torch_save` gives the object with tensors as
+:class:`~reshard.io.unpickle.StoredTensor`; :func:`leaves` walks its dicts and lists (keys
+joined with ``.``, bounded in depth and count) and :func:`locate` finds each tensor's bytes in
+the archive's stored ``data/N`` record. The ``pt`` reader reads whole files this way, the
+``dcp`` reader the objects ``dcp.save(..., DefaultSavePlanner(flatten_state_dict=False))``
+stores at an offset of a ``.distcp`` file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..dtypes import DTYPE_SIZES
+from ..errors import HeaderError, LayoutError
+from ..intervals import row_major_strides
+from .header import TensorEntry
+from .torchzip import STORED, TorchZip
+from .unpickle import SAFETENSORS_DTYPES, StoredTensor
+
+__all__ = ["MAX_DEPTH", "MAX_NODES", "leaves", "locate"]
+
+#: Containers nested deeper than this (a state dict needs a handful) are refused: the pickle can
+#: nest lists past Python's recursion limit, or hold a list that contains itself.
+MAX_DEPTH = 256
+#: Containers and leaves visited in one file: a pickle can refer to one list from many places
+#: (``[L1, L1]``, ``L1 = [L2, L2]``, ...), so a small file can name 2**60 leaves.
+MAX_NODES = 5_000_000
+
+
+def _containers(obj: Any) -> Iterator[tuple[Any, Any]] | None:
+    if isinstance(obj, Mapping):
+        return iter(obj.items())
+    if isinstance(obj, (list, tuple)):
+        return enumerate(obj)
+    return None
+
+
+def leaves(
+    obj: Any, path: str | os.PathLike[str], *, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES
+) -> Iterator[tuple[str, Any]]:
+    """Leaves of nested dicts and lists, their keys joined with ``.``, depth first in order.
+
+    Raises:
+        HeaderError: containers nested deeper than ``max_depth`` (or a cycle), or more
+            than ``max_nodes`` of them and their leaves.
+    """
+    top = _containers(obj)
+    if top is None:
+        yield "", obj
+        return
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", top)]
+    nodes = 0
+    while stack:
+        prefix, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        nodes += 1
+        if nodes > max_nodes:
+            raise HeaderError(
+                f"{path}: the torch.save pickle names more than {max_nodes:,} containers and "
+                "values (MAX_PT_NODES); a state dict has one per tensor and a few more, so this "
+                "looks like a file built to exhaust memory",
+                path=str(path),
+            )
+        k, v = item
+        name = f"{prefix}.{k}" if prefix else str(k)
+        inner = _containers(v)
+        if inner is None:
+            yield name, v
+        elif len(stack) >= max_depth:
+            raise HeaderError(
+                f"{path}: the torch.save pickle nests dicts and lists more than {max_depth} deep "
+                f"(MAX_PT_DEPTH), or holds a list that contains itself, under {name[:80]!r}; a "
+                "state dict is a few levels deep",
+                path=str(path),
+            )
+        else:
+            stack.append((name, inner))
+
+
+def locate(
+    name: str, st: StoredTensor, tz: TorchZip, path: str | os.PathLike[str]
+) -> tuple[TensorEntry, int | None]:
+    """Where a tensor of a ``torch.save`` archive lies in its file (absolute offsets, as a header
+    entry), and the record's CRC32 when the record holds exactly its bytes.
+
+    Raises:
+        HeaderError: a dtype safetensors has no name for; a record compressed, or too short.
+        LayoutError: strides that are not row-major.
+    """
+    q = f'{path}: tensor "{name}"'
+    dtype = SAFETENSORS_DTYPES.get(st.dtype)
+    if dtype is None:
+        raise HeaderError(
+            f"{q} has dtype {st.dtype}, which safetensors cannot hold", path=str(path), tensor=name
+        )
+    numel = 1
+    for s in st.size:
+        numel *= s
+    want = row_major_strides(st.size)
+    if numel and any(n != 1 and a != b for n, a, b in zip(st.size, st.stride, want)):
+        raise LayoutError(
+            f"{q} of shape {list(st.size)} is stored with strides {list(st.stride)}, not row-major; "
+            "re-save the state dict with .contiguous() tensors",
+            path=str(path),
+            tensor=name,
+        )
+    rec = tz.record(f"data/{st.key}")
+    isz = DTYPE_SIZES[dtype]
+    first, nbytes = st.storage_offset * isz, numel * isz
+    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
+        raise HeaderError(
+            f"{q}: data record {rec.name} is {rec.size} bytes (zip method {rec.compress_type}); the "
+            f"tensor needs {nbytes} stored bytes at {first} of a {st.storage_nbytes}-byte storage",
+            path=str(path),
+            tensor=name,
+        )
+    crc = rec.crc32 if first == 0 and nbytes == rec.size else None
+    return TensorEntry(name, dtype, st.size, rec.offset + first, rec.offset + first + nbytes), crc
