@@ -194,8 +194,8 @@ def test_vllm_files_without_a_layout_exit_2(vllm_tp2: Path, tmp_path: Path) -> N
     p = run("convert", vllm_tp2, tmp_path / "x", "--consolidate")
     assert p.returncode == 2 and "store no placements; pass --source-layout" in p.stderr
     assert not (tmp_path / "x").exists()
-    p = run("inspect", vllm_tp2)
-    assert p.returncode == 2 and "--source-layout" in p.stderr
+    p = run("inspect", vllm_tp2)  # inspect's own options: --layout (and --source-mesh)
+    assert p.returncode == 2 and "pass --layout FILE" in p.stderr and "--source-layout" not in p.stderr
 
 
 def test_missing_rank_and_repeated_tensor_exit_2(vllm_tp2: Path, tmp_path: Path) -> None:
