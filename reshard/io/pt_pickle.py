@@ -246,9 +246,9 @@ class _Decoder:
                     return key, value, end, extra
         toks, end = self._tokens(pos, 2)
         start_n = self.n
-        key, value, _ = self._c_run(toks, 2)
+        key, value, made = self._c_run(toks, 2)
         if type(key) is str and start_n >= _WARM and len(self.templates) < _MAX_TEMPLATES:
-            self._learn(toks, start_n, key, value)
+            self._learn(toks, start_n, key, value, made)
         return key, value, end, None
 
     def _templated(self, pos: int, kend: int) -> tuple[str, Any, int, None] | None:
@@ -422,9 +422,12 @@ class _Decoder:
 
     # ------------------------------------------------------------------ learning
 
-    def _learn(self, toks: list[_Tok], start_n: int, key: str, value: Any) -> None:  # noqa: C901
+    def _learn(  # noqa: C901
+        self, toks: list[_Tok], start_n: int, key: str, value: Any, made: dict[int, Any]
+    ) -> None:
         """A template from an item the C unpickler read (see the module docstring)."""
         si = self.si
+        local_v: Any
         if type(value) is si["StoredDTensor"]:
             local_v, dtensor = value.local, True
         elif type(value) is si["StoredTensor"]:
@@ -445,7 +448,7 @@ class _Decoder:
         rb, sk, cls = (self.memo.get(pre[i].idx) for i in (0, 3, 4))
         if rb is not si["rebuild_v2"] or sk != "storage" or type(cls) is not si["StorageType"]:
             return
-        assert cls is not None
+        storage_dtype = cls.dtype  # type: ignore[union-attr]
         # Q INT(offset) TUPLE(size) [PUT] TUPLE(stride) [PUT]
         i = q + 1
         if i >= len(toks) or toks[i].op not in _INT_OPS:
@@ -460,6 +463,13 @@ class _Decoder:
             fields[toks[i].start] = field
             ends[toks[i].start] = j
             i = j + (1 if j < len(toks) and toks[j].op in _PUTS else 0)
+        # requires_grad, OrderedDict(), the call: the local tensor is what that REDUCE made (and what
+        # the value is, or holds), not an older tensor beside an unused rebuild
+        tail = toks[i : i + 9]
+        if "".join("G" if t.op in _GETS else chr(t.op) for t in tail[1:]) != "G)RrtrRr":
+            return
+        if tail[0].op not in (0x88, 0x89) or made.get(tail[8].idx) is not local_v:
+            return
         # the template: literal bytes, groups for the fields and for the puts (from the key's put on)
         data = self.data
         parts: list[bytes] = []
@@ -493,15 +503,15 @@ class _Decoder:
                 group += 1
             else:
                 parts.append(re.escape(data[t.start : t.end]))
-        dtype = local_v.dtype
-        itemsize = 1 if cls.dtype is None else si["itemsize"](dtype)
+        dtype: str = local_v.dtype  # type: ignore[union-attr]
+        itemsize = 1 if storage_dtype is None else si["itemsize"](dtype)
         getter = itemgetter(*(where[f] for f in ("klen", "key", "numel", "off", "size", "stride")))
         tpl = _Template(
             re.compile(b"".join(parts), re.S), itemgetter(*puts), getter, dtype, itemsize, value, dtensor
         )
         # it must read the item it was learnt from as the C unpickler did
         m = tpl.rx.match(data, toks[1].start)
-        if m is None or m.end() != toks[-1].end or len(puts) < 2 or cls.dtype != dtype:
+        if m is None or m.end() != toks[-1].end or len(puts) < 2 or storage_dtype != dtype:
             return
         gs = m.groups()
         if self._local(tpl, *getter(gs)) != local_v:
