@@ -21,6 +21,7 @@ LAYERS = [
         "io.header",
         "io.torchzip",
         "io.unpickle",
+        "io.pt_pickle",
         "io.checksum",
         "io.pages",
         "io.reader",
