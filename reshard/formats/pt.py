@@ -139,12 +139,22 @@ def _single_file(directory: Path) -> Path | None:
 
 
 @dataclass(frozen=True, slots=True)
+class DTensorSpec:
+    """What a rank file says of a DTensor beyond its local tensor: global shape, mesh, placements
+    (one object for all DTensors that say the same: 100k DTensors have a handful)."""
+
+    shape: tuple[int, ...]
+    mesh: MeshInfo
+    placements: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PtFile:
     """One rank file: its local tensors as header entries (absolute offsets), DTensors, other leaves,
     and the zip's CRC32 of each tensor whose record holds exactly its bytes."""
 
     header: Header
-    dtensors: dict[str, StoredDTensor]
+    dtensors: dict[str, DTensorSpec]
     others: dict[str, Any]
     crc32s: dict[str, int]
 
@@ -170,8 +180,11 @@ def _open_zip(fd: int, path: Path) -> TorchZip:
     return read_torch_zip(fd, str(path))
 
 
-def read_pt(path: Path) -> PtFile:
+def read_pt(path: Path, shared: dict[Any, Any] | None = None) -> PtFile:
     """Read one rank file's pickle (restricted; nothing runs) and locate its tensors.
+
+    ``shared`` interns names and DTensor specs across the files of one checkpoint (each file
+    names the same 100k tensors: one string each, not one per file).
 
     Raises:
         UnsafePickleError: a global outside the allow-list (names the file and the global).
@@ -187,8 +200,10 @@ def read_pt(path: Path) -> PtFile:
                 f"{path}: saved big-endian; re-save it on a little-endian machine", path=str(path)
             )
         obj = load_torch_save(read_record(fd, tz, tz.record("data.pkl")), path=str(path))
+        shared = {} if shared is None else shared
+        geometries: dict[Any, Any] = {}
         entries: list[TensorEntry] = []
-        dtensors: dict[str, StoredDTensor] = {}
+        dtensors: dict[str, DTensorSpec] = {}
         others: dict[str, Any] = {}
         crc32s: dict[str, int] = {}
         seen: set[str] = set()
@@ -203,9 +218,14 @@ def read_pt(path: Path) -> PtFile:
                         tensor=name,
                     )
                 seen.add(name)
+                name = shared.setdefault(name, name)
                 if isinstance(leaf, StoredDTensor):
-                    dtensors[name] = leaf
-                entry, crc = locate(name, leaf.local if isinstance(leaf, StoredDTensor) else leaf, tz, path)
+                    spec = (leaf.shape, leaf.mesh, leaf.placements)
+                    dtensors[name] = shared.get(spec) or shared.setdefault(spec, DTensorSpec(*spec))
+                    local = leaf.local
+                else:
+                    local = leaf
+                entry, crc = locate(name, local, tz, path, geometries)
                 entries.append(entry)
                 if crc is not None:
                     crc32s[name] = crc
@@ -224,7 +244,7 @@ def _names(m: MeshInfo) -> tuple[str, ...]:
     return m.names if m.names is not None else tuple(f"d{i}" for i in range(len(m.shape)))
 
 
-def _root_placements(dt: StoredDTensor, root: MeshInfo, name: str, path: Path) -> tuple[str, ...]:
+def _root_placements(dt: DTensorSpec, root: MeshInfo, name: str, path: Path) -> tuple[str, ...]:
     """The DTensor's placements on the root mesh: a sub-mesh's dims by name, the others replicated."""
     if dt.mesh.root is None:
         return dt.placements
@@ -254,7 +274,7 @@ def _dtensor_mesh(paths: Sequence[Path], files: Sequence[PtFile]) -> Mesh | None
             path=str(paths[0].parent),
         )
     for r, (p, f) in enumerate(zip(paths, files)):
-        for name, dt in f.dtensors.items():
+        for dt, name in _first_names(f).items():  # a spec says the same of each of its names
             rt = _root(dt.mesh)
             if (_names(rt), rt.shape) != (mesh.names, mesh.shape):
                 raise LayoutError(
@@ -273,16 +293,28 @@ def _dtensor_mesh(paths: Sequence[Path], files: Sequence[PtFile]) -> Mesh | None
     return mesh
 
 
+def _first_names(f: PtFile) -> dict[DTensorSpec, str]:
+    """Each DTensor spec of a file with the first name that has it, in order."""
+    out: dict[DTensorSpec, str] = {}
+    for name, dt in f.dtensors.items():
+        if dt not in out:
+            out[dt] = name
+    return out
+
+
 _Described = dict[str, tuple[tuple[int, ...], list[str]]]
 
 
 def _described(paths: Sequence[Path], files: Sequence[PtFile]) -> _Described:
     """Per DTensor name: global shape and root-mesh placements, equal on every rank."""
     out: _Described = {}
-    for p, f in zip(paths, files):
+    for i, (p, f) in enumerate(zip(paths, files)):
+        said: dict[int, tuple[tuple[int, ...], list[str]]] = {}  # per spec object (one list for its names)
         for name, dt in f.dtensors.items():
-            got = (dt.shape, list(_root_placements(dt, _root(dt.mesh), name, p)))
-            want = out.setdefault(name, got) if p == paths[0] else out.get(name)
+            got = said.get(id(dt))
+            if got is None:
+                got = said[id(dt)] = (dt.shape, list(_root_placements(dt, _root(dt.mesh), name, p)))
+            want = out.setdefault(name, got) if i == 0 else out.get(name)
             if want != got:
                 shown = "a plain tensor" if want is None else f"{list(want[0])} {want[1]}"
                 raise LayoutError(
@@ -297,7 +329,9 @@ def _described(paths: Sequence[Path], files: Sequence[PtFile]) -> _Described:
 def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None = None) -> Checkpoint:
     """Open a directory of per-rank ``torch.save`` files, or the given ones (see the module docstring)."""
     paths = pt_files(directory) if paths is None else paths
-    files = [read_pt(p) for p in paths]
+    shared: dict[Any, Any] = {}
+    files = [read_pt(p, shared) for p in paths]
+    del shared
     cfg = source_layout(options)
     described = _described(paths, files)
     mesh = _dtensor_mesh(paths, files)

@@ -84,34 +84,56 @@ def leaves(
             stack.append((name, inner))
 
 
+_Geometry = tuple[str, int, bool]  # safetensors dtype, element count, row-major
+
+
+def _geometry(st: StoredTensor) -> _Geometry | str:
+    """The local tensor's safetensors dtype, element count and whether it is row-major; or the
+    name of its torch dtype safetensors cannot hold."""
+    dtype = SAFETENSORS_DTYPES.get(st.dtype)
+    if dtype is None:
+        return st.dtype
+    numel = 1
+    for s in st.size:
+        numel *= s
+    want = row_major_strides(st.size)
+    rows = not numel or all(n == 1 or a == b for n, a, b in zip(st.size, st.stride, want))
+    return dtype, numel, rows
+
+
 def locate(
-    name: str, st: StoredTensor, tz: TorchZip, path: str | os.PathLike[str]
+    name: str,
+    st: StoredTensor,
+    tz: TorchZip,
+    path: str | os.PathLike[str],
+    geometries: dict[Any, _Geometry | str] | None = None,
 ) -> tuple[TensorEntry, int | None]:
     """Where a tensor of a ``torch.save`` archive lies in its file (absolute offsets, as a header
-    entry), and the record's CRC32 when the record holds exactly its bytes.
+    entry), and the record's CRC32 when the record holds exactly its bytes. ``geometries``: the
+    checks of each (dtype, size, stride) made once (a file of 100k tensors has a few).
 
     Raises:
         HeaderError: a dtype safetensors has no name for; a record compressed, or too short.
         LayoutError: strides that are not row-major.
     """
+    key = (st.dtype, st.size, st.stride)
+    g = None if geometries is None else geometries.get(key)
+    if g is None:
+        g = _geometry(st)
+        if geometries is not None:
+            geometries[key] = g
     q = f'{path}: tensor "{name}"'
-    dtype = SAFETENSORS_DTYPES.get(st.dtype)
-    if dtype is None:
-        raise HeaderError(
-            f"{q} has dtype {st.dtype}, which safetensors cannot hold", path=str(path), tensor=name
-        )
-    numel = 1
-    for s in st.size:
-        numel *= s
-    want = row_major_strides(st.size)
-    if numel and any(n != 1 and a != b for n, a, b in zip(st.size, st.stride, want)):
+    if isinstance(g, str):
+        raise HeaderError(f"{q} has dtype {g}, which safetensors cannot hold", path=str(path), tensor=name)
+    dtype, numel, rows = g
+    if not rows:
         raise LayoutError(
             f"{q} of shape {list(st.size)} is stored with strides {list(st.stride)}, not row-major; "
             "re-save the state dict with .contiguous() tensors",
             path=str(path),
             tensor=name,
         )
-    rec = tz.record(f"data/{st.key}")
+    rec = tz.records.get(f"{tz.prefix}/data/{st.key}") or tz.record(f"data/{st.key}")
     isz = DTYPE_SIZES[dtype]
     first, nbytes = st.storage_offset * isz, numel * isz
     if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:

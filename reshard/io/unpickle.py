@@ -1881,15 +1881,26 @@ TORCH_SAVE_STATE_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def load_torch_save(data: bytes, *, path: str) -> Any:
+def load_torch_save(data: bytes, *, path: str, fast: bool = True) -> Any:
     """The object a ``torch.save`` archive's ``data.pkl`` holds, run-free: dicts, lists and scalars
     as themselves, tensors as :class:`StoredTensor`, DTensors as :class:`StoredDTensor`.
+
+    A state dict of many tensors is read by learnt item templates
+    (:mod:`reshard.io.pt_pickle`: bounded memory, the same values); any pickle that decoder
+    leaves, and every one with ``fast=False``, by the C unpickler, which gives the errors.
 
     Raises:
         UnsafePickleError: the pickle refers to a global outside :data:`TORCH_SAVE_STATE_GLOBALS`
             (nothing of it ran).
         HeaderError: the pickle is damaged or builds those objects from the wrong fields.
     """
+    if fast:
+        from .pt_pickle import Unsupported, decode_state_pickle
+
+        try:
+            return decode_state_pickle(data, path, lambda b, memo: _load_with_memo(b, memo, path), _STAND_INS)
+        except Unsupported:
+            pass
     return restricted_load(
         data,
         path=path,
@@ -1897,3 +1908,51 @@ def load_torch_save(data: bytes, *, path: str) -> Any:
         what="torch.save",
         persistent_load=storage_persistent_load,
     )
+
+
+_STAND_INS: dict[str, Any] = {
+    "OrderedDict": TORCH_SAVE_STATE_GLOBALS[("collections", "OrderedDict")],
+    "StoredDTensor": StoredDTensor,
+    "StoredTensor": StoredTensor,
+    "StorageRef": StorageRef,
+    "StorageType": _StorageType,
+    "rebuild": _rebuild,
+    "rebuild_v2": TORCH_SAVE_STATE_GLOBALS[("torch._utils", "_rebuild_tensor_v2")],
+    "itemsize": lambda dtype: DTYPE_SIZES[SAFETENSORS_DTYPES[dtype]],
+}
+
+
+class _MemoDonor(pickle.Unpickler):
+    """Fills a memo with given objects (``up.memo = donor.memo``: CPython 3.11 drops a dict's)."""
+
+    def __init__(self, data: bytes, objs: Mapping[int, Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._objs = objs
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._objs[pid]
+
+
+def _load_with_memo(data: bytes, memo: Mapping[int, Any], path: str) -> tuple[Any, dict[int, Any]]:
+    """Run ``data`` through :class:`RestrictedUnpickler` (the state-dict allow-list) with ``memo``
+    preset: what it returns and its memo after. Any error is the caller's cue to give up."""
+    from .pt_pickle import Unsupported
+
+    try:
+        fill = bytearray(b"\x80\x02")
+        for k in memo:
+            fill += b"J" + struct.pack("<i", k) + b"Qr" + struct.pack("<I", k) + b"0"
+        donor = _MemoDonor(bytes(fill + b"N."), memo)
+        donor.load()
+        up = RestrictedUnpickler(
+            io.BytesIO(data),
+            path=path,
+            allowed=TORCH_SAVE_STATE_GLOBALS,
+            what="torch.save",
+            persistent_load=storage_persistent_load,
+        )
+        up.memo = donor.memo
+        got = up.load()
+        return got, up.memo.copy()
+    except Exception:  # noqa: BLE001 - any verdict is the C path's, on the whole file
+        raise Unsupported from None

@@ -22,6 +22,7 @@ LAYERS = [
         "io.torchzip",
         "io.torchsave",
         "io.unpickle",
+        "io.pt_pickle",
         "io.checksum",
         "io.pages",
         "io.reader",
