@@ -23,6 +23,7 @@ LAYERS = [
         "io.unpickle",
         "io.checksum",
         "io.pages",
+        "io.spool",
         "io.reader",
         "io.views",
         "io.readhash",
