@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+from safetensors.torch import load_file  # noqa: E402
 
+from tests.strategies import same_bits  # noqa: E402
 
 RESHARD = Path(sys.executable).with_name("reshard")
 
@@ -29,6 +31,108 @@ def run_cli(
     assert r.returncode == code, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     return r
+
+
+def _views() -> dict[str, Any]:
+    """A state dict of views as a training script may hold them (none made contiguous)."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(24, 10, generator=g)
+    cube = torch.randn(4, 6, 5, generator=g).to(torch.bfloat16)
+    return {
+        "layers.0.t": torch.randn(10, 6, generator=g).t(),  # a transposed 2-D view: strides (1, 6)
+        "layers.0.stepped": big[::3],  # every third row: strides (30, 1), gaps between rows
+        "layers.0.offset": big[4:10],  # row-major at storage offset 40 of big's storage
+        "layers.0.cols": big[2:20:2, 1:9:3],  # stepped in both dims, at an offset
+        "layers.0.permuted": cube.permute(2, 0, 1),  # a 3-D permute, bfloat16
+        "layers.0.column": big[:, 7],  # one column: stride 10
+        "layers.0.expanded": torch.randn(6, 1, generator=g).expand(6, 4),  # stride 0: 6 stored elements
+        "plain": torch.arange(12, dtype=torch.int32).reshape(4, 3),
+    }
+
+
+@pytest.fixture(scope="module")
+def pt_views(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    src = tmp_path_factory.mktemp("pt_views") / "src"
+    src.mkdir()
+    torch.save(_views(), src / "model.pt")
+    want = torch.load(src / "model.pt", weights_only=True)  # what torch holds
+    assert not want["layers.0.t"].is_contiguous() and not want["layers.0.stepped"].is_contiguous()
+    return src, {k: v.contiguous() for k, v in want.items()}
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert same_bits(got[name], t), name
+
+
+def test_torch_save_views_convert_to_hf_as_torch_holds_them(
+    pt_views: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Each view exited 2 ("stored with strides [1, 6], not row-major") when the file was opened."""
+    src, want = pt_views
+    run_cli("convert", src / "model.pt", tmp_path / "hf", "--consolidate", "--quiet")
+    _same(load_file(str(tmp_path / "hf" / "model.safetensors")), want)
+    doc = json.loads(run_cli("inspect", src, "--check", "--json").stdout)
+    assert doc["ok"] is True
+    shapes = {t["name"]: t["shape"] for t in doc["tensors"]}
+    assert shapes == {k: list(v.shape) for k, v in want.items()}
+
+
+def test_torch_save_views_convert_to_tp2_and_back(
+    pt_views: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """TP-2 (every tensor S(0), rank r holding torch.chunk's part r), then back to one file."""
+    src, want = pt_views
+    layout = tmp_path / "tp.yaml"
+    layout.write_text('mesh: {tp: 2}\nplacements:\n  "*": {tp: S(0)}\n')
+    run_cli("convert", src, tmp_path / "tp", "--target-layout", layout, "--quiet")
+    for r in range(2):
+        got = load_file(str(tmp_path / "tp" / f"rank-{r:05d}-of-00002.safetensors"))
+        _same(got, {k: v.chunk(2)[r].contiguous() for k, v in want.items()})
+    run_cli("convert", tmp_path / "tp", tmp_path / "hf", "--consolidate", "--quiet")
+    _same(load_file(str(tmp_path / "hf" / "model.safetensors")), want)
+
+
+def test_an_excluded_view_is_not_needed(pt_views: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """``--exclude`` of views: the rest converts, the views are left out."""
+    src, want = pt_views
+    run_cli("convert", src, tmp_path / "hf", "--consolidate", "--exclude", "layers.0.*", "--quiet")
+    _same(load_file(str(tmp_path / "hf" / "model.safetensors")), {"plain": want["plain"]})
+
+
+def test_reports_name_the_pt_file_not_the_spool(
+    pt_views: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """inspect counts the .pt file alone; plan reads only it, within its bytes."""
+    src, want = pt_views
+    size = (src / "model.pt").stat().st_size
+    doc = json.loads(run_cli("inspect", src, "--json").stdout)
+    assert doc["files"] == [{"name": "model.pt", "size": size}] and doc["file_bytes"] == size
+    plan = run_cli("plan", src, "--consolidate", "--json").stdout
+    assert "spool" not in plan
+    (out,) = json.loads(plan)["files"]
+    assert [s["file"] for s in out["sources"]] == ["model.pt"]
+    assert out["bytes_read"] == sum(v.numel() * v.element_size() for v in want.values())
+    assert all(0 <= a < b <= size for a, b in out["sources"][0]["ranges"])
+
+
+def test_a_damaged_view_record_is_a_problem(tmp_path: Path) -> None:
+    """A view's record is copied, not read in place: its CRC32 is checked as it is copied, and a
+    flipped byte in it makes inspect --check exit 1 naming the file and the tensor."""
+    import zipfile
+
+    src = tmp_path / "model.pt"
+    torch.save({"w": torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).t()}, src)
+    run_cli("inspect", src, "--check")
+    with zipfile.ZipFile(src) as z:
+        info = z.getinfo(next(n for n in z.namelist() if n.endswith("data/0")))
+    raw = bytearray(src.read_bytes())
+    raw[info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 100] ^= 0x40
+    src.write_bytes(bytes(raw))
+    r = run_cli("inspect", src, "--check", code=1)
+    out = r.stdout + r.stderr
+    assert f'{src}: tensor "w": data record' in out and "CRC32" in out, out
 
 
 # --------------------------------------------------------------------------- DCP's spool
