@@ -421,7 +421,7 @@ def _check_bounds(
         stop = off + g.numels[k] * isz
         if off < 0 or stop > size:
             ok = False
-            f = ckpt.files[fi]
+            f = ckpt.shown_file(fi, off)
             out.append(
                 _problem(
                     "bounds",
@@ -444,7 +444,7 @@ def _check_tensor(
 ) -> None:
     if g.outside:
         for k, d in g.outside:
-            f = ckpt.files[t.piece_files[k]]
+            f = ckpt.shown_file(t.piece_files[k], t.piece_offsets[k])
             what = f"dim {d}" if d >= 0 else f"{len(t.piece_blocks[k])} dims"
             msg = f'{f}: tensor "{t.name}" holds indices outside the global shape {list(t.shape)} ({what})'
             out.append(_problem("outside", msg, path=f, tensor=t.name))
@@ -484,7 +484,7 @@ def _report_replicas(
         idx = data.replica(t, r, k, g.numels[r] * isz)
         if idx is None:
             continue
-        fr, fk = ckpt.files[t.piece_files[r]], ckpt.files[t.piece_files[k]]
+        fr, fk = (ckpt.shown_file(t.piece_files[x], t.piece_offsets[x]) for x in (r, k))
         box = tuple(_interval_at(il, x) for il, x in zip(t.piece_blocks[r], idx, strict=True))
         msg = (
             f'tensor "{t.name}": replicas of region {format_box(box)} differ: {Path(fk).name} and '
@@ -498,7 +498,7 @@ def _report_overlaps(ckpt: Checkpoint, t: TensorSource, grp: _Group, data: _Data
         idx = data.overlap(t, i, j, segs)
         if idx is None:
             continue
-        fi, fj = ckpt.files[t.piece_files[i]], ckpt.files[t.piece_files[j]]
+        fi, fj = (ckpt.shown_file(t.piece_files[x], t.piece_offsets[x]) for x in (i, j))
         box = tuple(
             _interval_at(_overlap_list(t.piece_blocks[j][d], s), x)
             for d, (s, x) in enumerate(zip(segs, idx, strict=True))
@@ -519,7 +519,7 @@ def _report_crc32(ckpt: Checkpoint, t: TensorSource, g: _Geometry, data: _Data, 
             continue
         got = data.crc32(t.piece_files[k], t.piece_offsets[k], g.numels[k] * isz)
         if got != want:
-            f = ckpt.files[t.piece_files[k]]
+            f = ckpt.shown_file(t.piece_files[k], t.piece_offsets[k])
             msg = (
                 f'{f}: tensor "{t.name}" piece {format_box(_hull(t.piece_blocks[k]))}: CRC32 {got:08x} '
                 f"does not match the recorded {want:08x}; the file's bytes changed since it was written"

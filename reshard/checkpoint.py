@@ -7,6 +7,7 @@ on it alone.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -29,6 +30,7 @@ __all__ = [
     "offset_columns",
     "NonTensor",
     "CheckpointWarning",
+    "Spooled",
     "Checkpoint",
 ]
 
@@ -283,6 +285,37 @@ class CheckpointWarning:
         return self.message
 
 
+@dataclass(frozen=True, slots=True)
+class Spooled:
+    """Where the pieces in a reader's spool file (:mod:`reshard.io.spool`: row-major copies of
+    transposed or strided tensors, decompressed chunks) came from: bytes ``[starts[k], stops[k])``
+    of the spool were made from bytes ``[origin_starts[k], origin_stops[k])`` of the checkpoint's
+    file ``files[k]``, ``starts`` increasing."""
+
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+    files: tuple[int, ...]
+    origin_starts: tuple[int, ...]
+    origin_stops: tuple[int, ...]
+
+    @classmethod
+    def of(cls, regions: Sequence[tuple[int, int, int, int, int]]) -> Spooled:
+        """From :attr:`reshard.io.spool.Spool.origins` rows ``(start, stop, file, o_start, o_stop)``."""
+        cols = tuple(zip(*sorted(regions), strict=True)) or ((), (), (), (), ())
+        return cls(*cols)
+
+    def origin(self, offset: int) -> tuple[int, int, int]:
+        """``(file, start, stop)``: the checkpoint's bytes the spooled piece at ``offset`` came from.
+
+        >>> Spooled((0, 96), (96, 200), (0, 1), (2345, 10), (2441, 400)).origin(100)
+        (1, 10, 400)
+        """
+        k = bisect_right(self.starts, offset) - 1
+        if k < 0 or not (offset < self.stops[k] or offset == self.starts[k]):
+            raise KeyError(offset)  # not a piece the reader spooled: a bug, not the user's
+        return self.files[k], self.origin_starts[k], self.origin_stops[k]
+
+
 @dataclass(slots=True)
 class Checkpoint:
     """A readable checkpoint: its files and its logical tensors (in name order).
@@ -290,7 +323,8 @@ class Checkpoint:
     Attributes:
         path: the directory (or file) opened.
         format: the reader's name.
-        files: every file the pieces refer to, by index.
+        files: every file the pieces refer to, by index: the checkpoint's own files and the
+            reader's spool (see ``spooled``).
         file_sizes: their sizes, in bytes.
         tensors: name -> :class:`TensorSource`.
         mesh: the mesh it was saved on, when it says.
@@ -299,6 +333,9 @@ class Checkpoint:
         warnings: what the reader noticed.
         non_tensors: items that are not tensors (listed by ``inspect``, not converted).
         left_out: tensors ``--include``/``--exclude`` left out (:mod:`reshard.select`).
+        spooled: per file index of a spool the reader made under ``$TMPDIR`` (not part of the
+            checkpoint), where its pieces came from. Reports name :meth:`own_files` only and
+            show a spooled piece as the bytes of its own file (:meth:`origin`).
     """
 
     path: str
@@ -312,7 +349,26 @@ class Checkpoint:
     warnings: list[CheckpointWarning] = field(default_factory=list)
     non_tensors: tuple[NonTensor, ...] = ()
     left_out: int = 0
+    spooled: dict[int, Spooled] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.file_sizes)
+        """The bytes of the checkpoint's own files (a spool is not the checkpoint's)."""
+        if not self.spooled:
+            return sum(self.file_sizes)
+        return sum(self.file_sizes[i] for i in self.own_files())
+
+    def own_files(self) -> list[int]:
+        """Indices of the checkpoint's own files: every file but a reader's spool."""
+        return [i for i in range(len(self.files)) if i not in self.spooled]
+
+    def origin(self, fi: int, offset: int) -> tuple[int, int, int] | None:
+        """``(file, start, stop)`` of the checkpoint's own bytes a piece in a spool (at byte
+        ``offset`` of file ``fi``) was made from; None for a piece of an own file."""
+        sp = self.spooled.get(fi)
+        return None if sp is None else sp.origin(offset)
+
+    def shown_file(self, fi: int, offset: int) -> str:
+        """The path to name for the piece at byte ``offset`` of file ``fi``: its own file."""
+        got = self.origin(fi, offset)
+        return self.files[fi if got is None else got[0]]

@@ -297,7 +297,9 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
         allow_unused=spec.allow_unused,
         sets=spec.sets,
     )
-    if to is not None and (to.consolidated or (to.whole_by_default and not spec.layout and not sizes)):
+    if to is not None and (to.consolidated or (not spec.layout and not sizes)):
+        # --to FORMAT with no target layout or mesh: every tensor whole on one rank, in that
+        # format (SPEC §4: "else --consolidate"), whichever the format (per-rank, dcp, ...)
         return Target(to, Mesh.single(), None, dtype, options, tf)
     mesh, rules = _target_rules(source, spec.layout, sizes, tf is not None)
     w = to or writer(SHARDED if mesh.size > 1 else CONSOLIDATED)
@@ -347,7 +349,10 @@ def _target_rules(
         mesh = base.mesh.with_sizes(sizes)
         source.warnings.extend(_added_dims(base.mesh, sizes, "the source's rules"))
         return mesh, base.with_mesh(mesh)
-    raise UsageError("say what to convert to: --target-layout FILE, --target-mesh tp=8, or --consolidate")
+    raise UsageError(
+        "say what to convert to: --target-layout FILE, --target-mesh tp=8, --consolidate, or "
+        "--to FORMAT alone (every tensor whole on one rank)"
+    )
 
 
 def _added_dims(mesh: Mesh, sizes: dict[str, int] | None, rules: str) -> list[CheckpointWarning]:

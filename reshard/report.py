@@ -7,12 +7,12 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
 from .budget import Budget, memory_estimate
-from .checkpoint import Checkpoint, offset_columns
+from .checkpoint import Checkpoint, Spooled, offset_columns
 from .dtypes import DTYPE_SIZES
 from .intervals import Block, block_shape, box_span, format_box
 from .jsonout import Rows
@@ -61,7 +61,7 @@ def inspect_report(ck: Checkpoint, *, lazy: bool = False) -> dict[str, Any]:
         "path": ck.path,
         "format": ck.format,
         "mesh": ck.mesh.to_json() if ck.mesh is not None else None,
-        "files": [{"name": os.path.basename(f), "size": s} for f, s in zip(ck.files, ck.file_sizes)],
+        "files": [{"name": os.path.basename(ck.files[i]), "size": ck.file_sizes[i]} for i in ck.own_files()],
         "file_bytes": ck.total_bytes,
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "bytes": total, "params": params},
@@ -112,6 +112,7 @@ def _tensor_rows(ck: Checkpoint, order: Sequence[str]) -> Iterator[dict[str, Any
     # a DCP row's chunks (a dict each: 800k for 100k tensors on 8 ranks), by blocks and files
     boxes: dict[tuple[int, tuple[int, ...]], tuple[object, list[dict[str, str]]]] = {}
     names = [os.path.basename(f) for f in ck.files]
+    spooled = ck.spooled  # a reader's spool: its pieces are named by the files they came from
     for name in order:
         t = ck.tensors[name]
         shape = by_shape.get(id(t.shape))
@@ -131,7 +132,13 @@ def _tensor_rows(ck: Checkpoint, order: Sequence[str]) -> Iterator[dict[str, Any
             "pieces": len(t.piece_blocks),
             "bytes": shape[2] * DTYPE_SIZES[t.dtype],
         }
-        if dcp:
+        if dcp and spooled and any(fi in spooled for fi in t.piece_files):
+            chunks = [
+                {"file": os.path.basename(ck.shown_file(fi, at)), "box": _block_text(b)}
+                for fi, at, b in zip(t.piece_files, t.piece_offsets, t.piece_blocks, strict=True)
+            ]
+            row = {"chunks": chunks, **row}
+        elif dcp:
             key = (id(t.piece_blocks), t.piece_files)
             hit = boxes.get(key)
             if hit is None or hit[0] is not t.piece_blocks:  # shared by the rows of one geometry
@@ -344,7 +351,7 @@ def _geometries(tensors: Sequence[Any]) -> list[_Geometry]:
 
 
 def _file_reads(
-    geos: Sequence[_Geometry], rank: int
+    geos: Sequence[_Geometry], rank: int, spooled: Mapping[int, Spooled]
 ) -> tuple[dict[int, int], dict[int, list[list[int]]], dict[int, int], int]:
     """For the output file of target rank ``rank`` holding the tensors of ``geos``: bytes read
     per source file index (as :meth:`Plan.file_reads` counts them, with zero parts under file -1),
@@ -352,12 +359,17 @@ def _file_reads(
 
     A geometry whose pieces lie in the same files for every tensor adds its reads to its files'
     sums and its spans to its file's list as they come; the spans of one file are made into
-    arrays and merged one file at a time (a 64-rank source consolidated: 3M spans, 50 MB at once)."""
+    arrays and merged one file at a time (a 64-rank source consolidated: 3M spans, 50 MB at once).
+
+    A piece in a reader's spool (``spooled``: a transposed or compressed DCP chunk, a strided
+    ``torch.save`` tensor) is counted under the checkpoint file it was made from, its spans
+    shown as the bytes of that file it was made from (read whole when the spool was made)."""
     import numpy as np
 
     sums: dict[int, int] = {}
     read_files: list[Any] = []  # geometries whose files vary per tensor: columns to sum
     read_bytes: list[Any] = []
+    read_offsets: list[Any] = []  # with spooled pieces: the offsets of read_files' pieces
     per_file: dict[int, list[tuple[_Geometry, int, int, int]]] = {}  # file -> (geometry, piece, lo, hi)
     mixed: list[tuple[_Geometry, int, int, int]] = []
     copies_n = 0
@@ -370,39 +382,97 @@ def _file_reads(
         isz = DTYPE_SIZES[src.dtype]
         row = g.row
         for c in copies:
-            if row is not None:
+            if row is not None and row[c.piece] not in spooled:
                 fi = row[c.piece]
                 sums[fi] = sums.get(fi, 0) + n * c.numel * isz
             else:
-                read_files.append(g.files[:, c.piece])
+                read_files.append(g.files[:, c.piece] if row is None else np.full(n, row[c.piece]))
                 read_bytes.append(np.full(n, c.numel * isz, dtype=np.int64))
+                if spooled:
+                    read_offsets.append(g.offsets(c.piece))
         for k, lo, hi in _relative_spans(src, copies):
             if row is not None:
                 per_file.setdefault(row[k], []).append((g, k, lo, hi))
             else:
                 mixed.append((g, k, lo, hi))
     if read_files:
-        for fi, total in _sums(np.concatenate(read_files), np.concatenate(read_bytes)).items():
+        fis = np.concatenate(read_files)
+        if spooled:
+            fis = _own_files(fis, np.concatenate(read_offsets), spooled)
+        for fi, total in _sums(fis, np.concatenate(read_bytes)).items():
             sums[fi] = sums.get(fi, 0) + total
     reads = dict(sorted(sums.items()))
     if mixed:  # the rare geometries of per-tensor files: each file's spans picked out of theirs
         files = np.concatenate([g.files[:, k] for g, k, _, _ in mixed])
         for fi in np.unique(files).tolist():
             per_file.setdefault(fi, [])
+
+    def spans(fi: int) -> tuple[list[Any], list[Any]]:
+        return _spans(per_file.get(fi, ()), mixed, fi)
+
+    made = _spooled_spans({sfi: sp for sfi, sp in spooled.items() if sfi in per_file}, spans)
     ranges: dict[int, list[list[int]]] = {}
     totals: dict[int, int] = {}
-    for fi in sorted(per_file):
-        starts, stops = [], []
-        for g, k, lo, hi in per_file[fi]:
-            col = g.offsets(k)
-            starts.append(col + lo)
-            stops.append(col + hi)
-        for g, k, lo, hi in mixed:
-            col = g.offsets(k)[g.files[:, k] == fi]
-            starts.append(col + lo)
-            stops.append(col + hi)
+    for fi in sorted((set(per_file) - set(spooled)) | set(made)):
+        starts, stops = spans(fi)
+        if fi in made:
+            starts += made[fi][0]
+            stops += made[fi][1]
         ranges[fi], totals[fi] = _merged(np.concatenate(starts), np.concatenate(stops))
     return reads, ranges, totals, copies_n
+
+
+_Span = tuple[_Geometry, int, int, int]  # (geometry, piece, lo, hi): a span relative to the piece
+
+
+def _spans(own: Sequence[_Span], mixed: Sequence[_Span], fi: int) -> tuple[list[Any], list[Any]]:
+    """Starts and stops (arrays) of the spans read from file ``fi``: ``own`` (all its tensors'
+    pieces there) and those of ``mixed`` (tensors whose files vary) whose piece lies there."""
+    starts, stops = [], []
+    for g, k, lo, hi in own:
+        col = g.offsets(k)
+        starts.append(col + lo)
+        stops.append(col + hi)
+    for g, k, lo, hi in mixed:
+        col = g.offsets(k)[g.files[:, k] == fi]
+        starts.append(col + lo)
+        stops.append(col + hi)
+    return starts, stops
+
+
+def _spooled_spans(
+    spooled: Mapping[int, Spooled], spans: Callable[[int], tuple[list[Any], list[Any]]]
+) -> dict[int, tuple[list[Any], list[Any]]]:
+    """Per checkpoint file: the byte spans the pieces read from the spools (``spans`` of a spool's
+    file index) were made from (a piece's whole stored or compressed bytes)."""
+    import numpy as np
+
+    made: dict[int, tuple[list[Any], list[Any]]] = {}
+    for sfi, sp in spooled.items():
+        a = np.concatenate(spans(sfi)[0])
+        at = np.searchsorted(np.asarray(sp.starts, dtype=np.int64), a, side="right") - 1
+        ofs = np.asarray(sp.files, dtype=np.int64)[at]
+        los = np.asarray(sp.origin_starts, dtype=np.int64)[at]
+        his = np.asarray(sp.origin_stops, dtype=np.int64)[at]
+        for fi in np.unique(ofs).tolist():
+            m = ofs == fi
+            got = made.setdefault(fi, ([], []))
+            got[0].append(los[m])
+            got[1].append(his[m])
+    return made
+
+
+def _own_files(files: Any, offsets: Any, spooled: Mapping[int, Spooled]) -> Any:
+    """``files`` with each spooled piece's file replaced by the checkpoint file it was made from."""
+    import numpy as np
+
+    files = files.copy()
+    for sfi, sp in spooled.items():
+        m = files == sfi
+        if m.any():
+            at = np.searchsorted(np.asarray(sp.starts, dtype=np.int64), offsets[m], side="right") - 1
+            files[m] = np.asarray(sp.files, dtype=np.int64)[at]
+    return files
 
 
 def _sums(keys: Any, values: Any) -> dict[int, int]:
@@ -441,7 +511,7 @@ def plan_report(plan: Plan, budget: Budget) -> dict[str, Any]:
         hit = geos.get(id(f.tensors))  # sibling rank files share their tensor list
         if hit is None or hit[0] is not f.tensors:
             hit = geos[id(f.tensors)] = (f.tensors, _geometries(f.tensors))
-        reads, ranges, counts, copies = _file_reads(hit[1], f.local_rank)
+        reads, ranges, counts, copies = _file_reads(hit[1], f.local_rank, plan.source.spooled)
         read = sum(reads.values())
         total_read += read
         total_copies += copies

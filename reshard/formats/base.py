@@ -130,8 +130,6 @@ class Writer:
             other tools the checkpoint is finished (DCP's ``.metadata``): removed before
             any output file is written (``--resume`` too) and on failure, so an
             interrupted directory never looks finished.
-        whole_by_default: without ``--target-layout``/``--target-mesh``, write every
-            tensor whole on one rank (instead of asking for a target).
     """
 
     name: str
@@ -142,4 +140,3 @@ class Writer:
     lockstep: bool = False
     owns: tuple[str, ...] = ()
     marks: tuple[str, ...] = ()
-    whole_by_default: bool = False

@@ -35,8 +35,10 @@ What the format does not say, and how it is handled:
 - **zstd** (``_extensions=[ZStandard()]``, descriptor ``stream.zstd/1``): the
   whole chunk archive is compressed. It is decompressed at open time, streaming
   in bounded memory, into one spool file under ``$TMPDIR`` (removed at exit,
-  :func:`~reshard.io.pages.scratch_dir`),
-  and its pieces point there (the spool is one more file of the checkpoint).
+  :func:`~reshard.io.pages.scratch_dir`), and its pieces point there. The spool
+  (:mod:`reshard.io.spool`) is not a file of the checkpoint: ``inspect`` and
+  ``plan`` count and name the ``.distcp`` files only, a spooled chunk under the
+  file (and byte range) it was made from (:attr:`Checkpoint.spooled`).
   Needs the ``zstandard`` or ``pyzstd`` module; other descriptors are refused.
 - **SAFETENSORS serialisation** (``FileSystemWriter(serialization_format=SAFETENSORS)``):
   a chunk offset points at a safetensors blob instead of a zip; told apart by
@@ -73,13 +75,21 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..checkpoint import HOLDS_TENSORS, Checkpoint, CheckpointWarning, NonTensor, TensorSource, tensor_source
+from ..checkpoint import (
+    HOLDS_TENSORS,
+    Checkpoint,
+    CheckpointWarning,
+    NonTensor,
+    Spooled,
+    TensorSource,
+    tensor_source,
+)
 from ..dtypes import DTYPE_SIZES
-from ..errors import HeaderError, LayoutError, ReshardError, UsageError, WriteError
+from ..errors import HeaderError, LayoutError, ReshardError, UsageError
 from ..intervals import Block, Interval, full_block, normalize, overlapping_pairs
 from ..io.header import MAX_HEADER_SIZE, MAX_INT64, Header, decode_header
-from ..io.pages import scratch_dir
 from ..io.safe import file_kind
+from ..io.spool import Spool
 from ..io.torchsave import leaves, locate
 from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import (
@@ -125,7 +135,6 @@ def _object_kind(fd: int, path: str, start: int, length: int) -> str:
     return HOLDS_TENSORS if tz.get("data/0") is not None else "object"
 
 
-_SPOOL_BLOCK = 1 << 20
 _SPOOL_TILE = 8 << 20
 _MAX_OPEN = 64
 _MAX_STORED = 1 << 16  # remembered (layout, dtype, box) checks
@@ -201,7 +210,7 @@ class _Files:
         self._open: OrderedDict[int, int] = OrderedDict()
         self._archives: dict[int, ArchiveReader] = {}
         self._spool: int | None = None
-        self._spool_fd = -1
+        self.spool = Spool("reshard-dcp-")
         self.sizes = self._sizes
         self.layouts: dict[int, list[ArchiveLayout]] = {}  # chunk archive layouts, for every file
 
@@ -234,7 +243,7 @@ class _Files:
     def fd(self, fi: int) -> int:
         """An open descriptor of file ``fi`` (least recently used ones are closed)."""
         if fi == self._spool:
-            return self._spool_fd
+            return self.spool.fd
         fd = self._open.get(fi)
         if fd is not None:
             self._open.move_to_end(fi)
@@ -259,95 +268,57 @@ class _Files:
         return ar
 
     def size(self, fi: int) -> int:
-        return os.fstat(self._spool_fd).st_size if fi == self._spool else self._sizes[fi]
+        return self.spool.size if fi == self._spool else self._sizes[fi]
 
-    def spool(self) -> int:
-        """The spool file (made on first use): decompressed chunks and row-major copies of permuted ones."""
+    def spool_index(self) -> int:
+        """The spool's file index (made on first use): decompressed chunks and row-major copies of
+        permuted ones."""
         if self._spool is None:
-            p = scratch_dir("reshard-dcp-") / "spool.bin"  # removed at exit, under torchrun too
-            self._spool_fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            self.paths.append(p)
+            self.spool.open()
+            assert self.spool.path is not None
+            self.paths.append(self.spool.path)
             self._sizes.append(0)
             self._spool = len(self.paths) - 1
         return self._spool
 
+    def _origin(self, fi: int, start: int, stop: int) -> tuple[int, int, int]:
+        """Own bytes ``[start, stop)`` of file ``fi``, or the own bytes a spooled region came from."""
+        if fi != self._spool:
+            return fi, start, stop
+        for a, b, f, oa, ob in reversed(self.spool.origins):  # a zstd chunk, just spooled: the last
+            if a <= start < b or a == start:
+                return f, oa, ob
+        raise AssertionError(start)
+
     def permute(
         self, fi: int, offset: int, size: tuple[int, ...], order: tuple[int, ...], isz: int
     ) -> tuple[int, int]:
-        """Write the row-major copy of a permuted dense chunk to the spool; its (file, offset) there.
-
-        Tile by tile through memory maps, released as it goes, so memory stays bounded
-        (about ``_SPOOL_TILE`` bytes of each map) whatever the chunk's size.
-        """
-        import mmap
-        from itertools import product
-
-        import numpy as np
-
-        sp = self.spool()
-        sfd = self.fd(sp)
-        start = os.fstat(sfd).st_size
-        numel = _numel(size)
-        try:  # room first: a store through the map into a full file system is SIGBUS
-            os.posix_fallocate(sfd, start, max(numel * isz, 1))
-        except OSError as e:
-            raise self._spool_full(e) from None
-        os.ftruncate(sfd, start + numel * isz)
-        npt = np.dtype(f"u{isz}")
-        tile = list(size)
-        while _numel(tile) * isz > _SPOOL_TILE:
-            k = max(range(len(tile)), key=lambda d: tile[d])
-            tile[k] = (tile[k] + 1) // 2
-        src_mm = mmap.mmap(self.fd(fi), 0, access=mmap.ACCESS_READ)
-        dst_mm = mmap.mmap(sfd, 0)
-        try:
-            stored = np.frombuffer(src_mm, npt, numel, offset).reshape([size[d] for d in order])
-            logical = stored.transpose([order.index(d) for d in range(len(size))])
-            out = np.frombuffer(dst_mm, npt, numel, start).reshape(size)
-            for corner in product(*(range(0, n, t) for n, t in zip(size, tile, strict=True))):
-                key = tuple(slice(c, c + t) for c, t in zip(corner, tile, strict=True))
-                out[key] = logical[key]
-                src_mm.madvise(mmap.MADV_DONTNEED)  # the page cache keeps them; RSS stays bounded
-                dst_mm.madvise(mmap.MADV_DONTNEED)  # a shared file map: written pages live on in the cache
-            del stored, logical, out
-        finally:
-            for mm in (src_mm, dst_mm):
-                try:
-                    mm.close()
-                except BufferError:  # a numpy view still alive (an error mid-copy): it goes with it
-                    pass
-        return sp, start
+        """Write the row-major copy of a permuted dense chunk to the spool; its (file, offset) there
+        (tile by tile in bounded memory: :meth:`~reshard.io.spool.Spool.strided`)."""
+        stride = [0] * len(size)
+        step = 1
+        for d in reversed(order):
+            stride[d] = step
+            step *= size[d]
+        origin = self._origin(fi, offset, offset + _numel(size) * isz)
+        src = self.fd(fi)
+        sp = self.spool_index()
+        return sp, self.spool.strided(src, offset, size, tuple(stride), isz, origin, _SPOOL_TILE)
 
     def decompress(self, fi: int, offset: int, length: int, where: str) -> tuple[int, int, int]:
         """Spool the zstd stream at ``[offset, offset + length)``; its (file, offset, size) there."""
         z, errors = _zstd_reader(io.BufferedReader(_Range(self.fd(fi), offset, length)), where)
-        sp = self.spool()  # after the module check: no temporary directory for nothing
-        sfd = self.fd(sp)
-        start = os.fstat(sfd).st_size
-        pos = start
+        sp = self.spool_index()  # after the module check: no temporary directory for nothing
         try:
             with z:
-                while block := z.read(_SPOOL_BLOCK):
-                    view = memoryview(block)
-                    while view:  # a short write (a file system filling up) writes the rest next
-                        try:
-                            n = os.pwrite(sfd, view, pos)
-                        except OSError as e:
-                            raise self._spool_full(e) from None
-                        pos += n
-                        view = view[n:]
+                start, n = self.spool.stream(z, (fi, offset, offset + length))
         except errors as e:
             raise HeaderError(f"{where}: zstd stream is damaged ({e})", path=str(self.paths[fi])) from None
-        return sp, start, pos - start
+        return sp, start, n
 
-    def _spool_full(self, e: OSError) -> WriteError:
-        assert self._spool is not None
-        p = self.paths[self._spool]
-        return WriteError(
-            f"{p}: cannot write the spool of decompressed or row-major DCP chunks "
-            f"({e.strerror or e}); set TMPDIR to a directory with more room",
-            path=str(p),
-        )
+    def spooled(self) -> dict[int, Spooled]:
+        """Where the spool's pieces came from (:attr:`Checkpoint.spooled`)."""
+        return {} if self._spool is None else {self._spool: Spooled.of(self.spool.origins)}
 
     def close(self) -> None:
         for ar in self._archives.values():
@@ -356,9 +327,7 @@ class _Files:
         for fd in self._open.values():
             os.close(fd)
         self._open.clear()
-        if self._spool_fd >= 0:
-            os.close(self._spool_fd)
-            self._spool_fd = -1
+        self.spool.close()
 
 
 # --------------------------------------------------------------------------- chunks
@@ -1020,6 +989,7 @@ def open_dcp(path: Path) -> Checkpoint:
             r.read(mp)
         tensors = r.tensors()
         sizes = tuple(r.files.size(i) for i in range(len(r.files.paths)))
+        spooled = r.files.spooled()
     finally:
         r.files.close()
     return Checkpoint(
@@ -1030,6 +1000,7 @@ def open_dcp(path: Path) -> Checkpoint:
         tensors=tensors,
         warnings=r.warnings,
         non_tensors=tuple(r.non_tensors[k] for k in sorted(r.non_tensors)),
+        spooled=spooled,
     )
 
 

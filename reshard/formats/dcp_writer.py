@@ -316,5 +316,4 @@ WRITER = Writer(
     lockstep=True,
     owns=(".distcp",),
     marks=(METADATA,),
-    whole_by_default=True,
 )

@@ -31,7 +31,13 @@ the zip's stored ``data/N`` records and are read in place by offset.
   be the DTensors' mesh); without one they are replicated, with a warning
   (``inspect --check`` verifies the replicas), and a checkpoint of plain
   tensors only needs a layout unless it is a single file.
-- Local tensors must be row-major (a transposed view is refused with what to do).
+- **Views are read as torch holds them**: a tensor saved as a view of a bigger storage
+  (``x.t()``, ``x.permute(...)``, ``big[::3]``, ``big[4:7]``, an ``expand``) is what
+  ``torch.load`` gives back, ``.contiguous()``. A row-major one is read in place; any other
+  is copied once at open time, tile by tile in bounded memory, into its row-major layout in
+  a spool file under ``$TMPDIR`` (:mod:`reshard.io.spool`, removed at exit; the record's
+  CRC32 checked on the way). Reports name the ``.pt`` file, never the spool
+  (:attr:`~reshard.checkpoint.Checkpoint.spooled`).
 - Legacy (pre-zip, ``_use_new_zipfile_serialization=False``) files are refused.
 """
 
@@ -44,12 +50,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor
+from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, Spooled
 from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, TensorNotFoundError, UsageError
 from ..io.header import Header, TensorEntry
-from ..io.torchsave import leaves, locate
-from ..io.torchzip import TorchZip, read_record, read_torch_zip
+from ..io.spool import Spool, strided_span
+from ..io.torchsave import geometry_of, leaves, locate
+from ..io.torchzip import STORED, TorchZip, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, load_torch_save
 from ..mesh import Mesh
 from ..placements import Placement
@@ -151,12 +158,16 @@ class DTensorSpec:
 @dataclass(frozen=True, slots=True)
 class PtFile:
     """One rank file: its local tensors as header entries (absolute offsets), DTensors, other leaves,
-    and the zip's CRC32 of each tensor whose record holds exactly its bytes."""
+    and the zip's CRC32 of each tensor whose record holds exactly its bytes; ``spooled``: the
+    tensors copied row-major into the spool (their entries' offsets are the spool's), and what
+    was noticed on the way (a record failing its CRC32)."""
 
     header: Header
     dtensors: dict[str, DTensorSpec]
     others: dict[str, Any]
     crc32s: dict[str, int]
+    spooled: frozenset[str] = frozenset()
+    warnings: tuple[CheckpointWarning, ...] = ()
 
 
 #: Containers nested deeper than this (a state dict needs a handful) are refused: the pickle can
@@ -180,17 +191,67 @@ def _open_zip(fd: int, path: Path) -> TorchZip:
     return read_torch_zip(fd, str(path))
 
 
-def read_pt(path: Path, shared: dict[Any, Any] | None = None) -> PtFile:
-    """Read one rank file's pickle (restricted; nothing runs) and locate its tensors.
+def _entry(
+    name: str,
+    st: StoredTensor,
+    tz: TorchZip,
+    path: Path,
+    fd: int,
+    spool: Spool,
+    index: int,
+    geometries: dict[Any, Any],
+) -> tuple[TensorEntry, int | None, list[CheckpointWarning] | None]:
+    """Where the local tensor's row-major bytes are, after checking its record: in place when it
+    is row-major, else in ``spool`` (a row-major copy; ``index``: the file's number, for its
+    origin), with the record's CRC32 check (a list, empty when it matched) instead of a CRC32."""
+    g = geometry_of(st, geometries)
+    if isinstance(g, str) or g[2]:  # row-major (or a dtype safetensors has no name for): in place
+        entry, crc = locate(name, st, tz, path, geometries)
+        return entry, crc, None
+    q = f'{path}: tensor "{name}"'
+    dtype, numel, _ = g
+    if min(st.stride) < 0:
+        raise LayoutError(
+            f"{q} of shape {list(st.size)} has negative strides {list(st.stride)}, which torch "
+            "never writes; the file is damaged",
+            path=str(path),
+            tensor=name,
+        )
+    rec = tz.record(f"data/{st.key}")
+    isz = DTYPE_SIZES[dtype]
+    first = st.storage_offset * isz
+    nbytes = strided_span(st.size, st.stride) * isz  # the stored bytes it spans
+    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
+        raise HeaderError(
+            f"{q}: data record {rec.name} is {rec.size} bytes (zip method {rec.compress_type}); the "
+            f"tensor needs {nbytes} stored bytes at {first} of a {st.storage_nbytes}-byte storage",
+            path=str(path),
+            tensor=name,
+        )
+    problems = []
+    if rec.crc32 is not None and crc32_range(fd, rec.offset, rec.size, str(path)) != rec.crc32:
+        msg = f"{q}: data record {rec.name} fails its CRC32 check; the file is damaged"
+        problems.append(CheckpointWarning(msg, True, str(path), name))
+    at = rec.offset + first
+    start = spool.strided(fd, at, st.size, st.stride, isz, (index, at, at + nbytes))
+    return TensorEntry(name, dtype, st.size, start, start + numel * isz), None, problems
 
+
+def read_pt(
+    path: Path, spool: Spool | None = None, index: int = 0, shared: dict[Any, Any] | None = None
+) -> PtFile:
+    """Read one rank file's pickle (restricted; nothing runs) and locate its tensors; copy those
+    that are not row-major into ``spool`` (one made here when None), as file number ``index``.
     ``shared`` interns names and DTensor specs across the files of one checkpoint (each file
     names the same 100k tensors: one string each, not one per file).
 
     Raises:
         UnsafePickleError: a global outside the allow-list (names the file and the global).
         HeaderError: a legacy or damaged file, big-endian data, a tensor record that does not fit.
-        LayoutError: a tensor that is not row-major.
+        LayoutError: negative strides.
+        WriteError: no room under ``$TMPDIR`` for the spool.
     """
+    spool = spool if spool is not None else Spool("reshard-pt-")
     fd = os.open(path, os.O_RDONLY)
     try:
         tz = _open_zip(fd, path)
@@ -206,6 +267,8 @@ def read_pt(path: Path, shared: dict[Any, Any] | None = None) -> PtFile:
         dtensors: dict[str, DTensorSpec] = {}
         others: dict[str, Any] = {}
         crc32s: dict[str, int] = {}
+        spooled: set[str] = set()
+        warnings: list[CheckpointWarning] = []
         seen: set[str] = set()
         for name, leaf in leaves(obj, path, max_depth=MAX_PT_DEPTH, max_nodes=MAX_PT_NODES):
             if isinstance(leaf, (StoredTensor, StoredDTensor)):
@@ -225,15 +288,20 @@ def read_pt(path: Path, shared: dict[Any, Any] | None = None) -> PtFile:
                     local = leaf.local
                 else:
                     local = leaf
-                entry, crc = locate(name, local, tz, path, geometries)
+                entry, crc, problems = _entry(name, local, tz, path, fd, spool, index, geometries)
                 entries.append(entry)
                 if crc is not None:
                     crc32s[name] = crc
+                if problems is not None:
+                    spooled.add(name)
+                    warnings += problems
             else:
                 others[name] = leaf
     finally:
         os.close(fd)
-    return PtFile(Header(tuple(entries), None, 0), dtensors, others, crc32s)
+    return PtFile(
+        Header(tuple(entries), None, 0), dtensors, others, crc32s, frozenset(spooled), tuple(warnings)
+    )
 
 
 def _root(m: MeshInfo) -> MeshInfo:
@@ -329,8 +397,13 @@ def _described(paths: Sequence[Path], files: Sequence[PtFile]) -> _Described:
 def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None = None) -> Checkpoint:
     """Open a directory of per-rank ``torch.save`` files, or the given ones (see the module docstring)."""
     paths = pt_files(directory) if paths is None else paths
-    shared: dict[Any, Any] = {}
-    files = [read_pt(p, shared) for p in paths]
+    shared: dict[Any, Any] = {}  # names and DTensor specs, one object each for all files
+    spool = Spool("reshard-pt-")  # row-major copies of the files' other views (made on first use)
+    try:
+        files = [read_pt(p, spool, i, shared) for i, p in enumerate(paths)]
+        spool_size = spool.size
+    finally:
+        spool.close()
     del shared
     cfg = source_layout(options)
     described = _described(paths, files)
@@ -369,6 +442,16 @@ def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None 
         n: replace(t, piece_crc32=tuple(files[f].crc32s.get(n) for f in t.piece_files))
         for n, t in ckpt.tensors.items()
     }
+    if spool.path is not None:  # the spooled pieces are in the spool, at their entries' offsets
+        sp = len(ckpt.files)
+        for n, t in ckpt.tensors.items():
+            if any(n in files[f].spooled for f in t.piece_files):
+                pfs = tuple(sp if n in files[f].spooled else f for f in t.piece_files)
+                ckpt.tensors[n] = replace(t, piece_files=pfs)
+        ckpt.files += (str(spool.path),)
+        ckpt.file_sizes += (spool_size,)
+        ckpt.spooled = {sp: Spooled.of(spool.origins)}
+    ckpt.warnings += [w for f in files for w in f.warnings]
     ckpt.non_tensors = tuple(
         NonTensor(n, len(v) if isinstance(v, (str, bytes)) else 0, 0, type(v).__name__)
         for n, v in files[0].others.items()

@@ -21,7 +21,7 @@ from .header import TensorEntry
 from .torchzip import STORED, TorchZip
 from .unpickle import SAFETENSORS_DTYPES, StoredTensor
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "leaves", "locate"]
+__all__ = ["MAX_DEPTH", "MAX_NODES", "geometry_of", "leaves", "locate"]
 
 #: Containers nested deeper than this (a state dict needs a handful) are refused: the pickle can
 #: nest lists past Python's recursion limit, or hold a list that contains itself.
@@ -101,6 +101,17 @@ def _geometry(st: StoredTensor) -> _Geometry | str:
     return dtype, numel, rows
 
 
+def geometry_of(st: StoredTensor, geometries: dict[Any, _Geometry | str] | None = None) -> _Geometry | str:
+    """:func:`_geometry` of ``st``, remembered in ``geometries`` by (dtype, size, stride)."""
+    if geometries is None:
+        return _geometry(st)
+    key = (st.dtype, st.size, st.stride)
+    g = geometries.get(key)
+    if g is None:
+        g = geometries[key] = _geometry(st)
+    return g
+
+
 def locate(
     name: str,
     st: StoredTensor,
@@ -116,12 +127,7 @@ def locate(
         HeaderError: a dtype safetensors has no name for; a record compressed, or too short.
         LayoutError: strides that are not row-major.
     """
-    key = (st.dtype, st.size, st.stride)
-    g = None if geometries is None else geometries.get(key)
-    if g is None:
-        g = _geometry(st)
-        if geometries is not None:
-            geometries[key] = g
+    g = geometry_of(st, geometries)
     q = f'{path}: tensor "{name}"'
     if isinstance(g, str):
         raise HeaderError(f"{q} has dtype {g}, which safetensors cannot hold", path=str(path), tensor=name)

@@ -455,3 +455,46 @@ def test_exclude_from_a_checkpoint_reshard_wrote(tp4: Path, tmp_path: Path) -> N
     save_file(ref, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     p = run("inspect", str(tmp_path / "hf"), "--check", "--exclude", "layers.0.w*")
     assert p.returncode == 1 and "holds 6 tensors, but the files hold 5" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    ("to", "files"),
+    [
+        ("per-rank", ["rank-00000-of-00001.safetensors"]),
+        ("sharded-state", ["model-rank-0-part-0.safetensors"]),
+        ("dcp", [".metadata", "__0_0.distcp"]),
+        ("hf", ["model.safetensors"]),
+    ],
+)
+def test_to_format_alone_writes_one_rank_in_every_format(tmp_path: Path, to: str, files: list[str]) -> None:
+    """``convert HF OUT --to FORMAT`` with no target layout or mesh: every tensor whole on one rank,
+    in that format. ``--to per-rank`` and ``--to sharded-state`` said "say what to convert to"
+    (exit 2) where ``--to dcp`` wrote a one-rank checkpoint."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(FULL, str(src / "model.safetensors"))
+    out = tmp_path / f"out-{to}"
+    p = run("convert", str(src), str(out), "--to", to, "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.name for f in out.iterdir()) == sorted([*files, "reshard.json"])
+    doc = json.loads(run("inspect", str(out), "--check", "--json").stdout)
+    assert doc["ok"] is True and doc["format"] == to
+    assert doc["mesh"] in (None, {"names": ["world"], "shape": [1]})
+    assert all(t["pieces"] == 1 and t["local_shapes"] == [t["shape"]] for t in doc["tensors"])
+    v = run("verify", str(src), str(out))
+    assert v.returncode == 0, v.stdout + v.stderr
+    if to != "dcp":  # torch reads the rank's file as the whole model
+        (f,) = files
+        got = load_file(str(out / f))
+        assert sorted(got) == sorted(FULL) and all(torch.equal(got[n], t) for n, t in FULL.items())
+
+
+def test_no_target_at_all_names_the_options(tmp_path: Path) -> None:
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(FULL, str(src / "model.safetensors"))
+    p = run("convert", str(src), str(tmp_path / "o"))
+    assert p.returncode == 2, p.stderr
+    for option in ("--target-layout", "--target-mesh", "--consolidate", "--to FORMAT"):
+        assert option in p.stderr
+    assert not (tmp_path / "o").exists()

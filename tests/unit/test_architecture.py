@@ -25,6 +25,7 @@ LAYERS = [
         "io.pt_pickle",
         "io.checksum",
         "io.pages",
+        "io.spool",
         "io.reader",
         "io.views",
         "io.readhash",
