@@ -6,7 +6,11 @@ A pickle reaches code only through ``find_class`` (``GLOBAL``/``STACK_GLOBAL``,
 answers ``find_class`` from an explicit table (``(module, name) -> object``)
 and refuses every other global with :class:`UnsafePickleError` (exit 2) naming
 the file and the class; the objects in the tables are inert stand-ins (plain
-records, ``tuple``, ``dict``), never torch. Two tables are defined here:
+records, wrapped ``tuple``, ``OrderedDict``), never torch. A stand-in is shared by every load
+of the process, so none can be changed by a pickle: ``BUILD``, ``SETITEM(S)``, ``APPEND(S)`` or
+``ADDITEMS`` on one (or setting its attributes, class included) raises, and the load is refused
+as unsafe naming the global (:class:`_StandIn`, :class:`_StandInType`); one file read can never
+change how the next one is read. Two tables are defined here:
 
 - :data:`DCP_METADATA_GLOBALS` for a DCP ``.metadata`` (plain ``pickle.dump`` of
   ``torch.distributed.checkpoint.metadata.Metadata``), read by
@@ -162,6 +166,13 @@ def restricted_load(
         return up.load()
     except HeaderError:
         raise
+    except _ChangeRefused as e:
+        raise UnsafePickleError(
+            f"{path}: the {what} pickle tries to change {e.name} ({e.how} on it), which a {what} "
+            "never does; refusing to load it (nothing of it was run, nothing was changed). If you "
+            "trust this file, load it with torch and re-save it.",
+            path=path,
+        ) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
             KeyError, RecursionError, MemoryError, OverflowError) as e:  # fmt: skip
         raise HeaderError(
@@ -172,15 +183,136 @@ def restricted_load(
 
 
 # --------------------------------------------------------------------------- stand-ins
+#
+# What ``find_class`` returns is shared by every load of the process: a pickle that changed it
+# (``BUILD`` state or ``__class__`` onto ``torch.FloatStorage``'s stand-in, ``SETITEM`` on a
+# class) would change how every later file is read. So no stand-in can be changed: the
+# instances are :class:`_StandIn` (no ``__dict__``, every mutating hook refuses), the classes
+# are made by :class:`_StandInType` (``BUILD``, item and attribute changes on the class
+# refuse; their instances, made per load, are ordinary), and functions and builtin types are
+# wrapped in :class:`_Call`. The refusal (:class:`_ChangeRefused`) becomes an
+# :class:`UnsafePickleError` naming the file and the global.
 
 
-class TorchDtype(str):
+class _ChangeRefused(Exception):
+    """A pickle tried to change a stand-in; ``name`` is its global, ``how`` the opcode."""
+
+    def __init__(self, name: str, how: str) -> None:
+        super().__init__(f"{how} on {name}")
+        self.name = name
+        self.how = how
+
+
+class _StandIn:
+    """Base of the stand-in instances: nothing of them can be set, added or built."""
+
+    __slots__ = ()
+
+    def _global(self) -> str:
+        return object.__getattribute__(self, "name")  # type: ignore[no-any-return]
+
+    def __setstate__(self, state: Any) -> None:
+        raise _ChangeRefused(self._global(), "BUILD")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _ChangeRefused(self._global(), "setattr")
+
+    def __delattr__(self, name: str) -> None:
+        raise _ChangeRefused(self._global(), "delattr")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise _ChangeRefused(self._global(), "SETITEM(S)")
+
+    def __delitem__(self, key: Any) -> None:
+        raise _ChangeRefused(self._global(), "delitem")
+
+    def append(self, value: Any) -> None:
+        raise _ChangeRefused(self._global(), "APPEND(S)")
+
+    def extend(self, values: Any) -> None:
+        raise _ChangeRefused(self._global(), "APPEND(S)")
+
+    def add(self, value: Any) -> None:
+        raise _ChangeRefused(self._global(), "ADDITEMS")
+
+    def __repr__(self) -> str:
+        return f"<stand-in for {self._global()}>"
+
+
+class _Call(_StandIn):
+    """A function or builtin type stand-in (``torch.Size`` -> ``tuple``): calls ``fn``, and that is all."""
+
+    __slots__ = ("fn", "name")
+    fn: Callable[..., Any]
+    name: str
+
+    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "name", name)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def _refuse_build(name: str) -> Callable[[Any], None]:
+    def build(state: Any) -> None:
+        raise _ChangeRefused(name, "BUILD")
+
+    return build
+
+
+class _StandInType(type):
+    """Metaclass of the class stand-ins: the class itself cannot be changed (its instances can:
+    each load makes its own). ``name`` is the global the class stands for."""
+
+    name = ""
+
+    # a data descriptor of the metaclass wins over the class's own __setstate__ (the instances'),
+    # so BUILD on the class finds this one
+    @property
+    def __setstate__(cls) -> Callable[[Any], None]:
+        return _refuse_build(cls.name)
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise _ChangeRefused(cls.name, "setattr")
+
+    def __delattr__(cls, name: str) -> None:
+        raise _ChangeRefused(cls.name, "delattr")
+
+    def __setitem__(cls, key: Any, value: Any) -> None:
+        raise _ChangeRefused(cls.name, "SETITEM(S)")
+
+    def append(cls, value: Any) -> None:
+        raise _ChangeRefused(cls.name, "APPEND(S)")
+
+    def extend(cls, values: Any) -> None:
+        raise _ChangeRefused(cls.name, "APPEND(S)")
+
+    def add(cls, value: Any) -> None:
+        raise _ChangeRefused(cls.name, "ADDITEMS")
+
+
+def _named(table: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """``table`` after giving each class stand-in the name of its global (one class, one global)."""
+    for (module, name), v in table.items():
+        if isinstance(v, _StandInType):
+            full = f"{module}.{name}"
+            if v.__dict__.get("name", full) != full:
+                raise AssertionError(f"{v.__name__} stands for {v.name} and {full}")
+            type.__setattr__(v, "name", full)
+    return table
+
+
+class TorchDtype(str, _StandIn):
     """A ``torch.<dtype>`` global, as its name (``"bfloat16"``)."""
 
     __slots__ = ()
 
+    def _global(self) -> str:
+        return f"torch.{str.__str__(self)}"
 
-class Record:
+
+class Record(metaclass=_StandInType):
     """Inert stand-in for a pickled class instance: remembers its state, runs nothing."""
 
     # NEWOBJ builds instances with __new__ only, so the defaults live on the class
@@ -190,6 +322,9 @@ class Record:
 
     def __init__(self, *args: Any) -> None:
         self.args = args
+
+    def __repr__(self) -> str:  # what messages show: no address (it differs from load to load)
+        return f"<{type(self).name or type(self).__name__.lstrip('_')} object>"
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -240,29 +375,38 @@ def _identity(x: Any) -> Any:
     return x
 
 
+_GET_LAYOUT = _Call(_identity, "torch.serialization._get_layout")
+_TORCH_SIZE = _Call(tuple, "torch.Size")
+_ORDERED_DICT = _Call(collections.OrderedDict, "collections.OrderedDict")
+_MEM_FORMAT = _Call(int, "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING")
+
+
 _DCP_MOD = "torch.distributed.checkpoint.metadata"
 _DTYPE_GLOBALS: dict[tuple[str, str], Any] = {("torch", n): TorchDtype(n) for n in SAFETENSORS_DTYPES}
 
 #: Everything a torch 2.x DCP ``.metadata`` (and Megatron-Core's) refers to.
-DCP_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    (_DCP_MOD, "Metadata"): _Metadata,
-    (_DCP_MOD, "TensorStorageMetadata"): _TensorStorageMetadata,
-    (_DCP_MOD, "ChunkStorageMetadata"): _ChunkStorageMetadata,
-    (_DCP_MOD, "TensorProperties"): _TensorProperties,
-    (_DCP_MOD, "BytesStorageMetadata"): _BytesStorageMetadata,
-    (_DCP_MOD, "MetadataIndex"): _MetadataIndex,
-    (_DCP_MOD, "StorageMeta"): _StorageMeta,
-    (_DCP_MOD, "_MEM_FORMAT_ENCODING"): int,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
-    ("torch", "Size"): tuple,
-    ("torch.serialization", "_get_layout"): _identity,
-    ("pathlib", "PosixPath"): _path_join,
-    ("pathlib", "WindowsPath"): _path_join,
-    ("pathlib", "PurePosixPath"): _path_join,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    **_DTYPE_GLOBALS,
-}
+DCP_METADATA_GLOBALS: dict[tuple[str, str], Any] = _named(
+    {
+        (_DCP_MOD, "Metadata"): _Metadata,
+        (_DCP_MOD, "TensorStorageMetadata"): _TensorStorageMetadata,
+        (_DCP_MOD, "ChunkStorageMetadata"): _ChunkStorageMetadata,
+        (_DCP_MOD, "TensorProperties"): _TensorProperties,
+        (_DCP_MOD, "BytesStorageMetadata"): _BytesStorageMetadata,
+        (_DCP_MOD, "MetadataIndex"): _MetadataIndex,
+        (_DCP_MOD, "StorageMeta"): _StorageMeta,
+        (_DCP_MOD, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
+        ("torch", "Size"): _TORCH_SIZE,
+        ("torch.serialization", "_get_layout"): _GET_LAYOUT,
+        **{
+            ("pathlib", n): _Call(_path_join, f"pathlib.{n}")
+            for n in ("PosixPath", "WindowsPath", "PurePosixPath")
+        },
+        ("collections", "OrderedDict"): _ORDERED_DICT,
+        **_DTYPE_GLOBALS,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,11 +439,16 @@ class StoredTensor:
     stride: tuple[int, ...]
 
 
-class _StorageType:
+class _StorageType(_StandIn):
     """A ``torch.<X>Storage`` / ``torch.storage.UntypedStorage`` global: just its dtype."""
 
-    def __init__(self, dtype: str | None) -> None:
-        self.dtype = dtype
+    __slots__ = ("dtype", "name")
+    dtype: str | None
+    name: str
+
+    def __init__(self, dtype: str | None, name: str) -> None:
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "name", name)
 
 
 _TYPED_STORAGES = {
@@ -357,11 +506,11 @@ def _rebuild_v3(
 
 #: Everything the ``data.pkl`` of a ``torch.save``-d plain CPU tensor refers to.
 TORCH_SAVE_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-    ("torch.storage", "UntypedStorage"): _StorageType(None),
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    **{("torch", n): _StorageType(d) for n, d in _TYPED_STORAGES.items()},
+    ("torch._utils", "_rebuild_tensor_v2"): _Call(_rebuild_v2, "torch._utils._rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"): _Call(_rebuild_v3, "torch._utils._rebuild_tensor_v3"),
+    ("torch.storage", "UntypedStorage"): _StorageType(None, "torch.storage.UntypedStorage"),
+    ("collections", "OrderedDict"): _ORDERED_DICT,
+    **{("torch", n): _StorageType(d, f"torch.{n}") for n, d in _TYPED_STORAGES.items()},
     **_DTYPE_GLOBALS,
 }
 
@@ -959,6 +1108,8 @@ class _MetaDecoder:
             return self._convert(obj)
         except (_Unsupported, HeaderError):
             raise
+        except _ChangeRefused:
+            raise _Unsupported from None  # the C path refuses it, naming the file and the global
         except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, struct.error,
                 RecursionError, MemoryError):  # fmt: skip
             raise _Unsupported from None  # the C path gives the verdict (and the message)
@@ -1369,10 +1520,10 @@ class _MetaDecoder:
             or r["kprop"] != "properties"
             or r["tp"] is not _TensorProperties
             or not isinstance(dtype, TorchDtype)
-            or r["lay"] not in (None, _identity)  # REDUCE(_get_layout, ...) or its memoized result
-            or r["mf"] not in (None, int)  # REDUCE(_MEM_FORMAT_ENCODING, ...) or its result
+            or r["lay"] not in (None, _GET_LAYOUT)  # REDUCE(_get_layout, ...) or its memoized result
+            or r["mf"] not in (None, _MEM_FORMAT)  # REDUCE(_MEM_FORMAT_ENCODING, ...) or its result
             or r["ksize"] != "size"
-            or r["szc"] is not tuple
+            or r["szc"] is not _TORCH_SIZE
             or r["kchunks"] != "chunks"
         ):
             return None
@@ -1383,9 +1534,9 @@ class _MetaDecoder:
             if (
                 cr[0] is not _ChunkStorageMetadata
                 or cr[1] != "offsets"
-                or cr[2] is not tuple
+                or cr[2] is not _TORCH_SIZE
                 or cr[3] != "sizes"
-                or cr[4] is not tuple
+                or cr[4] is not _TORCH_SIZE
             ):
                 return None
             chunks.append(ChunkMeta(_int_tuple_of(c.group(4)), _int_tuple_of(c.group(7))))
@@ -1501,7 +1652,7 @@ class _MetaDecoder:
             or r["kf"] != "fqn"
             or r["ki"] != "index"
             or r["ko"] != "offset"
-            or r["szc"] is not tuple
+            or r["szc"] is not _TORCH_SIZE
             or r["si"] is not _StorageInfo
             or r["kp"] != "relative_path"
             or r["ko2"] != "offset"
@@ -1694,11 +1845,13 @@ class StoredDTensor:
     placements: tuple[str, ...]
 
 
-class _DTensorClass:
+class _DTensorClass(_StandIn):
     """The ``DTensor`` class global: only a marker that ``_rebuild_from_type_v2`` recognises."""
 
+    __slots__ = ("name",)
 
-_DTENSOR = _DTensorClass()
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "name", name)
 
 
 class _WrapperSubclass(Record):
@@ -1718,6 +1871,14 @@ class _MeshLayout(Record):
 
 
 class _FlatLayout(Record):
+    pass
+
+
+class _SpecTensorMeta(Record):
+    pass
+
+
+class _ShardOrderEntry(Record):
     pass
 
 
@@ -1744,7 +1905,7 @@ class _PartialP(_Placement):
 
 
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *_rest: Any) -> _WrapperSubclass:
-    if cls is not _DTENSOR or not isinstance(dtype, TorchDtype) or _int_tuple(size) is None:
+    if type(cls) is not _DTensorClass or not isinstance(dtype, TorchDtype) or _int_tuple(size) is None:
         raise ValueError("_rebuild_wrapper_subclass of something other than a DTensor")
     return _WrapperSubclass(dtype, tuple(size), stride)
 
@@ -1814,11 +1975,14 @@ def _mesh_info_of(m: Any, depth: int) -> MeshInfo:
     )
 
 
+_REBUILD_WRAPPER = _Call(_rebuild_wrapper_subclass, "torch._utils._rebuild_wrapper_subclass")
+
+
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> StoredDTensor:
     """A DTensor: the wrapper's dtype and global shape, the local tensor and the spec from ``state``."""
-    if func is not _rebuild_wrapper_subclass or new_type is not _DTENSOR or not isinstance(args, tuple):
+    if func is not _REBUILD_WRAPPER or type(new_type) is not _DTensorClass or not isinstance(args, tuple):
         raise ValueError("_rebuild_from_type_v2 of a tensor subclass other than DTensor")
-    shell = func(*args)
+    shell = _rebuild_wrapper_subclass(*args)
     d = state[1] if isinstance(state, tuple) and len(state) == 2 else state
     if not isinstance(d, dict) or not isinstance(d.get("_local_tensor"), StoredTensor):
         raise ValueError("DTensor state has no _local_tensor")
@@ -1857,28 +2021,32 @@ _LAYOUT = "torch.distributed._mesh_layout"
 
 #: Everything a ``torch.save`` of a state dict refers to: plain tensors and parameters, DTensors
 #: (spec, DeviceMesh, placements), ``OrderedDict``; containers and scalars need no global.
-TORCH_SAVE_STATE_GLOBALS: dict[tuple[str, str], Any] = {
-    **TORCH_SAVE_TENSOR_GLOBALS,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-    ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
-    ("torch.distributed.tensor", "DTensor"): _DTENSOR,
-    ("torch.distributed.tensor._api", "DTensor"): _DTENSOR,
-    (_SPEC, "DTensorSpec"): _DTensorSpec,
-    (_SPEC, "TensorMeta"): Record,
-    (_SPEC, "ShardOrderEntry"): Record,
-    ("torch.distributed.device_mesh", "DeviceMesh"): _DeviceMesh,
-    (_LAYOUT, "_MeshLayout"): _MeshLayout,
-    (_LAYOUT, "_FlatLayout"): _FlatLayout,
-    (_PT, "Shard"): _Shard,
-    (_PT, "_StridedShard"): _StridedShardP,
-    (_PT, "Replicate"): _ReplicateP,
-    (_PT, "Partial"): _PartialP,
-    ("torch", "device"): _device,
-    ("torch", "Size"): tuple,
-    ("torch.serialization", "_get_layout"): _identity,
-    ("_codecs", "encode"): _latin1_bytes,
-}
+TORCH_SAVE_STATE_GLOBALS: dict[tuple[str, str], Any] = _named(
+    {
+        **TORCH_SAVE_TENSOR_GLOBALS,
+        ("torch._utils", "_rebuild_parameter"): _Call(_rebuild_parameter, "torch._utils._rebuild_parameter"),
+        ("torch._tensor", "_rebuild_from_type_v2"): _Call(
+            _rebuild_from_type_v2, "torch._tensor._rebuild_from_type_v2"
+        ),
+        ("torch._utils", "_rebuild_wrapper_subclass"): _REBUILD_WRAPPER,
+        ("torch.distributed.tensor", "DTensor"): _DTensorClass("torch.distributed.tensor.DTensor"),
+        ("torch.distributed.tensor._api", "DTensor"): _DTensorClass("torch.distributed.tensor._api.DTensor"),
+        (_SPEC, "DTensorSpec"): _DTensorSpec,
+        (_SPEC, "TensorMeta"): _SpecTensorMeta,
+        (_SPEC, "ShardOrderEntry"): _ShardOrderEntry,
+        ("torch.distributed.device_mesh", "DeviceMesh"): _DeviceMesh,
+        (_LAYOUT, "_MeshLayout"): _MeshLayout,
+        (_LAYOUT, "_FlatLayout"): _FlatLayout,
+        (_PT, "Shard"): _Shard,
+        (_PT, "_StridedShard"): _StridedShardP,
+        (_PT, "Replicate"): _ReplicateP,
+        (_PT, "Partial"): _PartialP,
+        ("torch", "device"): _Call(_device, "torch.device"),
+        ("torch", "Size"): _TORCH_SIZE,
+        ("torch.serialization", "_get_layout"): _GET_LAYOUT,
+        ("_codecs", "encode"): _Call(_latin1_bytes, "_codecs.encode"),
+    }
+)
 
 
 def load_torch_save(data: bytes, *, path: str, fast: bool = True) -> Any:
