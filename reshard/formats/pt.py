@@ -55,8 +55,8 @@ from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError, TensorNotFoundError, UsageError
 from ..io.header import Header, TensorEntry
 from ..io.spool import Spool, strided_span
-from ..io.torchsave import geometry_of, leaves, locate
-from ..io.torchzip import STORED, TorchZip, crc32_range, read_record, read_torch_zip
+from ..io.torchsave import geometry_of, leaves, locate, stored_record
+from ..io.torchzip import TorchZip, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, load_torch_save
 from ..mesh import Mesh
 from ..placements import Placement
@@ -217,17 +217,9 @@ def _entry(
             path=str(path),
             tensor=name,
         )
-    rec = tz.record(f"data/{st.key}")
     isz = DTYPE_SIZES[dtype]
-    first = st.storage_offset * isz
     nbytes = strided_span(st.size, st.stride) * isz  # the stored bytes it spans
-    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
-        raise HeaderError(
-            f"{q}: data record {rec.name} is {rec.size} bytes (zip method {rec.compress_type}); the "
-            f"tensor needs {nbytes} stored bytes at {first} of a {st.storage_nbytes}-byte storage",
-            path=str(path),
-            tensor=name,
-        )
+    rec, first = stored_record(name, st, tz, path, isz, nbytes)
     problems = []
     if rec.crc32 is not None and crc32_range(fd, rec.offset, rec.size, str(path)) != rec.crc32:
         msg = f"{q}: data record {rec.name} fails its CRC32 check; the file is damaged"

@@ -18,10 +18,10 @@ from ..dtypes import DTYPE_SIZES
 from ..errors import HeaderError, LayoutError
 from ..intervals import row_major_strides
 from .header import TensorEntry
-from .torchzip import STORED, TorchZip
+from .torchzip import STORED, TorchZip, ZipRecord
 from .unpickle import SAFETENSORS_DTYPES, StoredTensor
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "geometry_of", "leaves", "locate"]
+__all__ = ["MAX_DEPTH", "MAX_NODES", "geometry_of", "leaves", "locate", "stored_record"]
 
 #: Containers nested deeper than this (a state dict needs a handful) are refused: the pickle can
 #: nest lists past Python's recursion limit, or hold a list that contains itself.
@@ -112,6 +112,29 @@ def geometry_of(st: StoredTensor, geometries: dict[Any, _Geometry | str] | None 
     return g
 
 
+def stored_record(
+    name: str, st: StoredTensor, tz: TorchZip, path: str | os.PathLike[str], isz: int, nbytes: int
+) -> tuple[ZipRecord, int]:
+    """The ``data/N`` record of ``st``'s storage and where the tensor's bytes start in it
+    (``isz``-byte items), checked: stored (not compressed), of the storage's size, holding the
+    ``nbytes`` the tensor spans.
+
+    Raises:
+        HeaderError: naming the file, the tensor and the record.
+    """
+    rec = tz.records.get(f"{tz.prefix}/data/{st.key}") or tz.record(f"data/{st.key}")
+    first = st.storage_offset * isz
+    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
+        raise HeaderError(
+            f'{path}: tensor "{name}": data record {rec.name} is {rec.size} bytes (zip method '
+            f"{rec.compress_type}); the tensor needs {nbytes} stored bytes at {first} of a "
+            f"{st.storage_nbytes}-byte storage",
+            path=str(path),
+            tensor=name,
+        )
+    return rec, first
+
+
 def locate(
     name: str,
     st: StoredTensor,
@@ -139,15 +162,8 @@ def locate(
             path=str(path),
             tensor=name,
         )
-    rec = tz.records.get(f"{tz.prefix}/data/{st.key}") or tz.record(f"data/{st.key}")
     isz = DTYPE_SIZES[dtype]
-    first, nbytes = st.storage_offset * isz, numel * isz
-    if rec.compress_type != STORED or rec.size != st.storage_nbytes or first + nbytes > rec.size:
-        raise HeaderError(
-            f"{q}: data record {rec.name} is {rec.size} bytes (zip method {rec.compress_type}); the "
-            f"tensor needs {nbytes} stored bytes at {first} of a {st.storage_nbytes}-byte storage",
-            path=str(path),
-            tensor=name,
-        )
+    nbytes = numel * isz
+    rec, first = stored_record(name, st, tz, path, isz, nbytes)
     crc = rec.crc32 if first == 0 and nbytes == rec.size else None
     return TensorEntry(name, dtype, st.size, rec.offset + first, rec.offset + first + nbytes), crc
