@@ -13,10 +13,8 @@ transformers 5's ``from_pretrained`` still loads them: it is the oracle, with ``
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from safetensors.torch import load_file
 from tests.cli.test_as_a_user import run
 from tests.io.test_hf_extras import needs_transformers, offline  # noqa: F401
 from tests.strategies import same_bits
+from tests.torchless import convert_without_torch
 
 pytestmark = needs_transformers
 
@@ -138,14 +137,7 @@ def test_converts_bit_for_bit_and_loads_as_the_same_model(legacy: Legacy, tmp_pa
 
 def test_the_read_path_imports_no_torch(legacy: Legacy, tmp_path: Path) -> None:
     src, _, _ = legacy
-    code = (
-        "import sys\nfrom reshard.cli import app\n"
-        f"sys.argv = ['reshard', 'convert', {str(src)!r}, {str(tmp_path / 'o')!r}, '--consolidate']\n"
-        "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = convert_without_torch(src, tmp_path / "o", "--consolidate")
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "o" / "model.safetensors").is_file()
 

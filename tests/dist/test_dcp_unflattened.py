@@ -23,6 +23,7 @@ import pytest
 
 from tests.dist.test_torchrun import SCRIPTS, reshard, torchrun
 from tests.strategies import same_bits
+from tests.torchless import convert_without_torch
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
@@ -93,20 +94,9 @@ def test_tensors_inside_objects_convert_as_torch_reads_them(tmp_path: Path, case
 
 
 def test_the_object_read_path_imports_no_torch(tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import sys
-
     src = tmp_path / "dcp"
     save_unflattened(cases()["train"], src)
-    code = (
-        "import sys\nfrom reshard.cli import app\n"
-        f"sys.argv = ['reshard', 'convert', {str(src)!r}, {str(tmp_path / 'o')!r}, '--consolidate', '--quiet']\n"
-        "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = convert_without_torch(src, tmp_path / "o", "--consolidate", "--quiet")
     assert res.returncode == 0, res.stderr
 
 

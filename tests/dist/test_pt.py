@@ -28,6 +28,7 @@ from safetensors.torch import load_file  # noqa: E402
 from tests.dist.test_torchrun import SCRIPTS, reshard, torchrun  # noqa: E402
 from tests.dist.torchrun_scripts import save_pt_world as W  # noqa: E402
 from tests.strategies import same_bits  # noqa: E402
+from tests.torchless import convert_without_torch  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -126,15 +127,7 @@ def test_plain_tensors_need_a_source_layout(world: Path, tmp_path: Path) -> None
 
 
 def test_the_copy_path_imports_no_torch(world: Path, tmp_path: Path) -> None:
-    code = (
-        "import sys\nfrom reshard.cli import app\n"
-        f"sys.argv = ['reshard', 'convert', {str(world / 'fsdp_tp')!r}, {str(tmp_path / 'o')!r}, "
-        "'--consolidate', '--quiet']\n"
-        "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = convert_without_torch(world / "fsdp_tp", tmp_path / "o", "--consolidate", "--quiet")
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "o" / "model.safetensors").is_file()
 

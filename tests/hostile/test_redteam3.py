@@ -14,25 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.hostile.test_redteam2 import KILL_AT_FIRST_FINISHED
+
 RESHARD = Path(sys.executable).with_name("reshard")
 
 
 def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(RESHARD), *map(str, args)], capture_output=True, text=True, timeout=120)
-
-
-KILL_AT_FIRST_FINISHED = """\
-import os, signal, sys
-import reshard.convert as c
-record = c.record_finished
-def finished(*args, **kwargs):
-    record(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGKILL)  # one output file finished and journaled, the others not
-c.record_finished = finished
-sys.argv = ["reshard", *sys.argv[1:]]
-from reshard.cli import main
-main()
-"""
 
 
 def _rank_files(root: Path) -> tuple[Path, dict[str, object]]:
