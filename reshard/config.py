@@ -886,7 +886,7 @@ class _Re2:
             self._set.Add(body)
             self._set.Compile()
         except re2.error as e:
-            why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else e
+            why = _re2_reason(e)
             raise ConfigError(
                 f"regex after 're:' is not supported: {why}; re: rules run on RE2, which guarantees "
                 "linear-time matching and so has no lookarounds ((?=, (?!, (?<=, (?<!), backreferences "
@@ -899,6 +899,11 @@ class _Re2:
 
     def __reduce__(self) -> tuple[type[_Re2], tuple[str]]:
         return (_Re2, (self._body,))  # an RE2 set cannot be pickled: compile again
+
+
+def _re2_reason(e: Exception) -> object:
+    """What an ``re2.error`` says is wrong with a pattern (its message comes as bytes)."""
+    return e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else e
 
 
 def _re2_options() -> Any:

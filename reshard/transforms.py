@@ -44,7 +44,7 @@ from typing import Any, TypeAlias
 
 import yaml
 
-from .config import _Parser, _yaml_error
+from .config import _Parser, _re2_reason, _yaml_error
 from .errors import ConfigError
 from .indexmap import DimMap, Part, Seg, compose, full_dims, identity_part, merge_parts, part_numel
 from .io.safe import MAX_LAYOUT_BYTES, read_document
@@ -303,7 +303,7 @@ def _re2(body: str, text: str) -> Any:
     try:
         return re2.compile(body, options)
     except re2.error as e:
-        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else e
+        why = _re2_reason(e)
         raise ConfigError(
             f"pattern {text!r} is not supported: {why}; transform patterns run on RE2, which "
             "guarantees linear-time matching and so has no lookarounds, backreferences, atomic "
