@@ -15,9 +15,9 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 stamp=".venv/.reshard-installed"
 want="$(cat pyproject.toml | cksum)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import reshard, pytest, hypothesis" >/dev/null 2>&1; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import reshard, pytest, hypothesis, xdist" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VPY" -c "import reshard, pytest, hypothesis"
+  "$VPY" -c "import reshard, pytest, hypothesis, xdist"
   # torchtitan: the oracle of the hf-to-torchtitan-llama profile (tests only). Its own
   # dependencies (datasets, wandb, tensorboard, ...) are not needed by the state-dict adapter
   # the tests run, so it goes in without them, plus the two its imports need.
