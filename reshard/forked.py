@@ -39,13 +39,16 @@ def cpus() -> int:
 
 
 def usable() -> bool:
-    """Whether forking is safe here: Linux, and no other thread running (a child of a
-    multi-threaded process may inherit a lock some other thread held at the fork), and not
-    disabled by ``RESHARD_NO_FORK=1``."""
+    """Whether forking is safe here: Linux, no other thread running (a child of a
+    multi-threaded process may inherit a lock some other thread held at the fork), torch not
+    imported (its OpenMP pool does not survive a fork: a child's first parallel op can hang;
+    reshard imports torch only for reductions, casts and torchrun), and not disabled by
+    ``RESHARD_NO_FORK=1``."""
     return (
         sys.platform == "linux"
         and hasattr(os, "fork")
         and threading.active_count() == 1
+        and "torch" not in sys.modules
         and os.environ.get("RESHARD_NO_FORK", "") in ("", "0")
     )
 

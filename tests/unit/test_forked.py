@@ -125,7 +125,7 @@ def test_the_parents_own_failure_kills_and_reaps_the_children() -> None:
     assert got == {"msg": "parent failed", "left": False, "fast": True}
 
 
-def test_with_another_thread_running_nothing_is_forked() -> None:
+def test_with_another_thread_or_torch_or_no_fork_nothing_is_forked() -> None:
     got = _run(
         "import threading\n"
         "ev = threading.Event(); th = threading.Thread(target=ev.wait); th.start()\n"
@@ -133,9 +133,13 @@ def test_with_another_thread_running_nothing_is_forked() -> None:
         "ev.set(); th.join()\n"
         "os.environ['RESHARD_NO_FORK'] = '1'\n"
         "r2 = run_split([os.getpid, os.getpid])\n"
-        "print(json.dumps({'same': len(set(r)) == 1, 'same2': len(set(r2)) == 1}))\n"
+        "del os.environ['RESHARD_NO_FORK']\n"
+        "r3 = run_split([os.getpid, os.getpid])\n"
+        "import torch\n"
+        "r4 = run_split([os.getpid, os.getpid])\n"
+        "print(json.dumps([len(set(x)) for x in (r, r2, r3, r4)]))\n"
     )
-    assert got == {"same": True, "same2": True}
+    assert got == [1, 1, 2, 1]  # threads, RESHARD_NO_FORK, (forked), torch imported
 
 
 @pytest.fixture(scope="module")
