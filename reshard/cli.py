@@ -324,8 +324,9 @@ class _STDOUT:
 
 
 @contextmanager
-def _errors(as_json: bool) -> Iterator[None]:
-    """The one table from exceptions to messages and exit codes."""
+def _errors(as_json: bool, *, writes: bool = False) -> Iterator[None]:
+    """The one table from exceptions to messages and exit codes (``writes``: the command writes
+    a checkpoint, which Ctrl-C leaves resumable)."""
     _STDOUT.started = False
     try:
         yield
@@ -342,6 +343,8 @@ def _errors(as_json: bool) -> Iterator[None]:
     except KeyboardInterrupt:
         console().print(
             "interrupted; finished output files were kept: run the same convert with --resume to finish"
+            if writes
+            else "interrupted"
         )
         raise typer.Exit(130) from None
 
@@ -463,7 +466,7 @@ def convert(
     from .api import verify_output
     from .convert import convert as run
 
-    with _errors(json_):
+    with _errors(json_, writes=True):
         if verify and dtype is not None:
             raise UsageError(
                 "--verify proves the output bit-identical to the source; --dtype changes the bits"

@@ -211,3 +211,50 @@ def test_verify_parts_hold_about_the_same_bytes() -> None:
     assert parts[0] == (0, 1)  # the big tensor is half the bytes on its own
     three = _parts(ck, names, 3)
     assert len(three) == 3 and [p[0] for p in three[1:]] == [p[1] for p in three[:-1]]
+
+
+def test_ctrl_c_reaches_parent_and_children_and_none_is_left() -> None:
+    """Ctrl-C (SIGINT to the process group) while a child works: the parent raises
+    KeyboardInterrupt, the child ends, nothing is left running or unreaped."""
+    got = _run(
+        "import signal, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "os.setpgrp()\n"
+        "def parent():\n"
+        "    time.sleep(0.5)\n"
+        "    os.killpg(os.getpgrp(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "def child():\n"
+        "    time.sleep(60); return 1\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    run_split([parent, child])\n"
+        "    out = 'finished'\n"
+        "except KeyboardInterrupt:\n"
+        "    out = 'interrupted'\n"
+        "try:\n"
+        "    os.waitpid(-1, os.WNOHANG); left = True\n"
+        "except ChildProcessError:\n"
+        "    left = False\n"
+        "print(json.dumps({'out': out, 'left': left, 'fast': time.monotonic() - t < 20}))\n"
+    )
+    assert got == {"out": "interrupted", "left": False, "fast": True}
+
+
+def test_an_interrupted_verify_says_interrupted_not_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    import reshard.verify
+    from reshard.cli import app
+
+    save_file({"w": __import__("numpy").zeros(4, "float32")}, str(tmp_path / "model.safetensors"))
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reshard.verify, "verify_checkpoints", interrupted)
+    out = CliRunner().invoke(app, ["verify", str(tmp_path), str(tmp_path)])
+    assert out.exit_code == 130
+    assert "interrupted" in out.output and "--resume" not in out.output
