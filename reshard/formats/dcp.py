@@ -43,9 +43,12 @@ What the format does not say, and how it is handled:
 - **SAFETENSORS serialisation** (``FileSystemWriter(serialization_format=SAFETENSORS)``):
   a chunk offset points at a safetensors blob instead of a zip; told apart by
   the bytes at the offset.
-- **Megatron-Core ``torch_dist``** (``MCoreMetadata``): stacked layer/expert
-  axes give chunks whose ``offsets`` have more dims than their ``sizes``; the
-  missing leading sizes are 1.
+- **Megatron-Core ``torch_dist``**: stacked layer/expert axes give chunks whose
+  ``offsets`` may have more dims than their ``sizes`` (the missing leading sizes
+  are 1); its ``.metadata`` keeps every rank's save plan (``all_local_plans``:
+  torch's planner data classes, read and dropped), MCore <= 0.14 pickled it as
+  ``MCoreMetadata``; its async writer names files ``{group}__{r}_{k}.distcp``.
+  ``common.pt`` (the non-sharded state) is not read: a warning says so.
 - **Non-tensor items** (optimizer ``param_groups``, ``lr_scheduler``, ...) cannot
   go into safetensors: they are listed in :attr:`Checkpoint.non_tensors` (name,
   size, file; kind ``object`` for a ``torch.save``'d value, ``bytes`` for raw
@@ -998,10 +1001,26 @@ def open_dcp(path: Path) -> Checkpoint:
         files=tuple(str(p) for p in r.files.paths),
         file_sizes=sizes,
         tensors=tensors,
-        warnings=r.warnings,
+        warnings=r.warnings + _megatron_common(root),
         non_tensors=tuple(r.non_tensors[k] for k in sorted(r.non_tensors)),
         spooled=spooled,
     )
+
+
+def _megatron_common(root: Path) -> list[CheckpointWarning]:
+    """Megatron-Core ``torch_dist`` keeps its non-sharded state beside the DCP files, in
+    ``common.pt`` (``args``, ``iteration``, plain tensors not wrapped in a ShardedTensor); it is
+    not part of the DCP checkpoint: said, not read."""
+    common = root / "common.pt"
+    if not common.is_file() or not (root / "metadata.json").is_file():
+        return []
+    return [
+        CheckpointWarning(
+            f"{common}: Megatron-Core's common (non-sharded) state is not converted; the tensors "
+            f"are the sharded ones of {METADATA}",
+            path=str(common),
+        )
+    ]
 
 
 def _detect(probe: Probe) -> int:

@@ -367,6 +367,22 @@ class _StorageMeta(Record):
     pass
 
 
+class _SavePlan(Record):
+    pass
+
+
+class _WriteItem(Record):
+    pass
+
+
+class _TensorWriteData(Record):
+    pass
+
+
+class _BytesIOWriteData(Record):
+    pass
+
+
 def _path_join(*parts: Any) -> str:
     return os.path.join(*(str(p) for p in parts)) if parts else ""
 
@@ -379,9 +395,11 @@ _GET_LAYOUT = _Call(_identity, "torch.serialization._get_layout")
 _TORCH_SIZE = _Call(tuple, "torch.Size")
 _ORDERED_DICT = _Call(collections.OrderedDict, "collections.OrderedDict")
 _MEM_FORMAT = _Call(int, "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING")
+_WRITE_ITEM_TYPE = _Call(int, "torch.distributed.checkpoint.planner.WriteItemType")
 
 
 _DCP_MOD = "torch.distributed.checkpoint.metadata"
+_PLANNER_MOD = "torch.distributed.checkpoint.planner"
 _DTYPE_GLOBALS: dict[tuple[str, str], Any] = {("torch", n): TorchDtype(n) for n in SAFETENSORS_DTYPES}
 
 #: Everything a torch 2.x DCP ``.metadata`` (and Megatron-Core's) refers to.
@@ -397,6 +415,13 @@ DCP_METADATA_GLOBALS: dict[tuple[str, str], Any] = _named(
         (_DCP_MOD, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT,
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
         ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
+        # Megatron-Core's torch_dist keeps every rank's save plan as Metadata.all_local_plans
+        # (strategies/state_dict_saver.py): torch's planner data classes; read and not used
+        (_PLANNER_MOD, "SavePlan"): _SavePlan,
+        (_PLANNER_MOD, "WriteItem"): _WriteItem,
+        (_PLANNER_MOD, "WriteItemType"): _WRITE_ITEM_TYPE,
+        (_PLANNER_MOD, "TensorWriteData"): _TensorWriteData,
+        (_PLANNER_MOD, "BytesIOWriteData"): _BytesIOWriteData,
         ("torch", "Size"): _TORCH_SIZE,
         ("torch.serialization", "_get_layout"): _GET_LAYOUT,
         **{
