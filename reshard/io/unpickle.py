@@ -1554,9 +1554,13 @@ class _MetaDecoder:
             self.plans_memo = self.memo_len
             return
         if type(top) is dict and not top and type(key) is str and key in _ACCUMULATORS:
+            old = top
             top = stack[-1] = _ACCUMULATORS[key]()
             if type(top) is _SdmAcc:
                 top.metas = self.metas
+            memo = self.memo
+            for k in [k for k, v in memo.items() if v is old]:  # a get of the dict gets the reader's
+                memo[k] = top
         kind = type(top)
         if kind is _SdmAcc:
             self.items = self._sdm_items

@@ -423,7 +423,7 @@ def test_plans_changing_state_dict_metadata_are_read_as_the_c_unpickler_reads_th
 ) -> None:
     """Opcodes that get a chunk of state_dict_metadata (which the decoder may not have kept) and
     build it anew, fill it, call it or hash it: the C path's verdict (refused, or read)."""
-    from reshard.io.unpickle import _ChunkStorageMetadata, _TensorProperties
+    from reshard.io.unpickle import _ChunkStorageMetadata, _TensorProperties, _TensorStorageMetadata
 
     framed = pickle.dumps(_megatron_metadata(40), protocol=4)
     frames = [p for op, _, p in pickletools.genops(framed) if op.name == "FRAME"]
@@ -435,6 +435,10 @@ def test_plans_changing_state_dict_metadata_are_read_as_the_c_unpickler_reads_th
     props = sorted(k for k, v in memo.items() if isinstance(v, _TensorProperties))[which]
     size = next(k for k, v in memo.items() if getattr(v, "name", "") == "torch.Size")
     key = next(k for k, v in memo.items() if v == "sizes")
+    sdm = next(
+        k for k, v in memo.items() if isinstance(v, dict) and "decoder.layers.0.mlp.experts.0.fc1.weight" in v
+    )
+    tensor = min(k for k, v in memo.items() if isinstance(v, _TensorStorageMetadata))
     at = good.index(b"all_local_plans") + len(b"all_local_plans") + 3  # key, MEMOIZE, EMPTY_LIST, MEMOIZE
     assert good[at - 2 : at + 1] == b"]\x94("
     at += where == "inside"
@@ -450,13 +454,15 @@ def test_plans_changing_state_dict_metadata_are_read_as_the_c_unpickler_reads_th
         "append": (get(chunk) + b"K\x01a0", "refused"),
         "call": (get(chunk) + b")R0", "refused"),
         "hash": (b"}" + get(chunk) + b"K\x01s0", "ok"),
+        # one entry more in state_dict_metadata: a get of its dict and a SETITEM
+        "fill state_dict_metadata": (get(sdm) + b"\x8c\x02zz" + get(tensor) + b"s0", "changed"),
     }
     want_ok = values(reference(good))
     for name, (ops, verdict) in hostile.items():
         bad = good[:at] + ops + good[at:]
         want = outcome(reference, bad)
-        assert want[0] == verdict, name
-        assert want == ("refused", None) or want == ("ok", want_ok), name
+        assert want[0] == ("ok" if verdict == "changed" else verdict), name
+        assert want == ("refused", None) or (want == ("ok", want_ok)) == (verdict == "ok"), name
         assert outcome(lambda d: load_dcp_metadata(d, path="m"), bad) == want, name
         if verdict == "refused":
             with pytest.raises(_Unsupported):
