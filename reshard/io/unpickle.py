@@ -840,8 +840,12 @@ def load_dcp_metadata(data: bytes | mmap.mmap, *, path: str) -> DcpMetadata:
 # regular expression (a template learnt from the first item of its shape: the bytes of the item
 # with its variable fields as groups) and turned straight into values. Items no template matches
 # (the first of a shape, one cut by a protocol-4 FRAME) run through the machine and are converted
-# as the C path converts them. Anything unusual (an opcode these files do not use, a memo entry it
-# did not keep, a class outside the allow-list, any error) raises _Unsupported: the C path decides.
+# as the C path converts them, at the end (a later opcode may still change what the machine built).
+# Megatron-Core's ``all_local_plans`` (protocol 4/5) is read and dropped: its tensor write items by
+# templates (keys and classes checked, memo gets of values checked to exist), the rest op by op,
+# where a get of an object not kept gives an inert _DROPPED that only a container may hold. Anything
+# unusual (an opcode these files do not use, a memo entry it did not keep, a class outside the
+# allow-list, any error) raises _Unsupported: the C path decides.
 # It is as strict as the C unpickler (reading from a file) where that one refuses (mark fences,
 # truncated arguments, an opcode across a FRAME's end), tested on damaged pickles, with one
 # exception: in protocol 2/3 items a template does not read the index of a BINPUT (the picklers
@@ -866,13 +870,17 @@ class _Compact:
 
 class _SdmAcc(dict):  # type: ignore[type-arg]
     """``state_dict_metadata`` as the decoder reads it: fqn -> TensorMeta | BytesMeta (equal
-    values one object: ``metas``, the decoder's)."""
+    values one object: ``metas``, the decoder's).
 
-    __slots__ = ("metas",)
+    Items the machine built are converted at the end (:meth:`finish`), as the C path converts
+    them: a later opcode may still change them (a get of one and a BUILD or SETITEM on it)."""
+
+    __slots__ = ("metas", "pending")
 
     def __init__(self) -> None:
         super().__init__()
         self.metas: dict[Any, Any] = {}
+        self.pending: list[tuple[str, Any]] = []
 
     def vm_items(self, items: list[Any]) -> None:
         for i in range(0, len(items), 2):
@@ -882,18 +890,27 @@ class _SdmAcc(dict):  # type: ignore[type-arg]
             elif type(k) is not str:
                 raise _Unsupported
             else:
+                self[k] = v
+                self.pending.append((k, v))
+
+    def finish(self) -> None:
+        for k, v in self.pending:
+            if self.get(k) is v:  # (not set again by a later item)
                 m = _tensor_meta(v, k)
                 self[k] = self.metas.setdefault(m, m)
+        self.pending = []
 
 
 class _StorageAcc(StorageTable):
-    """``storage_data`` as the decoder reads it: rows in pickle order."""
+    """``storage_data`` as the decoder reads it: rows in pickle order (those the machine built
+    converted at the end, :meth:`finish`, as :class:`_SdmAcc` does)."""
 
-    __slots__ = ("_keys",)
+    __slots__ = ("_keys", "pending")
 
     def __init__(self) -> None:
         super().__init__()
         self._keys: set[int] = set()
+        self.pending: list[tuple[int, Any, Any]] = []
 
     def vm_items(self, items: list[Any]) -> None:
         for i in range(0, len(items), 2):
@@ -904,7 +921,19 @@ class _StorageAcc(StorageTable):
             if id(k) in self._keys:  # one key object twice: a dict would keep one item
                 raise _Unsupported
             self._keys.add(id(k))  # k lives on in the memo: ids stay unique
-            self.append(*_storage_entry(k, v))
+            self.pending.append((len(self.fqns), k, v))
+            self.append("", None, "", 0, 0)
+
+    def finish(self) -> None:
+        for i, k, v in self.pending:
+            fqn, off, path, start, length, tds = _storage_entry(k, v)
+            if start > _I64 or length > _I64:
+                raise ValueError(f"_StorageInfo of {fqn!r} has an offset or length past 2**63")
+            self.fqns[i], self.offsets[i], self.paths[i] = fqn, off, path
+            self.starts[i], self.lengths[i] = start, length
+            if tds:
+                self.transforms[i] = tds
+        self.pending = []
 
 
 class _PlannerAcc(dict):  # type: ignore[type-arg]
@@ -1048,6 +1077,29 @@ _STORAGE_ITEM = rb"""
     u b
 """
 _PLANNER_ITEM = rb"(<G>) ( <G>\x85 | <G>{2}\x86 | <G>{3}\x87 | \(<G>*t ) <P>"
+#: A ``torch.Size`` value: a memo get, or ``Size`` called on a tuple of ints (``@`` its group names' stem).
+_SIZE_OF = rb"(?: (?P<@_g><G>) | (?P<@_c><G>) (?P<@_t><T>) \x85<P> R<P> )"
+#: A ``WriteItem`` of a tensor in Megatron-Core's ``all_local_plans`` (protocol 4/5 only). The
+#: ``_g`` groups are memo gets of values (anything already memoized: the decoder need not have
+#: kept it), the others keys and classes (checked once per bytes).
+_WRITE_ITEM = rb"""
+    (?P<wi><G>) <NEWOBJ>                                         # WriteItem(
+    (?P<k_index><G>) (?P<mi><G>) <NEWOBJ>                        #   index=MetadataIndex(
+    (?P<k_fqn><G>) (?: (?P<fqn_g><G>) | (?P<fqn_s><S>) <P> )     #     fqn=,
+    (?P<k_idx><G>) (?: N | <I> )                                 #     index=None or an int,
+    (?P<k_off><G>) <SIZE:off>                                    #     offset=Size)
+    u b
+    (?P<k_type><G>) (?P<type_g><G>)                              #   type=(memoized) WriteItemType.SHARD,
+    (?P<k_bio><G>) N                                             #   bytes_io_data=None,
+    (?P<k_td><G>) (?P<twd><G>) <NEWOBJ>                          #   tensor_data=TensorWriteData(
+    (?P<k_chunk><G>) (?: (?P<chunk_g><G>)                        #     chunk= (usually state_dict_metadata's)
+        | (?P<csm><G>) <NEWOBJ> (?P<k_co><G>) <SIZE:co> (?P<k_cz><G>) <SIZE:cz> u b )
+    (?P<k_props><G>) (?: (?P<props_g><G>)                        #     properties=
+        | (?P<tp><G>) \)\x81<P> \( (?P<dt_g><G>) (?P<lay_g><G>) [\x88\x89] (?P<mf_g><G>) [\x88\x89] t<P> b )
+    (?P<k_size><G>) <SIZE:size>                                  #     size=Size)
+    u b
+    u b
+"""
 
 
 class _Patterns:
@@ -1066,6 +1118,20 @@ class _Patterns:
         self.planner_same = self._compile(rb"(<G>) (<G>) \x85<P>")
         self.planner_own = self._compile(rb"(<S>) \x94 (<G>) \x85\x94")  # protocol 4 only
         self.gets = self._compile(b"<G>")
+        self.write_item = self.write_item_rx(None) if p4 else None
+
+    def write_item_rx(self, keys: tuple[bytes | None, ...] | None) -> re.Pattern[bytes]:
+        """:data:`_WRITE_ITEM`; with ``keys`` (checked :data:`_WRITE_ITEM_KEYS` bytes) a template:
+        those gets as they are, the alternatives whose key is None never."""
+        pattern = _WRITE_ITEM
+        for stem in (b"off", b"co", b"cz", b"size"):
+            pattern = pattern.replace(b"<SIZE:" + stem + b">", _SIZE_OF.replace(b"@", stem))
+        if keys is not None:
+            for name, b in zip(_WRITE_ITEM_KEYS, keys, strict=True):
+                group = b"(?P<" + name.encode() + b"><G>)"
+                assert pattern.count(group) == 1
+                pattern = pattern.replace(group, b"(?!)" if b is None else b"(?:" + re.escape(b) + b")")
+        return self._compile(pattern)
 
     def _compile(self, pattern: bytes) -> re.Pattern[bytes]:
         for k, v in _ITEM_PARTS.items():
@@ -1117,6 +1183,11 @@ class _MetaDecoder:
         self.tuples: dict[bytes, tuple[int, ...] | None] = {}
         self.sdm_acc: dict[str, Any] = {}
         self.names: dict[str, str] | None = None
+        self.depth = 2  # len(marks) where the item reader reads
+        self.pairs = True  # the reader's items are key, value pairs (a dict's)
+        self.plans_mark = 0  # len(marks) of the all_local_plans list's batch (0: outside it)
+        self.plans_memo = 0  # memo_len where that batch began
+        self.item_templates: list[re.Pattern[bytes]] = []
 
     def _names(self) -> dict[str, str]:
         """The state_dict_metadata keys, each its own value (made once): storage rows whose fqn
@@ -1145,22 +1216,24 @@ class _MetaDecoder:
         st = obj.state
         sdm, sd = st.get("state_dict_metadata"), st.get("storage_data")
         if isinstance(sdm, _SdmAcc):
-            entries: dict[str, TensorMeta | BytesMeta] = sdm
+            acc = sdm
         elif type(sdm) is dict:
             acc = _SdmAcc()
             acc.metas = self.metas
             acc.vm_items([x for kv in sdm.items() for x in kv])
-            entries = acc
         else:
             raise _Unsupported
+        acc.finish()
+        entries: dict[str, TensorMeta | BytesMeta] = acc
         if isinstance(sd, _StorageAcc):
-            storage: StorageTable = sd
+            sacc = sd
         elif type(sd) is dict:
             sacc = _StorageAcc()
             sacc.vm_items([x for kv in sd.items() for x in kv])
-            storage = sacc
         else:
             raise _Unsupported
+        sacc.finish()
+        storage: StorageTable = sacc
         version = st.get("version")
         return DcpMetadata(
             entries, storage, version if isinstance(version, str) else None, isinstance(obj, _MCoreMetadata)
@@ -1204,9 +1277,9 @@ class _MetaDecoder:
         pos = 0
         while True:
             items = self.items
-            if items is not None and len(marks) == 2:
+            if items is not None and len(marks) == self.depth:
                 n = len(stack) - self.base
-                if not n & 1 and (n == 0 or _complete(stack[-1])):
+                if (not n & 1 or not self.pairs) and (n == 0 or _complete(stack[-1])):
                     pos = items(pos)
                     if pos - self.released > _RELEASE:
                         self._release(pos)
@@ -1237,10 +1310,17 @@ class _MetaDecoder:
                 self._put(int.from_bytes(data[pos : pos + 4], "little"), stack[-1])
                 pos += 4
             elif op == 0x68:  # BINGET
-                stack.append(memo[data[pos]])
+                try:
+                    stack.append(memo[data[pos]])
+                except KeyError:
+                    stack.append(self._dropped(data[pos]))
                 pos += 1
             elif op == 0x6A:  # LONG_BINGET
-                stack.append(memo[int.from_bytes(data[pos : pos + 4], "little")])
+                i = int.from_bytes(data[pos : pos + 4], "little")
+                try:
+                    stack.append(memo[i])
+                except KeyError:
+                    stack.append(self._dropped(i))
                 pos += 4
             elif op in (0x8C, 0x58, 0x8D):  # SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
                 w = _LEN_ARG[op]
@@ -1328,6 +1408,8 @@ class _MetaDecoder:
                 marks.append(len(stack))
                 if len(marks) == 2:
                     self._items_start()
+                elif self.plans_mark and type(stack[-1]) is list and stack[-2] == "items":
+                    self._write_items_start()
             elif op == 0x30:  # POP
                 if marks and marks[-1] == len(stack):
                     self._pop_mark()
@@ -1417,9 +1499,30 @@ class _MetaDecoder:
 
     def _pop_mark(self) -> int:
         k = self.marks.pop()
-        if self.items is not None and len(self.marks) < 2:
+        if self.items is not None and len(self.marks) < self.depth:
             self.items = None
+            self.depth = 2
+            self.pairs = True
+        if self.plans_mark and len(self.marks) < self.plans_mark:
+            self._plans_end()
         return k
+
+    def _dropped(self, idx: int) -> Any:
+        """A memo get of an object the decoder did not keep: inside Megatron's ``all_local_plans``
+        (whose objects nothing reads) an inert :data:`_DROPPED` if the C unpickler has the entry
+        (protocol 4: every index below ``memo_len``); anywhere else the C path decides."""
+        if not self.plans_mark or idx >= self.memo_len:
+            raise _Unsupported
+        return _DROPPED
+
+    def _plans_end(self) -> None:
+        """The ``all_local_plans`` batch is appended: forget what it made but strings, numbers and
+        globals, so nothing after it reaches an object holding a :data:`_DROPPED` (a get of one
+        leaves the file to the C path)."""
+        memo, start = self.memo, self.plans_memo
+        for k in [k for k, v in memo.items() if k >= start and not _keepable(v)]:
+            del memo[k]
+        self.plans_mark = 0
 
     def _find(self, module: str, name: str) -> Any:
         try:
@@ -1445,10 +1548,19 @@ class _MetaDecoder:
         if not isinstance(stack[0], _Metadata) or type(stack[1]) is not dict:
             return
         key, top = stack[-2], stack[-1]
+        if key == "all_local_plans" and type(top) is list and self.family:
+            # Megatron-Core's save plans (protocol 4/5: memo indexes known without the objects)
+            self.plans_mark = 2
+            self.plans_memo = self.memo_len
+            return
         if type(top) is dict and not top and type(key) is str and key in _ACCUMULATORS:
+            old = top
             top = stack[-1] = _ACCUMULATORS[key]()
             if type(top) is _SdmAcc:
                 top.metas = self.metas
+            memo = self.memo
+            for k in [k for k, v in memo.items() if v is old]:  # a get of the dict gets the reader's
+                memo[k] = top
         kind = type(top)
         if kind is _SdmAcc:
             self.items = self._sdm_items
@@ -1769,6 +1881,86 @@ class _MetaDecoder:
             if self.family:
                 self.memo_len += n
 
+    def _write_items_start(self) -> None:
+        """On the MARK of a batch of a save plan's ``items`` (inside ``all_local_plans``): read
+        them with :meth:`_write_items`."""
+        if self.items is None:
+            self.items = self._write_items
+            self.depth = len(self.marks)
+            self.pairs = False
+            self.base = len(self.stack)
+
+    def _write_items(self, pos: int) -> int:
+        """Tensor ``WriteItem`` s of a save plan, as long as :data:`_WRITE_ITEM` matches them: each
+        checked and dropped (an inert :data:`_DROPPED` stands for it on the stack).
+
+        What the C unpickler does with such an item is fixed by its bytes: it makes new objects,
+        sets their state and fills their fresh state dicts, and only places the objects its memo
+        gets fetch (never calls, builds, fills or hashes one), so it cannot fail nor change an
+        object made before. The keys and classes are checked (once per bytes: a memo index holds
+        one object), the values' gets refer to entries made before the item (protocol 4: below
+        ``memo_len``)."""
+        data, memo, stack = self.data, self.memo, self.stack
+        pats = self.pats
+        assert pats is not None and pats.write_item is not None
+        templates = self.item_templates
+        fend = self.frame_end
+        names = self._names()
+        from_bytes = int.from_bytes
+        t = templates[-1] if templates else None
+        while True:
+            m = None if t is None else t.match(data, pos)
+            if m is None:
+                t, m = self._learn_write_item(pos)
+                if m is None:
+                    return pos
+            stop = m.end()
+            if stop > fend:
+                return pos
+            fqn_s, chunk_g, props_g, *rest = m.group(*_WRITE_ITEM_READ)
+            n = self.memo_len
+            for b in rest[:_WRITE_ITEM_NVALUES]:  # the values' gets: entries made before the item
+                if b is not None and (b[1] if len(b) == 2 else from_bytes(b[1:], "little")) >= n:
+                    return pos
+            puts = 6
+            for b in rest[_WRITE_ITEM_NVALUES:]:  # a new torch.Size: its tuple's, TUPLE1's, REDUCE's
+                if b is not None:
+                    puts += 2 if b == b")" else 3
+            if chunk_g is None:  # a new ChunkStorageMetadata
+                puts += 2
+            if props_g is None:  # a new TensorProperties
+                puts += 2
+            if fqn_s is not None:
+                fqn = _own_string(fqn_s)
+                if fqn is None:
+                    return pos
+                memo[n + 4] = names.get(fqn, fqn)  # (WriteItem, its dict, MetadataIndex, its dict)
+                puts += 1
+            self.memo_len = n + puts
+            stack.append(_DROPPED)
+            pos = stop
+            if stop == fend:
+                return pos
+
+    def _learn_write_item(self, pos: int) -> tuple[re.Pattern[bytes] | None, re.Match[bytes] | None]:
+        """A template whose keys and classes match the write item at ``pos`` (the one known, or
+        one made after checking them), and its match; (None, None) if it is not a write item."""
+        pats = self.pats
+        assert pats is not None and pats.write_item is not None
+        for t in self.item_templates:
+            m = t.match(self.data, pos)
+            if m is not None:
+                return t, m
+        g = pats.write_item.match(self.data, pos)
+        if g is None or len(self.item_templates) >= _MAX_TEMPLATES:
+            return None, None
+        keys = g.group(*_WRITE_ITEM_KEYS)
+        if not _write_item_keys_known(keys, self.memo):
+            return None, None
+        t = pats.write_item_rx(keys)
+        self.item_templates.append(t)
+        return t, t.match(self.data, pos)
+
 
 def _own_string(b: bytes) -> str | None:
     """The text of a SHORT_BINUNICODE / BINUNICODE opcode matched by ``<S>`` (a lazy match: None
@@ -1792,6 +1984,55 @@ def _first_match(templates: list[_Template], data: Any, pos: int) -> tuple[_Temp
 
 
 _SDM_GETS = ("tsm", "kprop", "tp", "dtype", "lay", "mf", "ksize", "szc", "kchunks")
+
+
+#: The key and class gets of a :data:`_WRITE_ITEM` and what each must be (a key its string).
+_WRITE_ITEM_EXPECT: dict[str, Any] = {
+    "wi": _WriteItem, "k_index": "index", "mi": _MetadataIndex, "k_fqn": "fqn", "k_idx": "index",
+    "k_off": "offset", "off_c": _TORCH_SIZE, "k_type": "type", "k_bio": "bytes_io_data",
+    "k_td": "tensor_data", "twd": _TensorWriteData, "k_chunk": "chunk", "csm": _ChunkStorageMetadata,
+    "k_co": "offsets", "co_c": _TORCH_SIZE, "k_cz": "sizes", "cz_c": _TORCH_SIZE,
+    "k_props": "properties", "tp": _TensorProperties, "k_size": "size", "size_c": _TORCH_SIZE,
+}  # fmt: skip
+_WRITE_ITEM_KEYS = tuple(_WRITE_ITEM_EXPECT)
+_WRITE_ITEM_VALUES = ("fqn_g", "off_g", "type_g", "chunk_g", "co_g", "cz_g", "props_g", "dt_g", "lay_g",
+                      "mf_g", "size_g")  # fmt: skip
+_WRITE_ITEM_NVALUES = len(_WRITE_ITEM_VALUES)
+#: What the reader takes of a write item's match: then the values' gets, then the new sizes' tuples.
+_WRITE_ITEM_READ = ("fqn_s", "chunk_g", "props_g", *_WRITE_ITEM_VALUES, "off_t", "co_t", "cz_t", "size_t")
+
+
+def _write_item_keys_known(sig: tuple[bytes | None, ...], memo: dict[int, Any]) -> bool:
+    """Whether the key and class gets of a write item (``sig``: :data:`_WRITE_ITEM_KEYS`' bytes)
+    refer to the strings and classes they must be."""
+    for b, want in zip(sig, _WRITE_ITEM_EXPECT.values(), strict=True):
+        if b is None:
+            continue
+        got = memo.get(_gidx(b), _DROPPED)
+        if got is not want if not isinstance(want, str) else type(got) is not str or got != want:
+            return False
+    return True
+
+
+class _Dropped(_StandIn):
+    """What the decoder has instead of an object of Megatron's ``all_local_plans`` it did not keep:
+    a value only (building, filling, calling or hashing it leaves the file to the C path)."""
+
+    __slots__ = ()
+
+    def _global(self) -> str:
+        return "an object of all_local_plans"
+
+    def __hash__(self) -> int:
+        raise _Unsupported
+
+
+_DROPPED = _Dropped()
+
+
+def _keepable(v: Any) -> bool:
+    """Whether a memo entry holds nothing that a :data:`_DROPPED` could be inside of."""
+    return type(v) in (str, int, bool, float, type(None)) or isinstance(v, (_StandIn, _StandInType))
 
 
 def _gets_known(data: Any, toks: list[tuple[int, int, int]], memo: dict[int, Any]) -> bool:

@@ -200,3 +200,32 @@ def test_metadata_classes_allowed_by_name(saved: Path, tmp_path: Path) -> None:
         assert ".metadata" in err and "torch.distributed.checkpoint.planner.LoadPlan" in err, err
         assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", MODES)
+def test_metadata_read_by_the_fast_decoder(saved: Path, mode: str) -> None:
+    """The save plans are checked and dropped by reshard's own pickle machine (bounded memory:
+    tests/io/test_dcp_fast.py), which reads the .metadata as the C unpickler reads it; a byte set
+    anywhere in the plans reads as the C unpickler reads it (the same values, or both refuse)."""
+    from reshard.errors import HeaderError
+    from reshard.io.unpickle import _MetaDecoder, _reference_metadata, load_dcp_metadata
+
+    def values(read: Any, data: bytes) -> Any:
+        try:
+            md = read(data)
+        except HeaderError:
+            return "refused"
+        return (list(md.entries.items()), list(md.storage), md.version, md.megatron)
+
+    data = (saved / mode / ".metadata").read_bytes()
+    fast = _MetaDecoder(data, "m").decode()
+    assert fast.decoder == "fast" and fast.entries[STACKED]
+    want = values(lambda d: _reference_metadata(d, "m"), data)
+    assert values(lambda d: _MetaDecoder(d, "m").decode(), data) == want
+    start = data.index(b"all_local_plans")
+    for i in range(start, len(data), max(1, (len(data) - start) // 300)):
+        bad = bytearray(data)
+        bad[i] ^= 0x5A
+        got = values(lambda d: load_dcp_metadata(d, path="m"), bytes(bad))
+        assert got == values(lambda d: _reference_metadata(d, "m"), bytes(bad)), i

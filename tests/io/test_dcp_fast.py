@@ -306,6 +306,169 @@ def test_gathered_metadata_memory_is_bounded() -> None:
     assert peak < 5000 * 1500, peak
 
 
+def _megatron_metadata(n: int, ranks: int = 4) -> Metadata:
+    """What Megatron-Core 0.16's ``torch_dist`` saver pickles from ``ranks`` ranks: torch's
+    ``Metadata`` plus ``all_local_plans``, every rank's save plan, whose write items share the
+    chunks (and rank 0's properties and names) of ``state_dict_metadata`` (memo gets back into
+    it); the other ranks' names and properties are their own (gathered), as are byte items."""
+    from torch.distributed.checkpoint.planner import (
+        BytesIOWriteData,
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    items: list[list[Any]] = [[] for _ in range(ranks)]
+    paths = [f"__{r}_0.distcp" for r in range(ranks)]  # each rank's file: one string
+    at = 0
+    for i in range(n):
+        fqn = f"decoder.layers.{i // 8}.mlp.experts.{i % 8}.{['fc1', 'fc2'][i % 2]}.weight"
+        props = TensorProperties(dtype=torch.bfloat16 if i % 5 else torch.float32)
+        shape = torch.Size([8 * ranks, 96 + 32 * (i % 3)])
+        chunks = [
+            ChunkStorageMetadata(torch.Size([8 * r, 0]), torch.Size([8, shape[1]])) for r in range(ranks)
+        ]
+        sdm[fqn] = TensorStorageMetadata(props, shape, chunks)
+        for r, ch in enumerate(chunks):
+            name = fqn if r == 0 else "".join(list(fqn))
+            own = props if r == 0 else TensorProperties(dtype=props.dtype)
+            index = MetadataIndex(name, torch.Size(list(ch.offsets)))
+            items[r].append(
+                WriteItem(index, WriteItemType.SHARD, tensor_data=TensorWriteData(ch, own, shape))
+            )
+            storage[MetadataIndex(name, torch.Size(list(ch.offsets)), r)] = _StorageInfo(paths[r], at, 1500)
+            at += 1500
+        if i % 1000 == 7:  # a byte item (Megatron's _extra_state), rank 0 writes it
+            key = fqn.replace("weight", "_extra_state")
+            sdm[key] = BytesStorageMetadata()
+            items[0].append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO, BytesIOWriteData(9)))
+            storage[MetadataIndex(key)] = _StorageInfo(paths[0], at, 9)
+            at += 9
+    md = Metadata(sdm, None, storage, StorageMeta(PosixPath("/ckpt"), "id"), "1.0.0")
+    md.all_local_plans = [SavePlan(its) for its in items]  # type: ignore[attr-defined]
+    return md
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_megatron_plans_read_fast_as_the_c_unpickler_reads_them(protocol: int) -> None:
+    data = pickle.dumps(_megatron_metadata(2100), protocol=protocol)
+    got = fast(data)
+    assert got.decoder == "fast"
+    assert values(got) == values(reference(data))
+    assert len(got.storage) == 2100 * 4 + 3
+
+
+def test_megatron_plans_protocol_2_is_left_to_the_c_unpickler() -> None:
+    """Protocol 2/3 plans: the decoder does not count BINPUT indexes, so it cannot tell a get of
+    an object it did not keep from a get of nothing; the C path reads them."""
+    data = pickle.dumps(_megatron_metadata(30), protocol=2)
+    with pytest.raises(_Unsupported):
+        fast(data)
+    assert values(load_dcp_metadata(data, path="m")) == values(reference(data))
+
+
+def test_megatron_plans_memory_is_bounded() -> None:
+    """20k chunks with their save plans: the plans' write items are checked and dropped, not
+    built (the C unpickler keeps them and all of state_dict_metadata's objects they refer to)."""
+    data = pickle.dumps(_megatron_metadata(5000), protocol=4)
+    tracemalloc.start()
+    try:
+        md = load_dcp_metadata(data, path="m")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert md.decoder == "fast" and len(md.storage) == 20000 + 5
+    assert peak < 5000 * 1500, peak
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 40), st.sampled_from([4, 5]), st.data())
+def test_damaged_megatron_plans_read_as_the_c_unpickler_reads_them(n: int, protocol: int, data: Any) -> None:
+    """A byte set, a range cut or repeated, mostly in the plans: the same values or both refuse."""
+    good = pickle.dumps(_megatron_metadata(n), protocol=protocol)
+    start = good.index(b"all_local_plans")
+    i = data.draw(st.integers(start if data.draw(st.integers(0, 9)) else 0, len(good) - 1))
+    b = bytearray(good)
+    kind = data.draw(st.sampled_from(["set", "cut", "repeat"]))
+    if kind == "set":
+        b[i] = data.draw(st.integers(0, 255).filter(lambda v: v != good[i]))
+    else:
+        j = min(len(b), i + data.draw(st.integers(1, 24)))
+        b[i:j] = b"" if kind == "cut" else b[i:j] * 2
+    bad = bytes(b)
+    assume(_memo_index_bounded(bad))
+    assert outcome(lambda d: load_dcp_metadata(d, path="m"), bad) == outcome(reference, bad)
+
+
+def _memo(data: bytes) -> dict[int, Any]:
+    """The memo after loading ``data`` (pickle.py's unpickler, reshard's stand-ins)."""
+    from reshard.io.unpickle import DCP_METADATA_GLOBALS
+
+    class Up(pickle._Unpickler):  # type: ignore[name-defined,misc]
+        def find_class(self, module: str, name: str) -> Any:
+            return DCP_METADATA_GLOBALS[(module, name)]
+
+    up = Up(io.BytesIO(data))
+    up.load()
+    return dict(up.memo)
+
+
+@pytest.mark.parametrize("which", [0, 57])  # the first chunk (the machine built it), a later one
+@pytest.mark.parametrize("where", ["before", "inside"])  # the plans list's batch
+def test_plans_changing_state_dict_metadata_are_read_as_the_c_unpickler_reads_them(
+    which: int, where: str
+) -> None:
+    """Opcodes that get a chunk of state_dict_metadata (which the decoder may not have kept) and
+    build it anew, fill it, call it or hash it: the C path's verdict (refused, or read)."""
+    from reshard.io.unpickle import _ChunkStorageMetadata, _TensorProperties, _TensorStorageMetadata
+
+    framed = pickle.dumps(_megatron_metadata(40), protocol=4)
+    frames = [p for op, _, p in pickletools.genops(framed) if op.name == "FRAME"]
+    good = b"".join(framed[a + 9 : b] for a, b in zip(frames, [*frames[1:], len(framed)]))  # no FRAME
+    good = framed[: frames[0]] + good
+    assert values(fast(good)) == values(reference(good))
+    memo = _memo(good)
+    chunk = sorted(k for k, v in memo.items() if isinstance(v, _ChunkStorageMetadata))[which]
+    props = sorted(k for k, v in memo.items() if isinstance(v, _TensorProperties))[which]
+    size = next(k for k, v in memo.items() if getattr(v, "name", "") == "torch.Size")
+    key = next(k for k, v in memo.items() if v == "sizes")
+    sdm = next(
+        k for k, v in memo.items() if isinstance(v, dict) and "decoder.layers.0.mlp.experts.0.fc1.weight" in v
+    )
+    tensor = min(k for k, v in memo.items() if isinstance(v, _TensorStorageMetadata))
+    at = good.index(b"all_local_plans") + len(b"all_local_plans") + 3  # key, MEMOIZE, EMPTY_LIST, MEMOIZE
+    assert good[at - 2 : at + 1] == b"]\x94("
+    at += where == "inside"
+
+    def get(i: int) -> bytes:
+        return b"j" + i.to_bytes(4, "little")
+
+    new_sizes = b"}(" + get(key) + get(size) + b"K\x07K\x05\x86\x85Ru"
+    hostile = {
+        "build": (get(chunk) + new_sizes + b"b0", "refused"),  # sizes only: its offsets are gone
+        "rebuild properties": (get(props) + b"(\x89t" + b"b0", "refused"),  # no dtype
+        "setitem": (get(chunk) + b"K\x01K\x02s0", "refused"),
+        "append": (get(chunk) + b"K\x01a0", "refused"),
+        "call": (get(chunk) + b")R0", "refused"),
+        "hash": (b"}" + get(chunk) + b"K\x01s0", "ok"),
+        # one entry more in state_dict_metadata: a get of its dict and a SETITEM
+        "fill state_dict_metadata": (get(sdm) + b"\x8c\x02zz" + get(tensor) + b"s0", "changed"),
+    }
+    want_ok = values(reference(good))
+    for name, (ops, verdict) in hostile.items():
+        bad = good[:at] + ops + good[at:]
+        want = outcome(reference, bad)
+        assert want[0] == ("ok" if verdict == "changed" else verdict), name
+        assert want == ("refused", None) or (want == ("ok", want_ok)) == (verdict == "ok"), name
+        assert outcome(lambda d: load_dcp_metadata(d, path="m"), bad) == want, name
+        if verdict == "refused":
+            with pytest.raises(_Unsupported):
+                fast(bad)
+
+
 # --------------------------------------------------------------------------- chunk archives
 
 
