@@ -155,7 +155,8 @@ def test_spans_gather_equals_the_reference(
 
     def gather(sources: SourceFiles, buf: bytearray) -> None:
         w = Spans(sources, span, slots)
-        w.shared = shared  # whole windows (siblings read them too) or only the bytes wanted
+        # whole windows of every file (siblings read them too) or only the bytes wanted
+        w.shared = frozenset(range(8)) if shared else frozenset()
         at = np.array(lay["at"], dtype=np.int64)
         jobs = []
         for d, k, s, n, rows, ss, ds in lay["runs"]:
