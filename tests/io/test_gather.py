@@ -19,6 +19,7 @@ from reshard.checkpoint import TensorSource
 from reshard.errors import SourceChangedError
 from reshard.formats import open_checkpoint
 from reshard.intervals import Interval
+from reshard.io import reader
 from reshard.io.pages import SourceFiles
 from reshard.io.reader import Spans, Windows
 from reshard.verify import verify_checkpoints
@@ -146,12 +147,20 @@ def _check_gather(
     span=st.sampled_from([0, 16, 64, 256, 4096]),
     slots=st.sampled_from([1, 2, 8]),
     shared=st.booleans(),
+    gap=st.sampled_from([0, 16, 1 << 16]),
 )
 def test_spans_gather_equals_the_reference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lay: dict[str, Any], span: int, slots: int, shared: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    lay: dict[str, Any],
+    span: int,
+    slots: int,
+    shared: bool,
+    gap: int,
 ) -> None:
     """The column path's copy (one call per run and source file, pieces in file order) moves
-    the same bytes as the reference, whatever the windows."""
+    the same bytes as the reference, whatever the windows and the gaps read through."""
+    monkeypatch.setattr(reader, "_GAP", gap)
 
     def gather(sources: SourceFiles, buf: bytearray) -> None:
         w = Spans(sources, span, slots)
