@@ -589,24 +589,6 @@ def job_reach(jobs: Iterable[Job]) -> dict[int, tuple[int, int, int]]:
 _MANY = 8
 """Pieces of one file in a buffer from which :class:`Spans` reads whole windows for siblings."""
 
-_GAP = 64 << 10
-"""Bytes between the pieces :class:`Spans` reads as asked above which it reads them apart (about a
-``pread`` and a numpy call's worth of copying)."""
-
-
-def _wanted(jobs: Sequence[Job], fi: int) -> tuple[Any, Any]:
-    """The runs of file ``fi``'s bytes that ``jobs`` read, gaps of at most :data:`_GAP` included:
-    their starts and ends (sorted arrays)."""
-    import numpy as np
-
-    los = [job[1] for job in jobs if job[0] == fi]
-    his = [job[1] + ((job[4] - 1) * job[5] + job[3]) for job in jobs if job[0] == fi]
-    lo, hi = np.concatenate(los), np.concatenate(his)
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], np.maximum.accumulate(hi[order])
-    breaks = np.flatnonzero(lo[1:] > hi[:-1] + _GAP) + 1
-    return lo[np.concatenate(([0], breaks))], hi[np.concatenate((breaks - 1, [len(hi) - 1]))]
-
 
 class Spans:
     """Spans of source files read whole by ``pread`` into ``slots`` buffers of at most ``span``
@@ -639,12 +621,27 @@ class Spans:
 
     def locate(self, fi: int, lo: int, hi: int) -> tuple[bytearray, int]:
         """The buffer holding file ``fi``'s bytes ``[lo, hi)`` (at most :attr:`span`), and where
-        they start in it; read if no slot holds them."""
+        they start in it; read if no slot holds them. A slot holding their start is extended to
+        hold them (up to :attr:`span`): siblings in lockstep ask for spans from the same first
+        byte (a norm) to their own rows, each longer than the last (64 ranks: read once, not
+        64 times over)."""
         self.clock += 1
         for j, (f, a, b) in enumerate(self.slots):
             if f == fi and a <= lo and hi <= b:
                 self.used[j] = self.clock
                 return self.bufs[j], lo - a
+        for j, (f, a, b) in enumerate(self.slots):
+            if f == fi and a <= lo <= b and hi - a <= self.span:
+                held = self.bufs[j]
+                if len(held) < hi - a:
+                    held = bytearray(min(self.span, max(hi - a, 2 * len(held))))
+                    held[: b - a] = memoryview(self.bufs[j])[: b - a]
+                    self.bufs[j] = held
+                self.slots[j] = (-1, 0, 0)
+                self.sources.pread(fi, memoryview(held)[b - a : hi - a], b)
+                self.slots[j] = (fi, a, hi)
+                self.used[j] = self.clock
+                return held, lo - a
         j = min(range(len(self.slots)), key=self.used.__getitem__)
         if len(self.bufs[j]) < hi - lo:
             self.bufs[j] = bytearray(min(self.span, max(hi - lo, 2 * len(self.bufs[j]), 64 << 10)))
@@ -682,34 +679,28 @@ class Spans:
             sorted_jobs.append(job)
         sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
         reach = job_reach(sorted_jobs)
-        runs: dict[int, tuple[Any, Any]] = {}  # per file read as asked: its runs of wanted bytes
         for job in sorted_jobs:
             fi, lo, _, n, rows, ss, _ = job
             extent = (rows - 1) * ss + n
             # whole windows when siblings will want the pieces between ours; else only the bytes
-            # wanted (alone, or a few tensors, which siblings want whole or cut in a few), in runs
-            # that skip gaps of more than _GAP (at 64 ranks, a rank's rows of q and k are 2 MiB apart)
-            if reach[fi][2] >= _MANY and fi in self.shared:
-                cuts: tuple[Any, Any] = ([0], [self.sources.size(fi)])
-            else:
-                cuts = runs.get(fi) or runs.setdefault(fi, _wanted(sorted_jobs, fi))
+            # wanted (alone, or a few tensors, which siblings want whole or cut in a few)
+            first, size, pieces = reach[fi]
+            if pieces >= _MANY and fi in self.shared:
+                first, size = 0, self.sources.size(fi)
             i, count = 0, len(lo)
             while i < count:
-                a = int(lo[i])
-                g = a - a % w  # the grid window of piece i
+                g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
                 stop = g + w
-                c = int(np.searchsorted(cuts[0], a, "right")) - 1  # the run of wanted bytes it is in
-                hi = min(stop, int(cuts[1][c]))
-                j = int(np.searchsorted(lo, hi - extent, "right"))  # the pieces the window holds whole
+                j = int(np.searchsorted(lo, stop - extent, "right"))  # the pieces it holds whole
                 if j > i:
-                    start = max(g, int(cuts[0][c]))
-                    held, at = self.locate(fi, start, max(hi, int(lo[j - 1]) + extent))
+                    start = max(g, first)
+                    held, at = self.locate(fi, start, max(min(stop, size), int(lo[j - 1]) + extent))
                     self._copy(job, i, j, held, at - start, buf)
                     i = j
-                    continue
-                k = int(np.searchsorted(lo, stop, "left"))  # piece i and those after it across the grid line
-                self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
-                i = k
+                k = int(np.searchsorted(lo, stop, "left"))  # those across the grid line
+                if k > i:
+                    self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
+                    i = k
 
     @staticmethod
     def _copy(job: Job, i: int, j: int, held: bytearray, shift: int, buf: bytearray) -> None:

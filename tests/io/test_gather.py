@@ -19,7 +19,6 @@ from reshard.checkpoint import TensorSource
 from reshard.errors import SourceChangedError
 from reshard.formats import open_checkpoint
 from reshard.intervals import Interval
-from reshard.io import reader
 from reshard.io.pages import SourceFiles
 from reshard.io.reader import Spans, Windows
 from reshard.verify import verify_checkpoints
@@ -147,20 +146,12 @@ def _check_gather(
     span=st.sampled_from([0, 16, 64, 256, 4096]),
     slots=st.sampled_from([1, 2, 8]),
     shared=st.booleans(),
-    gap=st.sampled_from([0, 16, 1 << 16]),
 )
 def test_spans_gather_equals_the_reference(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    lay: dict[str, Any],
-    span: int,
-    slots: int,
-    shared: bool,
-    gap: int,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lay: dict[str, Any], span: int, slots: int, shared: bool
 ) -> None:
     """The column path's copy (one call per run and source file, pieces in file order) moves
-    the same bytes as the reference, whatever the windows and the gaps read through."""
-    monkeypatch.setattr(reader, "_GAP", gap)
+    the same bytes as the reference, whatever the windows."""
 
     def gather(sources: SourceFiles, buf: bytearray) -> None:
         w = Spans(sources, span, slots)
@@ -255,3 +246,27 @@ def test_verify_finds_a_difference_in_a_word_shared_by_two_tensors(tmp_path: Pat
     doc = verify_checkpoints(open_checkpoint(str(tmp_path / "a")), open_checkpoint(str(tmp_path / "b")))
     assert [(d["tensor"], d.get("index")) for d in doc["differences"]] == [("t006", [2])]
     assert doc["bytes_compared"] == 40 * 3
+
+
+def test_spans_extend_a_held_window_instead_of_reading_it_again(tmp_path: Path) -> None:
+    """Siblings in lockstep ask for spans from one first byte to their own rows, each longer than
+    the last: the slot holding the last one is extended by the bytes after it (up to a span),
+    so every byte is read once."""
+    paths = _files(tmp_path, 2)
+    data = Path(paths[0]).read_bytes()
+    reads: list[tuple[int, int, int]] = []
+    sources = SourceFiles(paths, seen=lambda fi, off, buf: reads.append((fi, off, len(buf))))
+    try:
+        w = Spans(sources, 1024, 2)
+        for hi in (300, 600, 700, 1100):
+            held, at = w.locate(0, 100, hi)
+            assert bytes(held[at : at + hi - 100]) == data[100:hi]
+        assert reads == [(0, 100, 200), (0, 300, 300), (0, 600, 100), (0, 700, 400)]
+        held, at = w.locate(0, 500, 900)  # inside: a hit
+        assert bytes(held[at : at + 400]) == data[500:900] and len(reads) == 4
+        held, at = w.locate(0, 400, 1300)  # more than a span from the slot's start: read anew
+        assert bytes(held[at : at + 900]) == data[400:1300] and reads[-1] == (0, 400, 900)
+        held, at = w.locate(1, 0, 50)  # another file: its own slot
+        assert bytes(held[at : at + 50]) == Path(paths[1]).read_bytes()[:50]
+    finally:
+        sources.close()
