@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .checkpoint import TensorSource, offset_columns
 from .dtypes import DTYPE_SIZES
 from .io.reader import Run
-from .plan import Copy, TargetTensor
+from .plan import Copy, OutFile, TargetTensor
 
 if TYPE_CHECKING:
     import numpy as np
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 else:
     Ints = Any
 
-__all__ = ["Geometries", "Column"]
+__all__ = ["Geometries", "Column", "shared_sources"]
 
 EntryRuns = Callable[[TensorSource, tuple[Copy, ...], int], "tuple[Run, ...] | None"]
 
@@ -106,6 +106,18 @@ class Geometries:
                 hit = self._columns.setdefault((g, k), (fi, offsets))
         return hit
 
+    def sources(self, rank: int) -> set[int]:
+        """The source files target rank ``rank``'s entries read by runs (the column paths'
+        reads; entries gathered one by one read elsewhere)."""
+        import numpy as np
+
+        out: set[int] = set()
+        for g in range(len(self.firsts)):
+            for _, k, *_ in self.runs(g, rank) or ():
+                fi, _ = self.column(g, k)
+                out.update([fi] if isinstance(fi, int) else np.unique(fi).tolist())
+        return out
+
     def _pieces(self, g: int) -> tuple[Ints, Sequence[int], tuple[int, ...] | Ints]:
         """Geometry ``g``'s piece offsets (:func:`offset_columns`: a few columns for 64 rank files,
         not one per rank: 100k tensors, 50 MB) and files (one tuple for all, or an array)."""
@@ -122,3 +134,24 @@ class Geometries:
         files = row if same else np.array(list(map(_FILES, srcs)), dtype=np.int64).reshape(len(srcs), -1)
         with self._lock:
             return self._offsets.setdefault(g, (values, picks, files))
+
+
+def shared_sources(
+    files: Sequence[OutFile], geometries: Callable[[OutFile], Geometries | None]
+) -> frozenset[int]:
+    """The source files that two or more of ``files`` (siblings written in lockstep) read by runs
+    (``geometries``: a file's :class:`Geometries`, None when it is not written by columns).
+
+    Their windows are worth reading whole and keeping for the next sibling; the rest are read
+    as asked (TP-64 -> TP-8: each target rank reads 8 rank files of its own).
+    """
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for f in files:
+        geos = geometries(f)
+        if geos is None:
+            continue
+        mine = geos.sources(f.local_rank)
+        shared |= seen & mine
+        seen |= mine
+    return frozenset(shared)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .budget import COLUMN_WRITES, DEFAULT_BUFFER, RELEASE_EVERY
-from .bulk import Geometries
+from .bulk import Geometries, shared_sources
 from .checkpoint import TensorSource
 from .dtypes import DTYPE_SIZES
 from .intervals import block_shape, clip_box, row_major_strides, slabs
@@ -44,14 +44,12 @@ from .io.pages import PageWindow, Seen, SourceFiles
 from .io.reader import (
     DENSE,
     SPAN,
-    SPAN_SLOTS,
     WINDOW,
     RowCache,
     Run,
     Span,
     Spans,
     Windows,
-    job_reach,
     read_box,
     slab_items,
     uint_dtype,
@@ -75,9 +73,10 @@ ProgressFn = Callable[[int], None]
 
 T = TypeVar("T")
 
-GROUP_FILES = 8
+GROUP_FILES = 64
 """Files one thread writes in lockstep: enough for the ranks that split one source row
-between them to share its read, few enough to keep open files and headers modest."""
+between them to share its read (at 8, HF -> TP-64 read each column-sharded tensor 8 times:
+8.1 GB of source for a 2 GB model), few enough to keep open files and headers modest."""
 
 
 class _Buffers:
@@ -474,10 +473,8 @@ class _Writer:
                     for one in np.unique(files).tolist():
                         sel = files == one
                         jobs.append((one, lo[sel], pos[sel], n, rows, ss, ds))
-        if j - i > 1 and bufs.spans.shared:
-            span = bufs.spans.span  # the windows read from each source file must all stay
-            if sum((b - a) // span + 2 for a, b, _ in job_reach(jobs).values()) > SPAN_SLOTS:
-                return False
+        if j - i > 1 and not bufs.spans.keeps(jobs):  # the windows siblings read too must all stay
+            return False
         bufs.spans.gather(jobs, buf)
         return True
 
@@ -914,8 +911,8 @@ def _write_group(
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
         writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
-        bufs.spans.shared = len(writers) > 1  # files in lockstep: they read the same spans
-        if len(writers) > 1:
+        if len(writers) > 1:  # files in lockstep: the spans they all read are kept for each other
+            bufs.spans.shared = shared_sources(files, lambda f: geos.of(f) or geos.of_chunks(f))
             order = geos.order()
             for w in writers:
                 w.order = order

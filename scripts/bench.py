@@ -66,6 +66,20 @@ and with --dcp-write, writing DCP (torch Distributed Checkpoint, .metadata + .di
   torch-hf-dcp8  torch: 8 gloo ranks read HF tensor by tensor, distribute_tensor, dcp.save
                  (one round; --naive-rounds)
 
+With --ranks N (e.g. 64), checkpoints of N ranks are made once (TP-N per-rank files and a
+DCP of N ranks, from the HF file) and the jobs are the ones whose cost grows with the rank count
+(`cp` stays `cp -r` of the TP-4 source, the same bytes):
+
+  hf-tpN    reshard convert HF OUT --target-layout L --target-mesh tp=N
+  tpN-hf    reshard convert TPN OUT --consolidate      tpN-tp8   ... TPN OUT --target-mesh tp=8
+  tp8-tpN   reshard convert TP8 OUT --target-mesh tp=N
+  hf-dcpN   reshard convert HF OUT --to dcp --target-layout L --target-mesh tp=N
+  dcpN-hf   reshard convert DCPN OUT --consolidate
+  inspectN / checkN / verifyN / planN   inspect --json, inspect --check, verify TPN HF,
+            plan TPN --target-mesh tp=8
+
+(the layout's sharded dims need not divide by N: torch.chunk's rule, trailing shards empty).
+
 It prints one table: median wall time and spread, GB/s, peak RSS of the
 child process (os.wait4), the ratio to `cp` measured in the same rounds, and the
 median CPU seconds (user + system) of the child.
@@ -572,6 +586,13 @@ def main() -> int:
         help="also torch DCP .distcp (dcp.save, 4 gloo ranks) -> consolidated: reshard (job distcp-hf) "
         "against dcp_to_torch_save + save_file (naive rounds)",
     )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="also TP-N and DCP-N checkpoints of N ranks, and the jobs that read or write them "
+        "(hf-tpN, tpN-hf, tpN-tp8, tp8-tpN, hf-dcpN, dcpN-hf, inspectN, checkN, verifyN, planN)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -634,6 +655,19 @@ def main() -> int:
                 check=True,
             )
         marker.write_text("")
+    n = args.ranks
+    tpn, dcpn = base / f"src-tp{n}", base / f"src-dcp{n}"
+    if n and not (base / f"generated-ranks-{n}").exists():
+        sys.stderr.write(f"writing the {n}-rank checkpoints in {tpn}, {dcpn} ...\n")
+        lay_n = ["--target-layout", str(base / "layout.yaml"), "--quiet"]
+        for out_dir, extra in (
+            (tpn, ["--target-mesh", f"tp={n}"]),
+            (dcpn, ["--to", "dcp", "--target-mesh", f"tp={n}"]),
+            (tp8, ["--target-mesh", "tp=8"]),
+        ):
+            if not out_dir.exists():
+                subprocess.run([reshard, "convert", str(hf), str(out_dir), *extra, *lay_n], check=True)
+        (base / f"generated-ranks-{n}").write_text("")
     dcp_dir = base / "src-dcp"
     if args.dcp and not (base / "generated-dcp").exists():
         shutil.rmtree(dcp_dir, ignore_errors=True)
@@ -729,7 +763,30 @@ def main() -> int:
         cut = ["--exclude", f"model.layers.{args.tensors // per_layer}.*"] if args.tensors % per_layer else []
         ep = ["--target-layout", "mixtral-moe", "--target-mesh", "ep=8", *cut, "--quiet", *w]
         jobs["hf-ep8"] = ([reshard, "convert", str(hf), "OUT", *ep], [hf])
+    if n:
+        to_n = ["--target-mesh", f"tp={n}", "--quiet", *w]
+        jobs[f"hf-tp{n}"] = ([reshard, "convert", str(hf), "OUT", "--target-layout", lay, *to_n], [hf])
+        jobs[f"tp{n}-hf"] = ([reshard, "convert", str(tpn), "OUT", "--consolidate", "--quiet", *w], [tpn])
+        jobs[f"tp{n}-tp8"] = (
+            [reshard, "convert", str(tpn), "OUT", "--target-mesh", "tp=8", "--quiet", *w],
+            [tpn],
+        )
+        jobs[f"tp8-tp{n}"] = ([reshard, "convert", str(tp8), "OUT", *to_n], [tp8])
+        jobs[f"hf-dcp{n}"] = (
+            [reshard, "convert", str(hf), "OUT", "--to", "dcp", "--target-layout", lay, *to_n],
+            [hf],
+        )
+        jobs[f"dcp{n}-hf"] = ([reshard, "convert", str(dcpn), "OUT", "--consolidate", "--quiet", *w], [dcpn])
+        jobs[f"inspect{n}"] = ([reshard, "inspect", str(tpn), "--json"], [tpn])
+        jobs[f"check{n}"] = ([reshard, "inspect", str(tpn), "--check", "--quiet"], [tpn])
+        jobs[f"verify{n}"] = ([reshard, "verify", str(tpn), str(hf), "--quiet"], [tpn, hf])
+        jobs[f"plan{n}"] = ([reshard, "plan", str(tpn), "--target-mesh", "tp=8"], [tpn])
     default_jobs = "tp4-tp8,tp4-hf,hf-tp8" + (",inspect,plan,check,verify" if args.tensors else "")
+    if n:
+        default_jobs = ",".join(
+            j.replace("N", str(n))
+            for j in "hf-tpN,tpN-hf,tpN-tp8,tp8-tpN,hf-dcpN,dcpN-hf,inspectN,checkN,verifyN,planN".split(",")
+        )
     if args.big_tensor:
         default_jobs = "big-hf-tp8,big-tp8-hf,big-hf-dcp8,big-dcp8-hf,big-check,big-verify"
     chosen = (

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -605,16 +606,42 @@ class Spans:
         self.bufs = [bytearray(0) for _ in self.slots]
         self.used = [0] * len(self.slots)
         self.clock = 0
-        self.shared = False  # sibling files read through these spans too: read whole windows
+        self.shared: AbstractSet[int] = frozenset()
+        """The source files sibling files written in lockstep read too: read in whole windows
+        and kept for them (:meth:`keeps`). Files only one of them reads are read as asked:
+        TP-64 -> TP-8 siblings each read their own 8 rank files, and whole windows of those,
+        read over by the next sibling's before anyone took the rest, read 145 times the output."""
+
+    def keeps(self, jobs: Iterable[Job]) -> bool:
+        """Whether the windows ``jobs`` read from :attr:`shared` files all fit in the slots, so
+        they stay for the siblings (the reads of files no sibling reads need not stay)."""
+        span, shared = self.span, self.shared
+        windows = sum((b - a) // span + 2 for fi, (a, b, _) in job_reach(jobs).items() if fi in shared)
+        return windows <= len(self.slots)
 
     def locate(self, fi: int, lo: int, hi: int) -> tuple[bytearray, int]:
         """The buffer holding file ``fi``'s bytes ``[lo, hi)`` (at most :attr:`span`), and where
-        they start in it; read if no slot holds them."""
+        they start in it; read if no slot holds them. A slot holding their start is extended to
+        hold them (up to :attr:`span`): siblings in lockstep ask for spans from the same first
+        byte (a norm) to their own rows, each longer than the last (64 ranks: read once, not
+        64 times over)."""
         self.clock += 1
         for j, (f, a, b) in enumerate(self.slots):
             if f == fi and a <= lo and hi <= b:
                 self.used[j] = self.clock
                 return self.bufs[j], lo - a
+        for j, (f, a, b) in enumerate(self.slots):
+            if f == fi and a <= lo <= b and hi - a <= self.span:
+                held = self.bufs[j]
+                if len(held) < hi - a:
+                    held = bytearray(min(self.span, max(hi - a, 2 * len(held))))
+                    held[: b - a] = memoryview(self.bufs[j])[: b - a]
+                    self.bufs[j] = held
+                self.slots[j] = (-1, 0, 0)
+                self.sources.pread(fi, memoryview(held)[b - a : hi - a], b)
+                self.slots[j] = (fi, a, hi)
+                self.used[j] = self.clock
+                return held, lo - a
         j = min(range(len(self.slots)), key=self.used.__getitem__)
         if len(self.bufs[j]) < hi - lo:
             self.bufs[j] = bytearray(min(self.span, max(hi - lo, 2 * len(self.bufs[j]), 64 << 10)))
@@ -658,7 +685,7 @@ class Spans:
             # whole windows when siblings will want the pieces between ours; else only the bytes
             # wanted (alone, or a few tensors, which siblings want whole or cut in a few)
             first, size, pieces = reach[fi]
-            if self.shared and pieces >= _MANY:
+            if pieces >= _MANY and fi in self.shared:
                 first, size = 0, self.sources.size(fi)
             i, count = 0, len(lo)
             while i < count:

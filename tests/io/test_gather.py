@@ -155,7 +155,8 @@ def test_spans_gather_equals_the_reference(
 
     def gather(sources: SourceFiles, buf: bytearray) -> None:
         w = Spans(sources, span, slots)
-        w.shared = shared  # whole windows (siblings read them too) or only the bytes wanted
+        # whole windows of every file (siblings read them too) or only the bytes wanted
+        w.shared = frozenset(range(8)) if shared else frozenset()
         at = np.array(lay["at"], dtype=np.int64)
         jobs = []
         for d, k, s, n, rows, ss, ds in lay["runs"]:
@@ -245,3 +246,27 @@ def test_verify_finds_a_difference_in_a_word_shared_by_two_tensors(tmp_path: Pat
     doc = verify_checkpoints(open_checkpoint(str(tmp_path / "a")), open_checkpoint(str(tmp_path / "b")))
     assert [(d["tensor"], d.get("index")) for d in doc["differences"]] == [("t006", [2])]
     assert doc["bytes_compared"] == 40 * 3
+
+
+def test_spans_extend_a_held_window_instead_of_reading_it_again(tmp_path: Path) -> None:
+    """Siblings in lockstep ask for spans from one first byte to their own rows, each longer than
+    the last: the slot holding the last one is extended by the bytes after it (up to a span),
+    so every byte is read once."""
+    paths = _files(tmp_path, 2)
+    data = Path(paths[0]).read_bytes()
+    reads: list[tuple[int, int, int]] = []
+    sources = SourceFiles(paths, seen=lambda fi, off, buf: reads.append((fi, off, len(buf))))
+    try:
+        w = Spans(sources, 1024, 2)
+        for hi in (300, 600, 700, 1100):
+            held, at = w.locate(0, 100, hi)
+            assert bytes(held[at : at + hi - 100]) == data[100:hi]
+        assert reads == [(0, 100, 200), (0, 300, 300), (0, 600, 100), (0, 700, 400)]
+        held, at = w.locate(0, 500, 900)  # inside: a hit
+        assert bytes(held[at : at + 400]) == data[500:900] and len(reads) == 4
+        held, at = w.locate(0, 400, 1300)  # more than a span from the slot's start: read anew
+        assert bytes(held[at : at + 900]) == data[400:1300] and reads[-1] == (0, 400, 900)
+        held, at = w.locate(1, 0, 50)  # another file: its own slot
+        assert bytes(held[at : at + 50]) == Path(paths[1]).read_bytes()[:50]
+    finally:
+        sources.close()
