@@ -114,6 +114,11 @@ class _Buffers:
         return [self.write, *self.partials[: groups - 1]]
 
 
+_WIDE = 8
+"""A tensor's copies into one target piece from at least this many source pieces take the
+large slabs of :meth:`_Writer._gather`."""
+
+
 def _contiguous(shape: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> bool:
     """Whether a box is one contiguous run of a row-major array of ``shape``."""
     k = len(shape) - 1
@@ -678,7 +683,11 @@ class _Writer:
         src = t.src
         s_isz = DTYPE_SIZES[src.dtype]
         d_isz = DTYPE_SIZES[t.dtype]
-        budget_items = max(1, self.bufs.budget // max(s_isz, d_isz))
+        # many pieces a slab (a column-split tensor consolidated from 64 ranks: a read_box and a
+        # pread per piece and slab): slabs as large as the column path's buffer, written in
+        # budget-sized pieces, so the Python work per piece is spread over 4x the bytes
+        wide = t.groups == 1 and t.dtype == src.dtype and len(copies) >= _WIDE
+        budget_items = max(1, self.bufs.budget * (COLUMN_WRITES if wide else 1) // max(s_isz, d_isz))
         pages, rows = self.bufs.pages, self.bufs.rows
         plans = [(c.group, open_piece(self.sources, src, c.piece, mapped=False), c) for c in copies]
         boxes = {id(c): list(copy_boxes(c)) for c in copies}
@@ -695,7 +704,7 @@ class _Writer:
             n = 1
             for x in shape:
                 n *= x
-            bufs = self.bufs.slab_buffers(t.groups)
+            bufs = [self.bufs.columns(n * s_isz)] if wide else self.bufs.slab_buffers(t.groups)
             views = [np.frombuffer(b, dtype=npt, count=n).reshape(shape) for b in bufs]
             for g, piece, c in plans:
                 for s_st, d_st, sz in boxes[id(c)]:
@@ -710,7 +719,9 @@ class _Writer:
                         self.bytes_read += part.nbytes
             off = e.start + _box_offset(dshape, tuple(a for a, _ in slab)) * d_isz
             out: Any = bufs[0] if t.groups == 1 and t.dtype == src.dtype else self._transform(t, views, n)
-            self.sink.submit(memoryview(out)[: n * d_isz], off)
+            mv, step = memoryview(out)[: n * d_isz], self.bufs.budget
+            for a in range(0, len(mv), step):  # writes of the buffer size are the fast ones here
+                self.sink.submit(mv[a : a + step], off + a)
             if self.progress:
                 self.progress(n * d_isz)
             del views
