@@ -207,6 +207,10 @@ def offset_columns(offsets: Sequence[Sequence[int]], pieces: int) -> tuple[Any, 
     >>> v, p = offset_columns([FewOffsets((8, 24), pk := (0, 0, 1)), FewOffsets((9, 25), pk)], 3)
     >>> v.tolist(), p
     ([[8, 24], [9, 25]], (0, 0, 1))
+    >>> col = array("I", [5, 7, 9, 11])
+    >>> v, p = offset_columns([ColumnSlice(col, 2, 4), ColumnSlice(col, 0, 2)], 2)
+    >>> v.tolist(), list(p), v.dtype.name
+    ([[9, 11], [5, 7]], [0, 1], 'int64')
     >>> v, p = offset_columns([(1, 2), (3, 4)], 2)
     >>> v.tolist(), list(p)
     ([[1, 2], [3, 4]], [0, 1])
@@ -216,14 +220,18 @@ def offset_columns(offsets: Sequence[Sequence[int]], pieces: int) -> tuple[Any, 
     first = offsets[0] if len(offsets) else None
     if type(first) is ColumnSlice:
         column = first.column
+        dtype = _COLUMN_TYPES.get(column.typecode) if isinstance(column, array) else None
         if (
             isinstance(column, array)
-            and column.typecode == "q"
+            and dtype is not None
             and all(type(o) is ColumnSlice and o.column is column and len(o) == pieces for o in offsets)
         ):  # slices of one column (the DCP reader's): gathered from it, not item by item
             starts = np.fromiter(map(_START, offsets), np.int64, count=len(offsets))
-            rows = starts[:, None] + np.arange(pieces, dtype=np.int64)
-            return np.frombuffer(column, np.int64)[rows], range(pieces)
+            if not pieces or not len(column):
+                return np.zeros((len(offsets), pieces), np.int64), range(pieces)
+            # each tensor's window of the column (no array of every item's index)
+            windows = np.lib.stride_tricks.sliding_window_view(np.frombuffer(column, dtype), pieces)
+            return windows[starts].astype(np.int64, copy=False), range(pieces)
     if isinstance(first, FewOffsets):
         picks = first.picks
         g = len(first.values)
@@ -236,6 +244,8 @@ def offset_columns(offsets: Sequence[Sequence[int]], pieces: int) -> tuple[Any, 
 
 _VALUES = attrgetter("values")
 _START = attrgetter("start")
+_COLUMN_TYPES = {"q": "<i8", "I": "<u4"} if array("I").itemsize == 4 else {"q": "<i8"}
+"""Columns :func:`offset_columns` reads as numpy arrays: their typecode's numpy type."""
 
 
 @dataclass(frozen=True, slots=True)

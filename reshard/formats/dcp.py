@@ -582,7 +582,8 @@ class _Pieces:
     def by_tensor(self) -> tuple[list[int], array[int], array[int], array[int], array[int]]:
         """The rows grouped by tensor, each tensor's in the order they were added: per tensor id
         where its rows start (one more: the end), then the chunk, file, offset and CRC32 columns
-        in that order. The columns here are emptied."""
+        in that order, the last two as 4-byte unsigned columns when their values fit (offsets
+        below 4 GiB; a CRC32 for every chunk). The columns here are emptied."""
         import numpy as np
 
         n = len(self.tensor)
@@ -597,7 +598,11 @@ class _Pieces:
             code = col.typecode
             got = array(code)
             if n:
-                got.frombytes(np.frombuffer(col, np.int32 if code == "i" else np.int64)[order].tobytes())
+                values = np.frombuffer(col, np.int32 if code == "i" else np.int64)[order]
+                if code == "q" and array("I").itemsize == 4 and values.min() >= 0 and values.max() >> 32 == 0:
+                    values, got = values.astype(np.uint32), array("I")
+                got.frombytes(values.tobytes())
+                del values
             setattr(self, name, array(code))
             cols.append(got)
         return bounds.tolist(), cols[0], cols[1], cols[2], cols[3]
