@@ -514,12 +514,13 @@ def _report_crc32(ckpt: Checkpoint, t: TensorSource, g: _Geometry, data: _Data, 
     """Pieces whose stored bytes do not have the CRC32 the format recorded for them."""
     assert t.piece_crc32 is not None
     isz = DTYPE_SIZES[t.dtype]
-    for k, want in enumerate(t.piece_crc32):
+    # zipped, not indexed: a DCP reader's offsets and CRC32s are views of columns
+    for k, (want, fi, at) in enumerate(zip(t.piece_crc32, t.piece_files, t.piece_offsets)):
         if want is None:
             continue
-        got = data.crc32(t.piece_files[k], t.piece_offsets[k], g.numels[k] * isz)
+        got = data.crc32(fi, at, g.numels[k] * isz)
         if got != want:
-            f = ckpt.shown_file(t.piece_files[k], t.piece_offsets[k])
+            f = ckpt.shown_file(fi, at)
             msg = (
                 f'{f}: tensor "{t.name}" piece {format_box(_hull(t.piece_blocks[k]))}: CRC32 {got:08x} '
                 f"does not match the recorded {want:08x}; the file's bytes changed since it was written"
@@ -640,8 +641,7 @@ def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:
         if hit is None or hit[0] is not blocks:
             hit = counts[id(blocks)] = (blocks, [block_volume(b) for b in blocks])
         numels = hit[1]
-        for k, want in enumerate(t.piece_crc32):
-            fi, start = t.piece_files[k], t.piece_offsets[k]
+        for k, (want, fi, start) in enumerate(zip(t.piece_crc32, t.piece_files, t.piece_offsets)):
             if want is not None and fi not in files:
                 cols = crcs.get(fi)
                 if cols is None:

@@ -71,6 +71,7 @@ import math
 import operator
 import os
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -82,6 +83,8 @@ from ..checkpoint import (
     HOLDS_TENSORS,
     Checkpoint,
     CheckpointWarning,
+    ColumnSlice,
+    Crc32Slice,
     NonTensor,
     Spooled,
     TensorSource,
@@ -97,6 +100,7 @@ from ..io.torchsave import leaves, locate
 from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
+    BytesMeta,
     ChunkMeta,
     DcpMetadata,
     StoredDTensor,
@@ -494,23 +498,36 @@ def _read_metadata(mpath: Path) -> DcpMetadata:
 def _file_order(paths: list[str], starts: Sequence[int]) -> Sequence[int]:
     """Rows in file order (by relative path, then offset), stable: the order chunks are read in.
     Writers write ``storage_data`` in that order, so it is checked first (without a key per row
-    when all rows are of one file)."""
+    when all rows are of one file); else the rows are sorted as columns (a tuple a row took 150
+    MB for 1.6M rows).
+
+    >>> list(_file_order(["b", "a", "b", "a"], [0, 9, 4, 2]))
+    [3, 1, 0, 2]
+    """
     n = len(paths)
     if n and paths.count(paths[0]) == n and all(map(operator.lt, starts, islice(starts, 1, None))):
         return range(n)
-    keys = list(zip(paths, starts))
-    if all(map(operator.le, keys, islice(keys, 1, None))):
+    import numpy as np
+
+    rank = {p: i for i, p in enumerate(sorted(set(paths)))}
+    codes = np.fromiter(map(rank.__getitem__, paths), np.int64, count=n)
+    at = np.frombuffer(starts, np.int64) if isinstance(starts, array) else np.array(starts, np.int64)
+    order = np.lexsort((at, codes))
+    if (order == np.arange(n)).all():
         return range(n)
-    return sorted(range(n), key=keys.__getitem__)
+    return array("q", order.tobytes())
 
 
 class _Chunk:
     """One box of one tensor's metadata, as its pieces share it (compared by identity)."""
 
-    __slots__ = ("meta", "offsets", "sizes", "block", "layout", "stored")
+    __slots__ = ("meta", "offsets", "sizes", "block", "layout", "stored", "index")
 
-    def __init__(self, meta: TensorMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+    def __init__(
+        self, meta: TensorMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], index: int
+    ) -> None:
         self.meta = meta
+        self.index = index  # its place in the reader's list of chunks (the pieces' chunk column)
         self.offsets = offsets
         self.sizes = sizes
         # the layout of the last archive of this box (likely the next's) and its check
@@ -535,18 +552,78 @@ class _Geometry:
         self.pairs = pairs
 
 
+class _Pieces:
+    """Every chunk read so far, a row each in columns (a TP-8 checkpoint of 200k tensors has
+    1.6M): its tensor (in order of first appearance), :class:`_Chunk` (index), file, data
+    offset and CRC32 (-1: none). As tuples (and their ints) they took 200 bytes a chunk."""
+
+    __slots__ = ("tids", "tensor", "chunk", "file", "start", "crc")
+
+    def __init__(self) -> None:
+        self.tids: dict[str, int] = {}
+        self.tensor = array("i")
+        self.chunk = array("i")
+        self.file = array("i")
+        self.start = array("q")
+        self.crc = array("q")
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def add(self, fqn: str, piece: tuple[int, _Chunk, int, int | None]) -> None:
+        """A row for ``piece`` (``(file, chunk, data offset, CRC32)``) of tensor ``fqn``."""
+        tid = self.tids.get(fqn)
+        if tid is None:
+            tid = self.tids[fqn] = len(self.tids)
+        fi, chunk, start, crc = piece
+        self.tensor.append(tid)
+        self.chunk.append(chunk.index)
+        self.file.append(fi)
+        self.start.append(start)
+        self.crc.append(-1 if crc is None else crc)
+
+    def by_tensor(self) -> tuple[list[int], array[int], array[int], array[int], array[int]]:
+        """The rows grouped by tensor, each tensor's in the order they were added: per tensor id
+        where its rows start (one more: the end), then the chunk, file, offset and CRC32 columns
+        in that order, the last two as 4-byte unsigned columns when their values fit (offsets
+        below 4 GiB; a CRC32 for every chunk). The columns here are emptied."""
+        import numpy as np
+
+        n = len(self.tensor)
+        tid = np.frombuffer(self.tensor, np.int32) if n else np.zeros(0, np.int32)
+        order = np.argsort(tid, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(tid, minlength=len(self.tids)))])
+        del tid
+        self.tensor = array("i")
+        cols: list[array[int]] = []
+        for name in ("chunk", "file", "start", "crc"):
+            col: array[int] = getattr(self, name)
+            code = col.typecode
+            got = array(code)
+            if n:
+                values = np.frombuffer(col, np.int32 if code == "i" else np.int64)[order]
+                if code == "q" and array("I").itemsize == 4 and values.min() >= 0 and values.max() >> 32 == 0:
+                    values, got = values.astype(np.uint32), array("I")
+                got.frombytes(values.tobytes())
+                del values
+            setattr(self, name, array(code))
+            cols.append(got)
+        return bounds.tolist(), cols[0], cols[1], cols[2], cols[3]
+
+
 class _Reader:
     """What the metadata files of one checkpoint add up to, read one file at a time.
 
-    A piece is ``(file, chunk, data offset, CRC32)``; chunks of one tensor metadata and box are
-    one :class:`_Chunk`, archives of one layout are checked once per box (``self.stored``).
+    A piece is ``(file, chunk, data offset, CRC32)``, a row of ``self.pieces``; chunks of one
+    tensor metadata and box are one :class:`_Chunk`, archives of one layout are checked once per
+    box (``self.stored``).
     """
 
     def __init__(self, root: Path) -> None:
         self.files = _Files(root)
         self.meta: dict[str, TensorMeta] = {}
-        # per tensor: its piece, or a list of its pieces
-        self.pieces: dict[str, Any] = {}
+        self.pieces = _Pieces()
+        self.chunk_list: list[_Chunk] = []
         self.non_tensors: dict[str, NonTensor] = {}
         self.warnings: list[CheckpointWarning] = []
         self.blobs: dict[Any, Header] = {}
@@ -574,7 +651,12 @@ class _Reader:
         mp = str(mpath)
         fis: dict[str, int] = {}
         order = _file_order(paths, starts)
-        chunks, stored_cache, pieces = self.chunks, self.stored, self.pieces
+        chunks, stored_cache = self.chunks, self.stored
+        pieces = self.pieces
+        first_row = len(pieces)
+        tids = pieces.tids
+        add_tensor, add_chunk, add_file = pieces.tensor.append, pieces.chunk.append, pieces.file.append
+        add_start, add_crc = pieces.start.append, pieces.crc.append
         reader: ArchiveReader | None = None
         reader_fi = -1
         from_bytes = int.from_bytes
@@ -643,44 +725,69 @@ class _Reader:
                 raise type(e)(
                     f'{e.message} (a chunk of tensor "{fqn}")', path=e.path, tensor=fqn, hint=e.hint
                 ) from None
+            if got is not None and s.order is None:  # the common case: added here, inline
+                tid = tids.get(fqn)
+                if tid is None:
+                    tid = tids[fqn] = len(tids)
+                add_tensor(tid)
+                add_chunk(chunk.index)
+                add_file(fi)
+                add_start(start + s.start)
+                slot = s.slot
+                add_crc(-1 if slot is None else from_bytes(crcs[slot], "little"))
+                continue
             if got is not None:
-                if s.order is None:
-                    slot = s.slot
-                    piece = (
-                        fi,
-                        chunk,
-                        start + s.start,
-                        None if slot is None else from_bytes(crcs[slot], "little"),
-                    )
-                else:
-                    piece = self._permuted(fqn, fi, start, length, s, crcs, chunk)
-                    reader_fi = -1  # the spool may have taken a descriptor
+                piece = self._permuted(fqn, fi, start, length, s, crcs, chunk)
             else:
                 piece = self._piece_slow(fqn, m, chunk, fi, start, length, transforms.get(i, ()))
-                reader_fi = -1
-            p = pieces.get(fqn)
-            if p is None:
-                pieces[fqn] = piece  # one piece (the common case): no list
-            elif type(p) is list:
-                p.append(piece)
-            else:
-                pieces[fqn] = [p, piece]
+            reader_fi = -1  # the spool may have taken a descriptor
+            pieces.add(fqn, piece)
+        self._lost_chunks(entries, first_row, mpath)
+
+    def _lost_chunks(self, entries: dict[str, TensorMeta | BytesMeta], first_row: int, mpath: Path) -> None:
+        """Warn about each tensor of ``entries`` (one metadata file's) with a chunk that the file's
+        storage items (the pieces' rows from ``first_row`` on) do not store."""
+        import numpy as np
+
+        pieces = self.pieces
+        tids = pieces.tids
+        n = len(pieces) - first_row
+        nchunks = max(len(self.chunk_list), 1)
+        # per tensor, how many distinct chunks the file's rows store (a chunk: one box of its meta)
+        tid = np.frombuffer(pieces.tensor, np.int32)[first_row:] if n else np.zeros(0, np.int32)
+        cid = np.frombuffer(pieces.chunk, np.int32)[first_row:] if n else np.zeros(0, np.int32)
+        pairs = np.sort(tid.astype(np.int64) * nchunks + cid)  # (np.unique: 2-3 s for 1.6M rows)
+        distinct = np.ones(len(pairs), bool)
+        np.not_equal(pairs[1:], pairs[:-1], out=distinct[1:])
+        have = np.bincount(pairs[distinct] // nchunks, minlength=len(tids)).tolist()
+        del pairs, distinct
+        need: dict[int, tuple[TensorMeta, int]] = {}  # distinct chunk offsets per meta (by id)
+        short: list[tuple[str, TensorMeta, int | None]] = []
         for fqn, m in entries.items():
-            if type(m) is TensorMeta:
-                p = pieces.get(fqn, ())
-                if type(p) is tuple:  # one piece
-                    if p and p[1].meta is m and len(m.chunks) == 1:
-                        continue  # its chunk is m's only one (found by chunk_at)
-                    p = [p] if p else []
-                have = {c.offsets for _, c, _, _ in p if c.meta is m}  # this file's chunks only
-                lost = [c for c in m.chunks if c.offsets not in have]
-                if lost:
-                    msg = (
-                        f'{mpath}: tensor "{fqn}" chunk at offsets {list(lost[0].offsets)}'
-                        + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
-                        + " has no storage entry, so its data is missing"
-                    )
-                    self.warnings.append(CheckpointWarning(msg, True, mp, fqn))
+            if type(m) is not TensorMeta or not m.chunks:
+                continue
+            hit = need.get(id(m))
+            if hit is None or hit[0] is not m:
+                hit = need[id(m)] = (m, len({c.offsets for c in m.chunks}))
+            t = tids.get(fqn)
+            if t is None or have[t] != hit[1]:
+                short.append((fqn, m, t))
+        if not short:
+            return
+        stored: dict[int, set[tuple[int, ...]]] = {t: set() for _, _, t in short if t is not None}
+        for r in np.flatnonzero(np.isin(tid, np.array(list(stored), np.int64))).tolist():
+            stored[int(tid[r])].add(self.chunk_list[int(cid[r])].offsets)
+        for fqn, m, t in short:
+            got = stored.get(t, set()) if t is not None else set()
+            lost = [c for c in m.chunks if c.offsets not in got]
+            if not lost:
+                continue
+            msg = (
+                f'{mpath}: tensor "{fqn}" chunk at offsets {list(lost[0].offsets)}'
+                + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
+                + " has no storage entry, so its data is missing"
+            )
+            self.warnings.append(CheckpointWarning(msg, True, str(mpath), fqn))
 
     def _where(self, fi: int, start: int, length: int) -> str:
         return f"{self.files.paths[fi]} (bytes {start}..{start + length})"
@@ -761,7 +868,9 @@ class _Reader:
                 path=where,
                 tensor=fqn,
             )
-        chunk = self.chunks[(id(m), offset)] = _Chunk(m, c.offsets, _full_sizes(c, len(m.size)))
+        chunk = _Chunk(m, c.offsets, _full_sizes(c, len(m.size)), len(self.chunk_list))
+        self.chunks[(id(m), offset)] = chunk
+        self.chunk_list.append(chunk)
         return chunk  # (the chunk keeps m alive: the key's id stays m's)
 
     def _stored(
@@ -874,41 +983,38 @@ class _Reader:
                 )
 
     def tensors(self) -> dict[str, TensorSource]:
+        """The tensors in name order, each piece's offset and CRC32 a :class:`ColumnSlice` /
+        :class:`Crc32Slice` of two columns all tensors share (the pieces grouped by tensor)."""
         out: dict[str, TensorSource] = {}
         paths = self.files.paths
-        geometries: dict[tuple[int, ...], _Geometry] = {}
+        tids = self.pieces.tids
+        bounds, chunk_col, file_col, start_col, crc_col = self.pieces.by_tensor()
+        chunk_list = self.chunk_list
+        geometries: dict[tuple[int, bytes], _Geometry] = {}
         files_seen: dict[tuple[int, ...], tuple[int, ...]] = {}
-        ones: dict[int, tuple[int, ...]] = {}
         for name in sorted(self.meta):
             m = self.meta[name]
-            got = self.pieces.pop(name, None)  # (freed as the sources are made)
-            ps: list[tuple[int, _Chunk, int, int | None]] = (
-                [] if got is None else [got] if type(got) is tuple else got
-            )
+            tid = tids.get(name)
             shape: tuple[int, ...] = m.size
             blocks: tuple[Block, ...] = ()
             sig: Any = ("boxes", shape, ())
             fis: tuple[int, ...] = ()
-            offsets: tuple[int, ...] = ()
-            crcs: tuple[int | None, ...] = ()
-            if ps:
-                if len(ps) == 1:  # most tensors: no lists
-                    fi, c, start, crc = ps[0]
-                    key: tuple[int, ...] = (id(m), id(c))
-                    fis = ones.get(fi) or ones.setdefault(fi, (fi,))
-                    offsets, crcs = (start,), (crc,)
-                else:
-                    key = (id(m), *[id(p[1]) for p in ps])
-                    fis = tuple([p[0] for p in ps])
-                    fis = files_seen.setdefault(fis, fis)
-                    offsets = tuple([p[2] for p in ps])
-                    crcs = tuple([p[3] for p in ps])
+            offsets: Sequence[int] = ()
+            crcs: Sequence[int | None] = ()
+            if tid is not None:
+                a, b = bounds[tid], bounds[tid + 1]
+                cids = chunk_col[a:b]
+                key = (id(m), cids.tobytes())
+                fis = tuple(file_col[a:b])
+                fis = files_seen.setdefault(fis, fis)
+                offsets, crcs = ColumnSlice(start_col, a, b), Crc32Slice(crc_col, a, b)
                 geo = geometries.get(key)
                 if geo is None:
-                    geo = geometries[key] = self._geometry(name, m, ps)
+                    chunks = [chunk_list[c] for c in cids]
+                    geo = geometries[key] = self._geometry(name, m, chunks, fis, offsets)
                 shape, blocks, sig = geo.shape, geo.blocks, geo.signature
                 if geo.pairs:
-                    cs = self._stored_chunks(ps, m)
+                    cs = self._stored_chunks(m, [chunk_list[c] for c in cids], fis, offsets)
                     self.warnings.append(_overlap_warning(name, cs, geo.pairs, shape, paths))
             out[name] = tensor_source(
                 name,
@@ -938,21 +1044,25 @@ class _Reader:
         return out
 
     def _stored_chunks(
-        self, ps: Sequence[tuple[int, _Chunk, int, int | None]], m: TensorMeta
+        self, m: TensorMeta, chunks: Sequence[_Chunk], fis: Sequence[int], starts: Sequence[int]
     ) -> list[StoredChunk]:
         st_dtype = SAFETENSORS_DTYPES[m.dtype]
-        return [StoredChunk(fi, c.offsets, c.sizes, st_dtype, start, m.size) for fi, c, start, _ in ps]
+        return [
+            StoredChunk(fi, c.offsets, c.sizes, st_dtype, start, m.size)
+            for fi, c, start in zip(fis, chunks, starts, strict=True)
+        ]
 
     def _geometry(
-        self, name: str, m: TensorMeta, ps: Sequence[tuple[int, _Chunk, int, int | None]]
+        self, name: str, m: TensorMeta, chunks: Sequence[_Chunk], fis: Sequence[int], starts: Sequence[int]
     ) -> _Geometry:
         """Blocks, global shape and overlapping pairs of one tuple of chunks (checked as
         :func:`_global_shape` checks them)."""
         shape = m.size
-        for _, c, _, _ in ps:
+        for c in chunks:
             if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)):
-                _global_shape(name, self._stored_chunks(ps, m), self.files.paths)  # raises, naming the file
-        blocks = tuple(c.block for _, c, _, _ in ps)
+                # raises, naming the file
+                _global_shape(name, self._stored_chunks(m, chunks, fis, starts), self.files.paths)
+        blocks = tuple(c.block for c in chunks)
         return _Geometry(blocks, shape, overlapping_pairs(blocks))
 
 

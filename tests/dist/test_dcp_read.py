@@ -13,7 +13,9 @@ CLI and compare bit for bit; damaged and hostile files must exit 2 (or 1 for
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -456,3 +458,149 @@ def test_spool_removed_under_torchrun(
     torchrun(2, *reshard_exe(), *args, teardown_abort_ok=True)
     assert [p.name for p in tmp.iterdir() if p.name.startswith("reshard-")] == []  # torchelastic's stay
     assert_same_dirs(tmp_path / "dist", tmp_path / "single")
+
+
+# --------------------------------------------------------------------------- pieces as torch stored them
+
+
+def _torch_items(ck: Path) -> dict[str, list[tuple[str, int, int, tuple[int, ...]]]]:
+    """Per tensor, its storage items as torch's own metadata classes read them (``pickle.loads``
+    of our own files, torch imported): ``(relative_path, offset, length, chunk offsets)``."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            # Megatron-Core's subclass (the module is not installed): its Metadata fields
+            return Metadata if name == "MCoreMetadata" else super().find_class(module, name)
+
+    out: dict[str, list[tuple[str, int, int, tuple[int, ...]]]] = {}
+    files = [ck / ".metadata"] if (ck / ".metadata").exists() else sorted(ck.glob("__*.metadata"))
+    for mf in files:
+        md = Unpickler(io.BytesIO(mf.read_bytes())).load()
+        for key, info in md.storage_data.items():
+            if isinstance(md.state_dict_metadata[key.fqn], TensorStorageMetadata):
+                item = (info.relative_path, info.offset, info.length, tuple(key.offset))
+                out.setdefault(key.fqn, []).append(item)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["plain", "megatron", "fsdp_tp", "rank_local"])
+def test_pieces_are_the_chunks_torch_stored(saved: Path, name: str) -> None:
+    """Each tensor's pieces (held as columns: offsets and CRC32s slices of two arrays) are its
+    storage items as torch reads them, one to one: the same file and box, the bytes torch.load
+    gives for the item's archive, and their CRC32. FSDP2 x TP (_StridedShard) model and AdamW
+    state on a (dp, tp) mesh, rank-local metadata merged, Megatron's prepended axes."""
+    import zlib
+
+    from reshard.checkpoint import ColumnSlice, Crc32Slice
+
+    ck = saved / name
+    want = _torch_items(ck)
+    got = open_checkpoint(ck)
+    assert set(want) == set(got.tensors)
+    blobs = {p.name: p.read_bytes() for p in ck.iterdir() if p.suffix == ".distcp"}
+    for fqn, items in want.items():
+        t = got.tensors[fqn]
+        assert isinstance(t.piece_offsets, ColumnSlice) and isinstance(t.piece_crc32, Crc32Slice)
+        assert len(t.piece_offsets) == len(t.piece_files) == len(t.piece_blocks) == len(items), fqn
+        matched = []
+        for k, at in enumerate(t.piece_offsets):
+            fname = Path(got.files[t.piece_files[k]]).name
+            hits = [i for i, (p, off, n, _) in enumerate(items) if p == fname and off <= at < off + n]
+            assert len(hits) == 1, (fqn, k)
+            path, off, n, offsets = items[hits[0]]
+            matched.append(hits[0])
+            chunk = torch.load(io.BytesIO(blobs[path][off : off + n]), weights_only=True)
+            data = raw(chunk)
+            assert blobs[path][at : at + len(data)] == data, (fqn, k)
+            assert t.piece_crc32[k] in (None, zlib.crc32(data)), (fqn, k)
+            box = t.piece_blocks[k]
+            assert len(box) == len(t.shape)
+            starts = [dim[0].start if dim else None for dim in box]
+            tail = offsets[len(offsets) - len(box) :]  # Megatron: offsets of more dims than sizes
+            assert all(s is None or s == o for s, o in zip(starts, tail, strict=True)), (fqn, k)
+            assert math.prod(sum(iv.stop - iv.start for iv in dim) for dim in box) == chunk.numel(), (fqn, k)
+        assert sorted(matched) == list(range(len(items))), fqn
+        assert t.piece_offsets == tuple(t.piece_offsets) and list(t.piece_crc32) == [
+            t.piece_crc32[k] for k in range(len(items))
+        ]
+
+
+def _edit_metadata(ck: Path, edit: Any) -> None:
+    md = pickle.loads((ck / ".metadata").read_bytes())  # our own file: trusted
+    edit(md)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.dist
+def test_chunk_without_storage_item_is_a_problem(saved: Path, tmp_path: Path) -> None:
+    """A chunk .metadata lists but stores nowhere: a warning naming the tensor and the chunk;
+    inspect --check exits 1 with it; the other tensors read as before."""
+    ck = _copy(saved, "fsdp_tp", tmp_path)
+
+    def drop(md: Any) -> None:
+        key = next(k for k in md.storage_data if k.fqn == "model.up.weight" and k.offset[0] == 2)
+        del md.storage_data[key]
+
+    _edit_metadata(ck, drop)
+    got = open_checkpoint(ck)
+    warned = [w for w in got.warnings if w.problem]
+    assert [(w.tensor, "chunk at offsets [2, 0] has no storage entry" in w.message) for w in warned] == [
+        ("model.up.weight", True)
+    ]
+    assert len(got.tensors["model.up.weight"].piece_offsets) == 3
+    whole = open_checkpoint(saved / "fsdp_tp").tensors
+    assert {n: t for n, t in got.tensors.items() if n != "model.up.weight"} == {
+        n: t for n, t in whole.items() if n != "model.up.weight"
+    }
+    proc = run_cli("inspect", ck, "--check", "--json")
+    assert proc.returncode == 1, proc.stderr
+    kinds = {(p["kind"], p["tensor"]) for p in json.loads(proc.stdout)["check"]["problems"]}
+    assert ("warning", "model.up.weight") in kinds
+
+
+@pytest.mark.dist
+def test_rank_local_chunk_without_storage_item(saved: Path, tmp_path: Path) -> None:
+    """With rank-local metadata, the warning names the rank's metadata file that lost the item."""
+    ck = _copy(saved, "rank_local", tmp_path)
+    mf = ck / "__1.metadata"
+    md = pickle.loads(mf.read_bytes())
+    key = next(k for k in md.storage_data if k.fqn == "model.up.weight")
+    del md.storage_data[key]
+    mf.write_bytes(pickle.dumps(md))
+    warned = [w for w in open_checkpoint(ck).warnings if w.problem]
+    assert [(w.tensor, Path(w.path or "").name) for w in warned] == [("model.up.weight", "__1.metadata")]
+    assert "has no storage entry" in warned[0].message
+
+
+def _move_chunk(md: Any, fqn: str, old: int, new: int) -> None:
+    """Move the chunk of ``fqn`` at row ``old`` to row ``new``, in the chunk list and its storage key."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    for c in md.state_dict_metadata[fqn].chunks:
+        if c.offsets[0] == old:
+            c.offsets = torch.Size([new, *c.offsets[1:]])
+    key = next(k for k in md.storage_data if k.fqn == fqn and k.offset[0] == old)
+    info = md.storage_data.pop(key)
+    md.storage_data[MetadataIndex(fqn, torch.Size([new, *key.offset[1:]]), key.index)] = info
+
+
+@pytest.mark.dist
+def test_overlapping_chunks_warned(saved: Path, tmp_path: Path) -> None:
+    """Chunks whose boxes overlap: a warning naming both boxes and files; --check exits 1."""
+    ck = _copy(saved, "fsdp_tp", tmp_path)
+    _edit_metadata(ck, lambda md: _move_chunk(md, "model.up.weight", 2, 1))
+    got = open_checkpoint(ck)
+    warned = [w for w in got.warnings if w.tensor == "model.up.weight"]
+    assert len(warned) == 1 and "overlap" in warned[0].message and "[1:3)" in warned[0].message
+    assert ".distcp" in warned[0].message
+    assert run_cli("inspect", ck, "--check").returncode == 1
+
+
+@pytest.mark.dist
+def test_chunk_outside_its_tensor_refused(saved: Path, tmp_path: Path) -> None:
+    ck = _copy(saved, "fsdp_tp", tmp_path)
+    _edit_metadata(ck, lambda md: _move_chunk(md, "model.up.weight", 2, 7))
+    err = _refused(run_cli("inspect", ck))
+    assert "model.up.weight" in err and ".distcp" in err
