@@ -106,7 +106,6 @@ def verify_output(source: SourceSpec, dst: PathLike, target: TargetSpec | None =
     """``convert --verify``: the written ``dst`` against the source, bit for bit (rank 0 under torchrun);
     with the target's transforms, the source seen through them."""
     from .dist import coordinator
-    from .forked import cpus
 
     if not coordinator().is_main:
         return {"equal": True}
@@ -122,7 +121,7 @@ def verify_output(source: SourceSpec, dst: PathLike, target: TargetSpec | None =
             sets=target.sets,
         )
         ck = tf.checkpoint(ck) if tf is not None else ck
-    return dict(verify_checkpoints(ck, open_source(SourceSpec(str(dst))), workers=cpus()))
+    return dict(verify_checkpoints(ck, open_source(SourceSpec(str(dst)))))
 
 
 def inspect_checkpoint(path: PathLike, *, layout: str | None = None, check: bool = False) -> dict[str, Any]:

@@ -737,7 +737,6 @@ def verify(
       reshard verify hf-model tt-tp8 --transforms hf-to-torchtitan-llama
     """
     from .convert import SourceSpec, open_source
-    from .forked import cpus
     from .verify import verify_checkpoints, with_repeats, with_replicas
 
     with _errors(json_):
@@ -767,7 +766,7 @@ def verify(
         ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or (), matched)
         for w in unmatched:
             console().print(f"warning: {w}")
-        doc = with_replicas(verify_checkpoints(ca, cb, workers=cpus()), ca, cb)
+        doc = with_replicas(verify_checkpoints(ca, cb), ca, cb)
         if tf is not None:  # the copies a split reads once (vLLM's replicated KV heads), as replicas
             selected = include or exclude
             repeats = [r for r in tf.repeats(source) if not selected or r.first.name in ca.tensors]

@@ -28,7 +28,6 @@ KV heads repeated over TP ranks) the same way, for ``verify --transforms``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import operator
 from collections.abc import Hashable, Sequence
@@ -43,7 +42,6 @@ from .compare import Batch, Group, batches
 from .dtypes import DTYPE_SIZES
 from .errors import PlanError
 from .execute import entry_runs
-from .forked import run_split
 from .intervals import (
     Block,
     block_shape,
@@ -571,9 +569,7 @@ def _describe(c: Checkpoint) -> Side:
     return {"path": c.path, "format": c.format}
 
 
-def verify_checkpoints(
-    a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 1
-) -> Verdict:
+def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Verdict:
     """Compare two checkpoints: tensor names, dtypes, global shapes and values bit for bit.
 
     Args:
@@ -589,64 +585,26 @@ def verify_checkpoints(
         ``values`` difference also has ``index`` (the smallest differing global
         index, row-major order) and ``a_bits``/``b_bits`` (the items there, hex).
 
-        workers: processes to compare in (forked, :mod:`~reshard.forked`), each a consecutive
-            part of the tensors in file order of about the same bytes; a checkpoint of few
-            tensors and few bytes is compared in this process.
-
     Raises:
         PlanError: a checkpoint's pieces leave holes or overlap without being replicas.
     """
     names = _file_order(a, b)
-    parts = _parts(a, names, workers)
-    found = run_split([functools.partial(_compare, a, b, names[lo:hi], max_bytes) for lo, hi in parts])
-    diffs = sorted((d for f in found for d in f[0]), key=lambda d: natural_key(d["tensor"]))
-    return {
-        "equal": not diffs,
-        "tensors": sum(f[1] for f in found),
-        "bytes_compared": sum(f[2] for f in found),
-        "differences": diffs,
-        "a": _describe(a),
-        "b": _describe(b),
-    }
-
-
-_SPLIT_TENSORS = 8192
-_SPLIT_BYTES = 256 << 20
-"""Checkpoints of fewer tensors and bytes than these are compared in one process (forking,
-and the second process's own buffers, cost more than they save)."""
-
-
-def _parts(a: Checkpoint, names: list[str], workers: int) -> list[tuple[int, int]]:
-    """``workers`` consecutive ranges of ``names`` holding about the same bytes of A (one
-    range for a small checkpoint)."""
-    if workers <= 1 or len(names) < 2:
-        return [(0, len(names))]
-    tensors = a.tensors
-    sizes = [t.numel * DTYPE_SIZES.get(t.dtype, 1) if t is not None else 0 for t in map(tensors.get, names)]
-    total = sum(sizes)
-    if len(names) < _SPLIT_TENSORS and total < _SPLIT_BYTES:
-        return [(0, len(names))]
-    cuts = [0]
-    acc = 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc * workers >= total * len(cuts) and len(cuts) < workers and i + 1 < len(names):
-            cuts.append(i + 1)
-    cuts.append(len(names))
-    return [(lo, hi) for lo, hi in itertools.pairwise(cuts) if hi > lo]
-
-
-def _compare(
-    a: Checkpoint, b: Checkpoint, names: list[str], max_bytes: int
-) -> tuple[list[Difference], int, int]:
-    """(differences, tensors, bytes compared) of ``names``."""
     v = _Verifier(a, b, max_bytes)
     try:
         for c in range(0, len(names), _CHUNK):
             v.chunk(names[c : c + _CHUNK])
     finally:
         v.close()
-    return v.diffs, v.tensors, v.compared
+    diffs = sorted(v.diffs, key=lambda d: natural_key(d["tensor"]))
+    total = v.compared
+    return {
+        "equal": not diffs,
+        "tensors": v.tensors,
+        "bytes_compared": total,
+        "differences": diffs,
+        "a": _describe(a),
+        "b": _describe(b),
+    }
 
 
 def verify_repeats(

@@ -215,3 +215,19 @@ def test_inspect_missing_rank_file_exit_2(ckpts: dict[str, Path], tmp_path: Path
     assert r.exit_code == 2, r.output
     doc = json.loads(r.stdout)
     assert "rank-00002-of-00004.safetensors" in doc["error"]["message"]
+
+
+def test_an_interrupted_verify_says_interrupted_not_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import reshard.verify
+
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reshard.verify, "verify_checkpoints", interrupted)
+    out = CliRunner().invoke(app, ["verify", str(tmp_path), str(tmp_path)])
+    assert out.exit_code == 130
+    assert "interrupted" in out.output and "--resume" not in out.output

@@ -9,7 +9,7 @@ ROOT = Path(__file__).parents[2] / "reshard"
 
 # lowest first; a module may import its own layer or any lower one (docs/ARCHITECTURE.md)
 LAYERS = [
-    {"version", "errors", "dtypes", "intervals", "text", "jsonout", "forked"},
+    {"version", "errors", "dtypes", "intervals", "text", "jsonout"},
     {"io.safe"},
     {"placements", "mesh"},
     {"layout", "config", "checkpoint", "indexmap"},
