@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .intervals import Block, block_shape, block_volume
 from .mesh import Mesh
@@ -42,7 +42,25 @@ Signature = tuple[Hashable, ...]
 values a reader chooses, e.g. ``("layout", shape, mesh_shape, placements)``)."""
 
 
-class FewOffsets(Sequence[int]):
+_V = TypeVar("_V")
+
+
+class _AsTuple(Sequence[_V]):
+    """A sequence that stands for the tuple of its items: equal, hashing and shown as that tuple."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+class FewOffsets(_AsTuple[int]):
     """A tensor's piece offsets when its many pieces lie at a few distinct offsets: piece ``k``
     is at ``values[picks[k]]``. ``picks`` is one tuple for every tensor of the files (the rank
     files of one header length and entry section put each tensor at one offset), so a tensor
@@ -75,15 +93,6 @@ class FewOffsets(Sequence[int]):
     def __iter__(self) -> Iterator[int]:
         return map(self.values.__getitem__, self.picks)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
 
 FEW_OFFSETS_MIN = 16
 """Pieces from which :func:`few_offsets` gives a :class:`FewOffsets`: below, a tuple of the
@@ -100,7 +109,7 @@ def few_offsets(values: tuple[int, ...], picks: tuple[int, ...]) -> Sequence[int
     return tuple(map(values.__getitem__, picks))
 
 
-class ColumnSlice(Sequence[int]):
+class ColumnSlice(_AsTuple[int]):
     """Items ``column[start:stop]`` of an integer column (an ``array``) a reader shares between
     its tensors: a tensor's piece offsets as one small object, not a tuple of ints. A TP-8 DCP
     checkpoint of 200k tensors has 1.6M pieces: their offsets and CRC32s as tuples took 1.1 KiB
@@ -138,17 +147,8 @@ class ColumnSlice(Sequence[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(self.column[self.start : self.stop])
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
 
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
-
-class Crc32Slice(Sequence["int | None"]):
+class Crc32Slice(_AsTuple["int | None"]):
     """A tensor's piece CRC32s as a :class:`ColumnSlice` does it: ``column[start:stop]``, a
     negative item meaning the piece has none (None). Equal (and hashing equal) to the tuple
     of its items.
@@ -187,15 +187,6 @@ class Crc32Slice(Sequence["int | None"]):
         if min(items, default=0) >= 0:
             return iter(items)
         return iter([None if v < 0 else v for v in items])
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
 
 
 def offset_columns(offsets: Sequence[Sequence[int]], pieces: int) -> tuple[Any, Sequence[int]]:
