@@ -26,9 +26,22 @@ pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("partial_ints")
-    torchrun(3, SCRIPTS / "save_partial_ints.py", out, teardown_abort_ok=True)
-    return out
+    """The oracle world's files. torch's integer ``P(avg)`` fails in the reduction's completion
+    (the division by the world size), and a rank may meet that error only at the script's
+    closing barrier, asynchronously, which aborts the world (seen once in a fresh-clone CI run
+    under pytest-xdist): the files a second world writes are the same, so up to three worlds
+    are run, and one counts only when every rank ended well and rank 0 saw torch's refusal."""
+    for attempt in range(3):
+        out = tmp_path_factory.mktemp("partial_ints")
+        try:
+            torchrun(3, SCRIPTS / "save_partial_ints.py", out, teardown_abort_ok=True)
+        except AssertionError:
+            if attempt == 2:
+                raise
+            continue
+        if "i32_avg" in json.loads((out / "avg.json").read_text()) or attempt == 2:
+            return out
+    raise AssertionError("unreachable")
 
 
 def test_integer_and_bool_sums_max_min_equal_torch(world: Path, tmp_path: Path) -> None:
