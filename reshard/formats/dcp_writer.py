@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from pathlib import Path
 from typing import TypeVar, overload
@@ -85,6 +85,19 @@ def _narrow(ids: array[int], count: int) -> array[int]:
     """``ids`` (each below ``count``) in the smallest unsigned array type that holds them."""
     code = "B" if count <= 0x100 else "H" if count <= 0x10000 else "i"
     return ids if ids.typecode == code else array(code, ids)
+
+
+def _ids_of(objs: Iterable[T], table: dict[int, int], values: list[T]) -> array[int]:
+    """Each of ``objs``' index in ``values`` by identity (``table``: id -> index), the new ones
+    appended: per-chunk references to shared boxes as small ints (see :class:`_Picks`)."""
+    ids = array("i")
+    for obj in objs:
+        k = table.get(id(obj))
+        if k is None:
+            k = table[id(obj)] = len(values)
+            values.append(obj)
+        ids.append(k)
+    return ids
 
 
 class _Fixed(LazySequence[tuple[int, bytes]]):
@@ -155,15 +168,8 @@ class DcpFile(OutFile):
     def __init__(self, name: str, rank: int, tensors: Sequence[TargetTensor], boxes: Sequence[Box]) -> None:
         super().__init__(name, rank, tensors)
         if not isinstance(boxes, _Picks):
-            table: dict[int, int] = {}
             values: list[Box] = []
-            ids = array("i")
-            for box in boxes:
-                k = table.get(id(box))
-                if k is None:
-                    k = table[id(box)] = len(values)
-                    values.append(box)
-                ids.append(k)
+            ids = _ids_of(boxes, {}, values)
             boxes = _Picks(values, _narrow(ids, len(values)))
         self.boxes: _Picks[Box] = boxes
 
@@ -252,14 +258,7 @@ def _rank_files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptio
     values: list[Box] = []
     for rank in range(len(per_rank)):
         idx, boxes = per_rank[rank]
-        ids = array("i")
-        for box in boxes:
-            got = table.get(id(box))
-            if got is None:
-                got = table[id(box)] = len(values)
-                values.append(box)
-            ids.append(got)
-        picks = _Picks(values, _narrow(ids, 1 << 31))
+        picks = _Picks(values, _narrow(_ids_of(boxes, table, values), 1 << 31))
         per_rank[rank] = (idx, [])  # (the list of a box per chunk freed as it goes)
         for k, (a, b) in enumerate(_split(tensors, idx, picks, options.max_shard_size)):
             key = idx[a:b].tobytes()
