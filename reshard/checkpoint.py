@@ -109,7 +109,28 @@ def few_offsets(values: tuple[int, ...], picks: tuple[int, ...]) -> Sequence[int
     return tuple(map(values.__getitem__, picks))
 
 
-class ColumnSlice(_AsTuple[int]):
+class _Window(_AsTuple[_V]):
+    """Items ``start`` to ``stop`` of an integer ``column`` a reader shares between its tensors."""
+
+    __slots__ = ("column", "start", "stop")
+
+    def __init__(self, column: Sequence[int], start: int, stop: int) -> None:
+        self.column = column
+        self.start = start
+        self.stop = stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def _at(self, k: int) -> int:
+        """The column's item at index ``k`` of the window (negative: from its end)."""
+        n = self.stop - self.start
+        if not -n <= k < n:
+            raise IndexError(k)
+        return self.column[self.start + k if k >= 0 else self.stop + k]
+
+
+class ColumnSlice(_Window[int]):
     """Items ``column[start:stop]`` of an integer column (an ``array``) a reader shares between
     its tensors: a tensor's piece offsets as one small object, not a tuple of ints. A TP-8 DCP
     checkpoint of 200k tensors has 1.6M pieces: their offsets and CRC32s as tuples took 1.1 KiB
@@ -122,12 +143,7 @@ class ColumnSlice(_AsTuple[int]):
     (24, 24, [8, 24], True, 2, (8,), (24, 8))
     """
 
-    __slots__ = ("column", "start", "stop")
-
-    def __init__(self, column: Sequence[int], start: int, stop: int) -> None:
-        self.column = column
-        self.start = start
-        self.stop = stop
+    __slots__ = ()
 
     @overload
     def __getitem__(self, k: int) -> int: ...
@@ -136,19 +152,13 @@ class ColumnSlice(_AsTuple[int]):
     def __getitem__(self, k: int | slice) -> int | tuple[int, ...]:
         if isinstance(k, slice):
             return tuple(self)[k]
-        n = self.stop - self.start
-        if not -n <= k < n:
-            raise IndexError(k)
-        return self.column[self.start + k if k >= 0 else self.stop + k]
-
-    def __len__(self) -> int:
-        return self.stop - self.start
+        return self._at(k)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.column[self.start : self.stop])
 
 
-class Crc32Slice(_AsTuple["int | None"]):
+class Crc32Slice(_Window["int | None"]):
     """A tensor's piece CRC32s as a :class:`ColumnSlice` does it: ``column[start:stop]``, a
     negative item meaning the piece has none (None). Equal (and hashing equal) to the tuple
     of its items.
@@ -159,12 +169,7 @@ class Crc32Slice(_AsTuple["int | None"]):
     (None, 3, [7, None, 3], True, 3)
     """
 
-    __slots__ = ("column", "start", "stop")
-
-    def __init__(self, column: Sequence[int], start: int, stop: int) -> None:
-        self.column = column
-        self.start = start
-        self.stop = stop
+    __slots__ = ()
 
     @overload
     def __getitem__(self, k: int) -> int | None: ...
@@ -173,14 +178,8 @@ class Crc32Slice(_AsTuple["int | None"]):
     def __getitem__(self, k: int | slice) -> int | None | tuple[int | None, ...]:
         if isinstance(k, slice):
             return tuple(self)[k]
-        n = self.stop - self.start
-        if not -n <= k < n:
-            raise IndexError(k)
-        v = self.column[self.start + k if k >= 0 else self.stop + k]
+        v = self._at(k)
         return None if v < 0 else v
-
-    def __len__(self) -> int:
-        return self.stop - self.start
 
     def __iter__(self) -> Iterator[int | None]:
         items = self.column[self.start : self.stop]
