@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -24,7 +25,7 @@ from .formats.base import Writer
 from .formats.hf_extras import copy_model_files, scan_model_files
 from .io.lock import LOCK, DirLock
 from .io.readhash import ReadHashes
-from .io.staging import Stage, refuse_non_files
+from .io.staging import STAGE, Stage, refuse_non_files
 from .io.writer import FileResult, is_temp
 from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
@@ -568,6 +569,36 @@ def _check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool, c
         )
 
 
+def _refuse_nothing_to_resume(dst: Path, plan: Plan) -> None:
+    """``--resume`` without ``--overwrite`` onto a DST holding no interrupted conversion (no
+    staging directory) replaces only a finished reshard checkpoint of this plan's format and
+    file names (a retried step); any other checkpoint there is refused as without ``--resume``.
+
+    Raises:
+        UsageError: DST holds files of another checkpoint (named), or another conversion's.
+    """
+    if (dst / STAGE).exists() or not dst.is_dir():
+        return
+    present = sorted(p.name for p in dst.iterdir() if p.name != LOCK and _owned(p.name))
+    if not present:
+        return
+    want = {f.name for f in plan.files}
+    try:
+        with open(dst / MANIFEST, "rb") as f:
+            man = json.loads(f.read(1 << 24))
+        listed = man.get("files") if isinstance(man, dict) else None
+        same = isinstance(listed, dict) and man.get("format") == plan.format and want <= set(listed)
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        what = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+        raise UsageError(
+            f"{dst}: nothing to resume there (no interrupted conversion), and it holds another "
+            f"checkpoint ({what}); pass --overwrite to replace it, or choose another directory",
+            path=str(dst),
+        )
+
+
 def _owned(name: str) -> bool:
     """Whether ``--overwrite`` may remove a file of this name from DST: a checkpoint file a
     writer makes, ``reshard.json``, reshard's own temporaries and journals (never a user's
@@ -653,6 +684,8 @@ def convert(
             on_plan(plan)
         _refuse_inconsistent(ckpt)
         _refuse_broken_ties(ckpt, tgt)
+        if resume and not overwrite:
+            _refuse_nothing_to_resume(dst_path, plan)
         run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
         run.hashes = _source_hashes(ckpt, run.budget) if verify_source and coordinator().is_main else None
         run.extras, run.extras_dtype = extras, tgt.dtype

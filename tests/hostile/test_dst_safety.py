@@ -325,3 +325,42 @@ def test_a_huge_rank_number_in_a_file_name_is_bounded(tmp_path: Path) -> None:
     p = run("inspect", str(src), timeout=20)
     assert p.returncode == 2, p.stderr
     assert "over the limit" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_resume_with_nothing_to_resume_replaces_only_a_retry_of_the_same_conversion(tmp_path: Path) -> None:
+    # --resume used to act as --overwrite on any DST without an interrupted run: another
+    # tool's rank files there (a user's only copy) were deleted, exit 0
+    src = model(tmp_path / "src")
+    other = model(tmp_path / "other", seed=3)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    tp = ["--target-layout", "replicated"]
+    # a checkpoint of another tool: rank files with no reshard.json
+    for r in range(2):
+        (dst / f"rank-0000{r}-of-00002.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    before = snapshot(dst)
+    p = run("convert", str(src), str(dst), "--target-mesh", "tp=2", *tp, "--resume")
+    assert p.returncode == 2, p.stderr
+    assert "nothing to resume" in p.stderr and "--overwrite" in p.stderr and "Traceback" not in p.stderr
+    assert "rank-00000-of-00002.safetensors" in p.stderr
+    assert snapshot(dst) == before
+    # reshard's own finished output of another conversion (tp=4, or hf) is not replaced either
+    done = tmp_path / "done"
+    assert run("convert", str(src), str(done), "--target-mesh", "tp=4", *tp).returncode == 0
+    before = snapshot(done)
+    for args in (["--target-mesh", "tp=2", *tp], ["--consolidate"]):
+        p = run("convert", str(src), str(done), *args, "--resume")
+        assert p.returncode == 2, (args, p.stderr)
+        assert snapshot(done) == before
+    # a retried step (same conversion, finished) runs again; a DST of only a user's notes is fine
+    p = run("convert", str(src), str(done), "--target-mesh", "tp=4", *tp, "--resume")
+    assert p.returncode == 0, p.stderr
+    assert snapshot(done) == before
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.txt").write_text("keep me")
+    assert run("convert", str(src), str(notes), "--consolidate", "--resume").returncode == 0
+    assert (notes / "README.txt").read_text() == "keep me" and (notes / "model.safetensors").is_file()
+    # --overwrite still replaces the other tool's files
+    p = run("convert", str(src), str(dst), "--target-mesh", "tp=2", *tp, "--overwrite")
+    assert p.returncode == 0, p.stderr
