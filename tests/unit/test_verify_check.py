@@ -654,3 +654,25 @@ def test_check_manifest_tensor_count(ckpts: dict[str, Path], tmp_path: Path) -> 
     (bad / "reshard.json").write_text(json.dumps(man))
     (p,) = check_checkpoint(_open(bad))
     assert p["kind"] == "manifest" and f"holds {len(_tensors()) + 1} tensors" in p["message"]
+
+
+def test_check_problems_in_file_order(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    # the checksums are compared on threads beside the tensor checks; their problems still come
+    # in the order reshard.json lists the files, among the files' other problems, before the tensors'
+    bad = _copy(ckpts["tp4"], tmp_path)
+    for r in (0, 2, 3):
+        _flip(_rank(bad, r, 4), "l0.o", 1)
+    _flip(_rank(bad, 3, 4), "norm", 2)
+    man = json.loads((bad / "reshard.json").read_text())
+    man["files"]["rank-00001-of-00004.safetensors"]["size"] += 1
+    man["tensor_count"] += 1
+    (bad / "reshard.json").write_text(json.dumps(man))
+    problems = check_checkpoint(_open(bad), max_bytes=64)
+    assert [(p["kind"], Path(p["path"]).name) for p in problems] == [
+        ("checksum", "rank-00000-of-00004.safetensors"),
+        ("size", "rank-00001-of-00004.safetensors"),
+        ("checksum", "rank-00002-of-00004.safetensors"),
+        ("checksum", "rank-00003-of-00004.safetensors"),
+        ("manifest", "reshard.json"),
+        ("replica", "rank-00003-of-00004.safetensors"),
+    ]
