@@ -676,3 +676,31 @@ def test_check_problems_in_file_order(ckpts: dict[str, Path], tmp_path: Path) ->
         ("manifest", "reshard.json"),
         ("replica", "rank-00003-of-00004.safetensors"),
     ]
+
+
+def test_verify_file_order(ckpts: dict[str, Path]) -> None:
+    # verify reads B's tensors in file order (then A's extra names); a tensor without pieces first
+    from dataclasses import replace
+
+    from reshard import verify as verify_mod
+
+    a, b = _open(ckpts["tp4"]), _open(ckpts["hf"])
+    ts = list(b.tensors.values())
+
+    def reference(b: Checkpoint) -> list[str]:
+        def first(t: TensorSource) -> tuple[int, int]:
+            return (t.piece_files or (-1,))[0], (t.piece_offsets or (-1,))[0]
+
+        return sorted(b.tensors, key=lambda n: first(b.tensors[n]))
+
+    got = verify_mod._file_order(a, b)
+    assert got == reference(b) and len(set(got)) == len(got) == len(ts)
+    assert [b.tensors[n].piece_offsets[0] for n in got] == sorted(t.piece_offsets[0] for t in ts)
+    last = ts[-1]
+    empty = replace(last, name="extra", piece_files=(), piece_offsets=())
+    bare = {t.name: t for t in ts[:-1]} | {"extra": empty}
+    b2 = replace(b, tensors={"z": replace(ts[0], name="z"), **bare})
+    a2 = replace(a, tensors={**a.tensors, "only.in.a": next(iter(a.tensors.values()))})
+    got = verify_mod._file_order(a2, b2)
+    assert got == [*reference(b2), last.name, "only.in.a"]
+    assert got[0] == "extra"
