@@ -336,8 +336,9 @@ def _not_equal(va: Any, vb: Any, shape: tuple[int, ...], n: int, mask: list[byte
     return neq if neq.any() else None
 
 
-def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
-    """Every tensor name, in the order B's files hold the tensors (then A's extra names).
+def _file_order(a: Checkpoint, b: Checkpoint) -> tuple[list[str], list[TensorSource | None]]:
+    """Every tensor name, in the order B's files hold the tensors (then A's extra names), and
+    B's tensor of each name (None for A's extras: not looked up again by name).
 
     Reading follows the files: neighbouring tensors are read as one span, and the pages
     mapped around each read (the kernel maps 64 KiB around a fault) are the ones read next,
@@ -356,8 +357,9 @@ def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
         files = np.fromiter((f[0] if f else -1 for f in map(_FILES, ts)), np.int64, len(names))
         offsets = np.fromiter((o[0] if o else -1 for o in map(_OFFSETS, ts)), np.int64, len(names))
     order = np.lexsort((offsets, files)).tolist()
-    extra = itertools.filterfalse(b.tensors.__contains__, a.tensors)
-    return list(map(names.__getitem__, order)) + list(extra)
+    extra = list(itertools.filterfalse(b.tensors.__contains__, a.tensors))
+    tbs: list[TensorSource | None] = list(map(list(ts).__getitem__, order))
+    return list(map(names.__getitem__, order)) + extra, tbs + [None] * len(extra)
 
 
 def _template(src: TensorSource, m: _Match, a_side: bool) -> tuple[Run, ...] | None:
@@ -436,12 +438,11 @@ class _Verifier:
         self.fa.close()
         self.fb.close()
 
-    def chunk(self, names: list[str]) -> None:
-        """Compare the tensors of ``names``."""
+    def chunk(self, names: list[str], tbs: list[Any]) -> None:
+        """Compare the tensors of ``names`` (``tbs``: B's tensor of each, or None)."""
         import numpy as np
 
         tas: list[Any] = list(map(self.a.tensors.get, names))
-        tbs: list[Any] = list(map(self.b.tensors.get, names))
         if not _plain(tas, tbs):
             names, tas, tbs = self._metadata(names, tas, tbs)
         self.tensors += len(names)
@@ -594,11 +595,11 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
     Raises:
         PlanError: a checkpoint's pieces leave holes or overlap without being replicas.
     """
-    names = _file_order(a, b)
+    names, tbs = _file_order(a, b)
     v = _Verifier(a, b, max_bytes)
     try:
         for c in range(0, len(names), _CHUNK):
-            v.chunk(names[c : c + _CHUNK])
+            v.chunk(names[c : c + _CHUNK], tbs[c : c + _CHUNK])
     finally:
         v.close()
     diffs = sorted(v.diffs, key=lambda d: natural_key(d["tensor"]))

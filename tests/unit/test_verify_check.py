@@ -693,7 +693,8 @@ def test_verify_file_order(ckpts: dict[str, Path]) -> None:
 
         return sorted(b.tensors, key=lambda n: first(b.tensors[n]))
 
-    got = verify_mod._file_order(a, b)
+    got, tbs = verify_mod._file_order(a, b)
+    assert tbs == [b.tensors[n] for n in got]
     assert got == reference(b) and len(set(got)) == len(got) == len(ts)
     assert [b.tensors[n].piece_offsets[0] for n in got] == sorted(t.piece_offsets[0] for t in ts)
     last = ts[-1]
@@ -701,6 +702,7 @@ def test_verify_file_order(ckpts: dict[str, Path]) -> None:
     bare = {t.name: t for t in ts[:-1]} | {"extra": empty}
     b2 = replace(b, tensors={"z": replace(ts[0], name="z"), **bare})
     a2 = replace(a, tensors={**a.tensors, "only.in.a": next(iter(a.tensors.values()))})
-    got = verify_mod._file_order(a2, b2)
+    got, tbs = verify_mod._file_order(a2, b2)
+    assert tbs == [*(b2.tensors[n] for n in got[:-2]), None, None]
     assert got == [*reference(b2), last.name, "only.in.a"]
     assert got[0] == "extra"
