@@ -24,9 +24,8 @@ element. Data is compared through memory maps in chunks of at most
 from __future__ import annotations
 
 import os
-import threading
 import zlib
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -314,11 +313,8 @@ def _check_files(ckpt: Checkpoint, out: list[Problem]) -> list[int | None]:
     return sizes
 
 
-def _check_manifest(
-    ckpt: Checkpoint, out: list[Problem], max_bytes: int, *, hashes: _Checksums | None = None
-) -> None:
-    """The files and tensors against ``reshard.json``; ``hashes`` takes the files whose
-    checksums are to be compared (None: not compared)."""
+def _check_manifest(ckpt: Checkpoint, out: list[Problem], max_bytes: int, *, hashes: bool = True) -> None:
+    """The files and tensors against ``reshard.json`` (``hashes``: the files' checksums too)."""
     man = ckpt.manifest
     if man is None:
         return
@@ -329,8 +325,10 @@ def _check_manifest(
         out.append(_problem("manifest", f'{where}: "files" is not an object', path=where))
         files = None
     if files is not None:
+        # 256 KiB reads: a fresh 8 MiB buffer a 64 MiB piece (first-touched) doubled the time
+        chunk = max(4096, min(256 << 10, max_bytes // 2))
         for name, info in files.items():
-            _check_listed_file(root, where, name, info, out, hashes)
+            _check_listed_file(root, where, name, info, chunk, out, hashes=hashes)
         for f in ckpt.files:
             p = Path(f)
             if p.parent == root and p.name not in files:
@@ -347,9 +345,9 @@ def _check_manifest(
 
 
 def _check_listed_file(
-    root: Path, where: str, name: str, info: object, out: list[Problem], hashes: _Checksums | None
+    root: Path, where: str, name: str, info: object, chunk: int, out: list[Problem], *, hashes: bool = True
 ) -> None:
-    """One file of ``reshard.json``: present, of its size, with its checksum (to ``hashes``)."""
+    """One file of ``reshard.json``: present, of its size, with its checksum."""
     path = root / name
     if not isinstance(info, dict) or "/" in name or "\\" in name or name.startswith("."):
         out.append(_problem("manifest", f"{where}: invalid entry for file {name!r}", path=where))
@@ -365,79 +363,19 @@ def _check_listed_file(
         out.append(_problem("size", msg, path=str(path), expected=want, actual=size))
         return
     cs = info.get("checksum")
-    if cs is None or hashes is None:
+    if cs is None or not hashes:
         return
     if not isinstance(cs, str) or not cs.startswith(CHECKSUM_PREFIX):
         msg = f"{where}: checksum {cs!r} of {name} is not {CHECKSUM_PREFIX}<hex>"
         out.append(_problem("manifest", msg, path=where))
         return
-    hashes.add(len(out), path, cs)
-
-
-class _Checksums:
-    """The files whose checksums ``reshard.json`` records, hashed on threads while the caller
-    checks the tensors: reading a file is a kernel copy that releases the GIL, so the reads
-    run beside the tensor checks and beside each other (read one after the other, the 1.3 GB
-    of a 100k-tensor TP-8 checkpoint took ~0.25 s, most of what ``--check`` adds to
-    ``inspect``). A mismatch goes into the problems where a file-by-file check puts it."""
-
-    def __init__(self, max_bytes: int) -> None:
-        # 256 KiB reads: a fresh 8 MiB buffer a 64 MiB piece (first-touched) doubled the time
-        self.chunk = max(4096, min(256 << 10, max_bytes // 2))
-        self.jobs: list[tuple[int, Path, str]] = []  # (place in the problems, file, recorded checksum)
-        self.results: list[str | OSError | None] = []  # None: not hashed (the thread failed)
-        self.threads: list[threading.Thread] = []
-        self.stop = False
-
-    def add(self, at: int, path: Path, checksum: str) -> None:
-        """Compare ``path``'s checksum with ``checksum``; a mismatch goes at ``at`` in the problems."""
-        self.jobs.append((at, path, checksum))
-
-    def start(self) -> None:
-        """Start hashing the files added (at most two threads: the machines we run on have few cores)."""
-        self.results = [None] * len(self.jobs)
-        todo = iter(range(len(self.jobs)))  # shared: a range iterator's next is atomic under the GIL
-        n = min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2, len(self.jobs))
-        self.threads = [threading.Thread(target=self._work, args=(todo,), daemon=True) for _ in range(n)]
-        for t in self.threads:
-            t.start()
-
-    def _work(self, todo: Iterator[int]) -> None:
-        for i in todo:
-            if self.stop:
-                return
-            try:
-                self.results[i] = file_checksum(self.jobs[i][1], chunk=self.chunk)
-            except OSError as e:  # raised by finish(), in the caller's thread
-                self.results[i] = e
-
-    def close(self) -> None:
-        """Stop hashing (after the file being read) and wait for the threads."""
-        self.stop = True
-        for t in self.threads:
-            t.join()
-
-    def finish(self, out: list[Problem]) -> None:
-        """Wait for the checksums; insert a ``checksum`` problem in ``out`` for each that differs.
-
-        Raises:
-            OSError: a file could not be read (the first such file listed).
-        """
-        for t in self.threads:
-            t.join()
-        for (_, path, _), r in zip(self.jobs, self.results, strict=True):
-            if isinstance(r, OSError):
-                raise r
-            if r is None:  # the thread died of a bug (its traceback was printed)
-                raise RuntimeError(f"{path}: its checksum was not computed")
-        for (at, path, cs), actual in reversed(list(zip(self.jobs, self.results, strict=True))):
-            if actual != cs:
-                msg = (
-                    f"{path}: checksum {actual} does not match {cs} in reshard.json; "
-                    "the file's bytes changed since it was written"
-                )
-                assert isinstance(actual, str)
-                out.insert(at, _problem("checksum", msg, path=str(path), expected=cs, actual=actual))
+    actual = file_checksum(path, chunk=chunk)
+    if actual != cs:
+        msg = (
+            f"{path}: checksum {actual} does not match {cs} in reshard.json; "
+            "the file's bytes changed since it was written"
+        )
+        out.append(_problem("checksum", msg, path=str(path), expected=cs, actual=actual))
 
 
 def _check_listed_tensors(
@@ -610,7 +548,7 @@ def check_metadata(ckpt: Checkpoint) -> list[Problem]:
     hold, every piece inside its file. ``convert`` refuses a source with any of these."""
     out: list[Problem] = []
     sizes = _check_files(ckpt, out)
-    _check_manifest(ckpt, out, DEFAULT_MAX_BYTES)
+    _check_manifest(ckpt, out, DEFAULT_MAX_BYTES, hashes=False)
     if _bounds_hold(ckpt, sizes):
         return out
     cache: dict[tuple[Hashable, ...], _Geometry] = {}
@@ -744,9 +682,7 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
         if w.problem:
             out.append(_problem("warning", w.message, path=w.path, tensor=w.tensor))
     sizes = _check_files(ckpt, out)
-    hashes = _Checksums(max_bytes)
-    _check_manifest(ckpt, out, max_bytes, hashes=hashes)
-    hashes.start()
+    _check_manifest(ckpt, out, max_bytes)
     cache: dict[tuple[Hashable, ...], _Geometry] = {}
     data = _Data(ckpt, max_bytes)
     try:
@@ -758,9 +694,7 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
                 g = _geometry(t)
                 cache[key] = g
             _check_tensor(ckpt, t, g, sizes, data, out)
-        hashes.finish(out)
     finally:
-        hashes.close()
         data.close()
     return out
 

@@ -657,8 +657,8 @@ def test_check_manifest_tensor_count(ckpts: dict[str, Path], tmp_path: Path) -> 
 
 
 def test_check_problems_in_file_order(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    # the checksums are compared on threads beside the tensor checks; their problems still come
-    # in the order reshard.json lists the files, among the files' other problems, before the tensors'
+    # checksum problems come in the order reshard.json lists the files, among the files' other
+    # problems, before the tensors'
     bad = _copy(ckpts["tp4"], tmp_path)
     for r in (0, 2, 3):
         _flip(_rank(bad, r, 4), "l0.o", 1)
