@@ -500,9 +500,8 @@ class _Verifier:
             items = idx[sel].tolist()
             kind = self.kind_list[ks[items[0]]]
             assert kind.runs is not None
-            groups.append(
-                Group(kind.runs, kind.size, ([tas[i] for i in items], [tbs[i] for i in items]), at[sel])
-            )
+            side_a, side_b = list(map(tas.__getitem__, items)), list(map(tbs.__getitem__, items))
+            groups.append(Group(kind.runs, kind.size, (side_a, side_b), at[sel]))
             members.append(items)
         self.compared += int(sum(g.size * len(g.at) for g in groups))
         for gi, j in self.batch.compare(groups):  # the tensors holding a differing byte
