@@ -764,6 +764,8 @@ def replica_problems(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
     disagree does not hold one value. Geometries with holes or overlaps are left to the
     comparison (it refuses holes) and to ``inspect --check``; missing or short files too.
     """
+    if max(map(len, map(_BLOCKS, ckpt.tensors.values())), default=0) < 2:
+        return []  # a piece a tensor (a consolidated checkpoint): no copies, no grouping of 100k tensors
     sizes: list[int | None] = _check_files(ckpt, [])
     cache: dict[tuple[Hashable, ...], _Geometry] = {}
     clean: list[tuple[list[TensorSource], Geometry]] = []
@@ -788,6 +790,8 @@ def replica_problems(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
         data.close()
     return out
 
+
+_BLOCKS = attrgetter("piece_blocks")
 
 _BATCH = 4 << 20
 """Bytes of replicas compared at once (:class:`reshard.compare.Batch`: two buffers, a window)."""

@@ -336,8 +336,9 @@ def _not_equal(va: Any, vb: Any, shape: tuple[int, ...], n: int, mask: list[byte
     return neq if neq.any() else None
 
 
-def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
-    """Every tensor name, in the order B's files hold the tensors (then A's extra names).
+def _file_order(a: Checkpoint, b: Checkpoint) -> tuple[list[str], list[TensorSource | None]]:
+    """Every tensor name, in the order B's files hold the tensors (then A's extra names), and
+    B's tensor of each name (None for A's extras: not looked up again by name).
 
     Reading follows the files: neighbouring tensors are read as one span, and the pages
     mapped around each read (the kernel maps 64 KiB around a fault) are the ones read next,
@@ -349,10 +350,16 @@ def _file_order(a: Checkpoint, b: Checkpoint) -> list[str]:
 
     names = list(b.tensors)
     ts = b.tensors.values()
-    files = np.fromiter((f[0] if f else -1 for f in map(_FILES, ts)), np.int64, len(names))
-    offsets = np.fromiter((o[0] if o else -1 for o in map(_OFFSETS, ts)), np.int64, len(names))
+    try:  # map and C callables, no Python step per tensor (100k names: 62 -> 44 ms)
+        files = np.fromiter(map(_FIRST, map(_FILES, ts)), np.int64, len(names))
+        offsets = np.fromiter(map(_FIRST, map(_OFFSETS, ts)), np.int64, len(names))
+    except IndexError:  # a tensor without pieces (empty)
+        files = np.fromiter((f[0] if f else -1 for f in map(_FILES, ts)), np.int64, len(names))
+        offsets = np.fromiter((o[0] if o else -1 for o in map(_OFFSETS, ts)), np.int64, len(names))
     order = np.lexsort((offsets, files)).tolist()
-    return [names[i] for i in order] + [n for n in a.tensors if n not in b.tensors]
+    extra = list(itertools.filterfalse(b.tensors.__contains__, a.tensors))
+    tbs: list[TensorSource | None] = list(map(list(ts).__getitem__, order))
+    return list(map(names.__getitem__, order)) + extra, tbs + [None] * len(extra)
 
 
 def _template(src: TensorSource, m: _Match, a_side: bool) -> tuple[Run, ...] | None:
@@ -388,6 +395,7 @@ _SHAPE = attrgetter("shape")
 _SIGNATURE = attrgetter("signature")
 _FILES = attrgetter("piece_files")
 _OFFSETS = attrgetter("piece_offsets")
+_FIRST = operator.itemgetter(0)
 
 
 class _Kind(NamedTuple):
@@ -430,12 +438,11 @@ class _Verifier:
         self.fa.close()
         self.fb.close()
 
-    def chunk(self, names: list[str]) -> None:
-        """Compare the tensors of ``names``."""
+    def chunk(self, names: list[str], tbs: list[Any]) -> None:
+        """Compare the tensors of ``names`` (``tbs``: B's tensor of each, or None)."""
         import numpy as np
 
         tas: list[Any] = list(map(self.a.tensors.get, names))
-        tbs: list[Any] = list(map(self.b.tensors.get, names))
         if not _plain(tas, tbs):
             names, tas, tbs = self._metadata(names, tas, tbs)
         self.tensors += len(names)
@@ -493,9 +500,8 @@ class _Verifier:
             items = idx[sel].tolist()
             kind = self.kind_list[ks[items[0]]]
             assert kind.runs is not None
-            groups.append(
-                Group(kind.runs, kind.size, ([tas[i] for i in items], [tbs[i] for i in items]), at[sel])
-            )
+            side_a, side_b = list(map(tas.__getitem__, items)), list(map(tbs.__getitem__, items))
+            groups.append(Group(kind.runs, kind.size, (side_a, side_b), at[sel]))
             members.append(items)
         self.compared += int(sum(g.size * len(g.at) for g in groups))
         for gi, j in self.batch.compare(groups):  # the tensors holding a differing byte
@@ -588,11 +594,11 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
     Raises:
         PlanError: a checkpoint's pieces leave holes or overlap without being replicas.
     """
-    names = _file_order(a, b)
+    names, tbs = _file_order(a, b)
     v = _Verifier(a, b, max_bytes)
     try:
         for c in range(0, len(names), _CHUNK):
-            v.chunk(names[c : c + _CHUNK])
+            v.chunk(names[c : c + _CHUNK], tbs[c : c + _CHUNK])
     finally:
         v.close()
     diffs = sorted(v.diffs, key=lambda d: natural_key(d["tensor"]))
@@ -703,7 +709,7 @@ def with_replicas(verdict: Verdict, a: Checkpoint, b: Checkpoint) -> Verdict:
 
 def _stored(ckpt: Checkpoint) -> Checkpoint:
     """``ckpt`` with each tensor seen through transforms replaced by the stored tensors it reads."""
-    if not any(isinstance(t, TransformedSource) for t in ckpt.tensors.values()):
+    if not any(map(isinstance, ckpt.tensors.values(), itertools.repeat(TransformedSource))):
         return ckpt
     tensors: dict[str, TensorSource] = {}
     for t in ckpt.tensors.values():

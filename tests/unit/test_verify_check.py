@@ -654,3 +654,55 @@ def test_check_manifest_tensor_count(ckpts: dict[str, Path], tmp_path: Path) -> 
     (bad / "reshard.json").write_text(json.dumps(man))
     (p,) = check_checkpoint(_open(bad))
     assert p["kind"] == "manifest" and f"holds {len(_tensors()) + 1} tensors" in p["message"]
+
+
+def test_check_problems_in_file_order(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    # checksum problems come in the order reshard.json lists the files, among the files' other
+    # problems, before the tensors'
+    bad = _copy(ckpts["tp4"], tmp_path)
+    for r in (0, 2, 3):
+        _flip(_rank(bad, r, 4), "l0.o", 1)
+    _flip(_rank(bad, 3, 4), "norm", 2)
+    man = json.loads((bad / "reshard.json").read_text())
+    man["files"]["rank-00001-of-00004.safetensors"]["size"] += 1
+    man["tensor_count"] += 1
+    (bad / "reshard.json").write_text(json.dumps(man))
+    problems = check_checkpoint(_open(bad), max_bytes=64)
+    assert [(p["kind"], Path(p["path"]).name) for p in problems] == [
+        ("checksum", "rank-00000-of-00004.safetensors"),
+        ("size", "rank-00001-of-00004.safetensors"),
+        ("checksum", "rank-00002-of-00004.safetensors"),
+        ("checksum", "rank-00003-of-00004.safetensors"),
+        ("manifest", "reshard.json"),
+        ("replica", "rank-00003-of-00004.safetensors"),
+    ]
+
+
+def test_verify_file_order(ckpts: dict[str, Path]) -> None:
+    # verify reads B's tensors in file order (then A's extra names); a tensor without pieces first
+    from dataclasses import replace
+
+    from reshard import verify as verify_mod
+
+    a, b = _open(ckpts["tp4"]), _open(ckpts["hf"])
+    ts = list(b.tensors.values())
+
+    def reference(b: Checkpoint) -> list[str]:
+        def first(t: TensorSource) -> tuple[int, int]:
+            return (t.piece_files or (-1,))[0], (t.piece_offsets or (-1,))[0]
+
+        return sorted(b.tensors, key=lambda n: first(b.tensors[n]))
+
+    got, tbs = verify_mod._file_order(a, b)
+    assert tbs == [b.tensors[n] for n in got]
+    assert got == reference(b) and len(set(got)) == len(got) == len(ts)
+    assert [b.tensors[n].piece_offsets[0] for n in got] == sorted(t.piece_offsets[0] for t in ts)
+    last = ts[-1]
+    empty = replace(last, name="extra", piece_files=(), piece_offsets=())
+    bare = {t.name: t for t in ts[:-1]} | {"extra": empty}
+    b2 = replace(b, tensors={"z": replace(ts[0], name="z"), **bare})
+    a2 = replace(a, tensors={**a.tensors, "only.in.a": next(iter(a.tensors.values()))})
+    got, tbs = verify_mod._file_order(a2, b2)
+    assert tbs == [*(b2.tensors[n] for n in got[:-2]), None, None]
+    assert got == [*reference(b2), last.name, "only.in.a"]
+    assert got[0] == "extra"
