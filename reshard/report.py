@@ -8,8 +8,8 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from operator import attrgetter
-from typing import Any
+from operator import attrgetter, itemgetter
+from typing import Any, TypeVar
 
 from .budget import Budget, memory_estimate
 from .checkpoint import Checkpoint, Spooled, offset_columns
@@ -95,7 +95,7 @@ def _totals(ck: Checkpoint) -> tuple[int, int]:
 
 def _tensor_rows(ck: Checkpoint, order: Sequence[str]) -> Iterator[dict[str, Any]]:
     """The report's row of each tensor of ``order`` (natural name order); no floats (jsonout)."""
-    shapes: dict[int, tuple[list[list[int]], bool]] = {}
+    shapes: dict[int, tuple[list[list[int]], bool, object]] = {}  # local shapes, uniform, blocks
     # values shared by the rows of one geometry (a 200k-tensor report held 200k copies of each)
     lists: dict[int, tuple[object, list[Any] | None]] = {}
 
@@ -113,25 +113,45 @@ def _tensor_rows(ck: Checkpoint, order: Sequence[str]) -> Iterator[dict[str, Any
     boxes: dict[tuple[int, tuple[int, ...]], tuple[object, list[dict[str, str]]]] = {}
     names = [os.path.basename(f) for f in ck.files]
     spooled = ck.spooled  # a reader's spool: its pieces are named by the files they came from
+    # per geometry and dtype: the row all its tensors share but for the name (a copy of it is
+    # made per tensor, not a dict of eight values: 100k tensors, a few hundred geometries)
+    rows: dict[tuple[int, int, str], tuple[object, object, object, dict[str, Any]]] = {}
+    tensors = ck.tensors
     for name in order:
-        t = ck.tensors[name]
-        shape = by_shape.get(id(t.shape))
-        if shape is None or shape[0] is not t.shape:  # shapes are shared by the reader's tensors
-            shape = by_shape[id(t.shape)] = (t.shape, list(t.shape), t.numel)
-        geo = shapes.get(id(t.piece_blocks))
-        if geo is None:  # tensors of one geometry share their blocks (kept alive by ck)
-            locals_ = [list(block_shape(b)) for b in t.piece_blocks]
-            geo = shapes[id(t.piece_blocks)] = (locals_, all(s == locals_[0] for s in locals_))
-        row = {
-            "name": t.name,
-            "dtype": t.dtype,
-            "shape": shape[1],
-            "placements": shared(t.placements),
-            "local_shapes": geo[0],
-            "uniform": geo[1],
-            "pieces": len(t.piece_blocks),
-            "bytes": shape[2] * DTYPE_SIZES[t.dtype],
-        }
+        t = tensors[name]
+        same = rows.get((id(t.piece_blocks), id(t.placements), t.dtype))
+        if (  # the ids of objects the template holds (a lazy mapping's tensors may be freed)
+            same is None
+            or same[0] is not t.piece_blocks
+            or same[1] is not t.placements
+            or same[2] is not t.shape
+        ):
+            shape = by_shape.get(id(t.shape))
+            if shape is None or shape[0] is not t.shape:  # shapes are shared by the reader's tensors
+                shape = by_shape[id(t.shape)] = (t.shape, list(t.shape), t.numel)
+            geo = shapes.get(id(t.piece_blocks))
+            if geo is None or geo[2] is not t.piece_blocks:  # tensors of one geometry share their blocks
+                locals_ = [list(block_shape(b)) for b in t.piece_blocks]
+                uniform = all(s == locals_[0] for s in locals_)
+                geo = shapes[id(t.piece_blocks)] = (locals_, uniform, t.piece_blocks)
+            template = {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": shape[1],
+                "placements": shared(t.placements),
+                "local_shapes": geo[0],
+                "uniform": geo[1],
+                "pieces": len(t.piece_blocks),
+                "bytes": shape[2] * DTYPE_SIZES[t.dtype],
+            }
+            same = rows[id(t.piece_blocks), id(t.placements), t.dtype] = (
+                t.piece_blocks,
+                t.placements,
+                t.shape,
+                template,
+            )
+        row = same[3].copy()
+        row["name"] = t.name
         if dcp and spooled and any(fi in spooled for fi in t.piece_files):
             chunks = [
                 {"file": os.path.basename(ck.shown_file(fi, at)), "box": _block_text(b)}
@@ -171,21 +191,40 @@ def group_names(names: Sequence[str]) -> list[tuple[str, list[str]]]:
     >>> [(p, len(m)) for p, m in group_names(["l.0.w", "l.1.w", "l.3.w", "emb"])]
     [('l.{0..1,3}.w', 3), ('emb', 1)]
     """
-    groups: dict[str, list[str]] = {}
-    nums: dict[str, list[int]] = {}
-    for n in names:
-        key = _NUM.sub("#", n, count=1)
-        groups.setdefault(key, []).append(n)
-        m = _NUM.search(n)
-        if m:
-            nums.setdefault(key, []).append(int(m.group(1)))
-    out = []
-    for key, members in groups.items():
-        if len(members) == 1 or key not in nums:
-            for name in members:
-                out.append((name, [name]))
+    return _grouped(names, names)
+
+
+_T = TypeVar("_T")
+
+
+def _grouped(names: Sequence[str], items: Sequence[_T]) -> list[tuple[str, list[_T]]]:
+    """:func:`group_names` of ``names``, each name standing for the item of ``items`` at its index."""
+    # key -> the first member's name, the members, their numbers' digits
+    groups: dict[str, tuple[str, list[_T], list[str]]] = {}
+    search = _NUM.search
+    for n, item in zip(names, items, strict=True):
+        m = search(n)
+        if m is None:
+            got = groups.get(n)
+            if got is None:
+                got = groups[n] = (n, [], [])
+            got[1].append(item)
             continue
-        out.append((key.replace("#", "{" + _ranges(nums[key]) + "}", 1), members))
+        lo, hi = m.span()
+        key = n[:lo] + "#" + n[hi:]  # as _NUM.sub("#", n, count=1)
+        got = groups.get(key)
+        if got is None:
+            got = groups[key] = (n, [], [])
+        got[1].append(item)
+        got[2].append(n[lo:hi])
+    out = []
+    for key, (first, members, digits) in groups.items():
+        if len(members) == 1:
+            out.append((first, members))
+        elif not digits:  # names without a dotted number are their key
+            out.extend((key, [item]) for item in members)
+        else:
+            out.append((key.replace("#", "{" + _ranges(list(map(int, digits))) + "}", 1), members))
     return out
 
 
@@ -217,6 +256,19 @@ def _chunks_text(t: dict[str, Any], group: bool) -> str:
     return text + (f"; ... ({len(cs)} chunks)" if len(some) < len(cs) else "")
 
 
+_NAME, _BYTES = itemgetter("name"), itemgetter("bytes")
+_GEOMETRY = (itemgetter("shape"), itemgetter("placements"), itemgetter("local_shapes"))
+
+
+def _one_geometry(rows: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``rows`` show one dtype, shape, placements and local shapes, known without their
+    texts: the rows of one geometry share these lists (:func:`_tensor_rows`). False may still
+    be one (equal lists, not the same ones)."""
+    if len(set(map(itemgetter("dtype"), rows))) != 1:
+        return False
+    return all(len(set(map(id, map(get, rows)))) == 1 for get in _GEOMETRY)
+
+
 def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
     """Human table of an inspect report."""
     from rich.table import Table
@@ -236,7 +288,7 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
     table = Table(show_edge=False, pad_edge=False)
     for col in ("tensor", "count", "dtype", "shape", "placements", "local shape(s)", "bytes"):
         table.add_column(col, overflow="fold")
-    by_name = {t["name"]: t for t in doc["tensors"]}
+    tensors = doc["tensors"]
     if group:
         rows: list[tuple[str, list[dict[str, Any]]]] = []
         texts: dict[int, str] = {}  # by identity: rows of one geometry share these lists (100k rows)
@@ -247,8 +299,11 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
                 got = texts[id(x)] = str(x)
             return got
 
-        for pattern, members in group_names(list(by_name)):
-            ts = [by_name[m] for m in members]
+        tensors = list(tensors)
+        for pattern, ts in _grouped(list(map(_NAME, tensors)), tensors):
+            if _one_geometry(ts):
+                rows.append((pattern, ts))
+                continue
             sig = {
                 (t["dtype"], text_of(t["shape"]), text_of(t["placements"]), text_of(t["local_shapes"]))
                 for t in ts
@@ -268,7 +323,7 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
             str(t["shape"]),
             Text(shown(", ".join(t["placements"]))) if t["placements"] else f"{t['pieces']} piece(s)",
             Text(shown(_chunks_text(t, group))) if "chunks" in t else _local_text(t),
-            human(sum(x["bytes"] for x in ts)),
+            human(sum(map(_BYTES, ts))),
         )
     console.print(table)
     tot = doc["totals"]
