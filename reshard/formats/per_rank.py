@@ -1176,29 +1176,33 @@ def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[
 def _described(names: Sequence[str], layouts: Sequence[TensorLayout]) -> tuple[int, str]:
     """:func:`describe_tensors` of the tensors ``names`` laid out ``layouts``, in the file's data order."""
     table: dict[tuple[str, ...], str] = {}
-    codes = []
-    shapes = {}
     # tensors of one geometry share one layout object (the planner's): its code and evenness
-    # are found once, by identity (``layouts`` holds them, so their ids stay theirs)
-    per_layout: dict[int, tuple[str, bool]] = {}
-    for name, layout in zip(names, layouts):
-        hit = per_layout.get(id(layout))
-        if hit is None:
-            pls = _placement_texts(layout.placements)
-            code = table.get(pls)
-            if code is None:
-                if len(table) == len(_CODES):
-                    every = zip(names, layouts)
-                    return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, lay in every)
-                code = table[pls] = _CODES[len(table)]
-            hit = per_layout[id(layout)] = (code, _splits_evenly(layout))
-        codes.append(hit[0])
-        if not hit[1]:
-            shapes[name] = list(layout.shape)
+    # are found once, by identity (``layouts`` holds them, so their ids stay theirs), each
+    # distinct layout in the order it first comes (so the codes are given in that order)
+    ids = list(map(id, layouts))
+    per_layout: dict[int, str] = {}
+    uneven: set[int] = set()
+    for key, layout in dict(zip(ids, layouts)).items():
+        pls = _placement_texts(layout.placements)
+        code = table.get(pls)
+        if code is None:
+            if len(table) == len(_CODES):
+                every = zip(names, layouts)
+                return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, lay in every)
+            code = table[pls] = _CODES[len(table)]
+        per_layout[key] = code
+        if not _splits_evenly(layout):
+            uneven.add(key)
+    codes = "".join(map(per_layout.__getitem__, ids))
+    shapes = {}
+    if uneven:
+        for name, key, layout in zip(names, ids, layouts):
+            if key in uneven:
+                shapes[name] = list(layout.shape)
     compact = (",", ":")
     text = (
         f'"placements":{json.dumps([list(p) for p in table], separators=compact)},'
-        f'"layout":"{"".join(codes)}","shapes":{json.dumps(shapes, separators=compact)}'
+        f'"layout":"{codes}","shapes":{json.dumps(shapes, separators=compact)}'
     )
     return 2, text
 
