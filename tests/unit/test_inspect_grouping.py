@@ -14,7 +14,14 @@ from rich.console import Console
 from safetensors.torch import save_file
 
 from reshard.convert import SourceSpec, open_source
-from reshard.report import _ranges, group_names, inspect_report, render_inspect
+from reshard.report import (
+    _GROUP_BY_BYTES,
+    _grouped_by_bytes,
+    _ranges,
+    group_names,
+    inspect_report,
+    render_inspect,
+)
 
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
 
@@ -46,6 +53,18 @@ def test_group_names_matches_the_substitution_definition() -> None:
         made = ["".join(rng.choices(alphabet, k=rng.randint(0, 6))) for _ in range(rng.randint(0, 12))]
         names = list(dict.fromkeys(made))
         assert group_names(names) == _reference(names), names
+        if names and all(n.isascii() and "\n" not in n for n in names):  # numpy's way, on few names
+            assert _grouped_by_bytes(names, names) == _reference(names), names
+    # enough names for numpy's way: layers, experts, numbers at the end, unnumbered, repeated
+    many = [f"m.layers.{i}.experts.{j}.w" for i in range(200) for j in (0, 1, 2, 5, 7, 8, 9, 10, 11)]
+    many += [f"m.{i}" for i in range(0, 3000, 7)] + ["emb", "emb", "x.1.y.2", "x.1.y.3", "l.#.w", "l.3.w"]
+    many += [f"big.{10**17 + i}.w" for i in range(3)] + ["a.0.b", "a.01.b", "a.00.b"]
+    assert len(many) >= _GROUP_BY_BYTES and _grouped_by_bytes(many, many) is not None
+    assert group_names(many) == _reference(many)
+    assert group_names([*many, "huge.1234567890123456789.w"]) == _reference(
+        [*many, "huge.1234567890123456789.w"]
+    )
+    assert group_names([*many, "caf\u00e9.1.w"]) == _reference([*many, "caf\u00e9.1.w"])
     names = ["l.#.w", "l.3.w", "l.4.w", "emb", "l.7", "l.9", "x.1.y.2", "x.1.y.3"]
     assert group_names(names) == _reference(names)
     assert group_names(names)[0] == ("l.{3..4}.w", ["l.#.w", "l.3.w", "l.4.w"])  # the literal "#" joins
