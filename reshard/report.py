@@ -239,55 +239,28 @@ _GROUP_BY_BYTES = 2048
 
 def _grouped_by_bytes(names: Sequence[str], items: Sequence[_T]) -> list[tuple[str, list[_T]]] | None:
     """:func:`_grouped` with each name's first dotted number found in the names' bytes by numpy
-    and the keys made there, not by a regex search and two slices a name (100k names: 80 ms);
-    None for names it does not take (non-ASCII, holding a newline, a number of over 18 digits).
-
-    A digit run is a dotted number (as :data:`_NUM` matches) when a dot comes before it and a
-    dot or the name's end after it: ASCII digits are all ``\\d`` matches there, and a match
-    can neither start nor stop inside a run."""
+    and the keys made there (:func:`_number_keys`, a chunk of names at a time: bounded scratch
+    memory), not by a regex search and two slices a name (100k names: 80 ms); None for names
+    it does not take (non-ASCII, holding a newline, a number of over 18 digits)."""
     import numpy as np
 
-    text = "\n".join(names)
-    if not text.isascii() or text.count("\n") != len(names) - 1:
-        return None
-    b = np.frombuffer(text.encode("ascii"), np.uint8)
-    padded = np.r_[np.uint8(0), b, np.uint8(0x0A)]  # the end is a name's end
-    digit = (padded >= 0x30) & (padded <= 0x39)
-    edges = np.flatnonzero(digit[1:] != digit[:-1])  # in b: run starts and stops, alternating
-    starts, stops = edges[0::2], edges[1::2]
-    after = padded[stops + 1]
-    dotted = np.flatnonzero((padded[starts] == 0x2E) & ((after == 0x2E) | (after == 0x0A)))
-    owner = np.searchsorted(np.flatnonzero(b == 0x0A), starts[dotted])  # the name of each
-    named, first = np.unique(owner, return_index=True)  # each name's first dotted number
-    lo, hi = starts[dotted[first]], stops[dotted[first]]
-    widths = hi - lo
-    if len(widths) and widths.max() > 18:  # beyond int64
-        return None
-    value = np.zeros(len(lo), np.int64)
-    for k in range(int(widths.max(initial=0))):
-        more = k < widths
-        value[more] = value[more] * 10 + (b[lo[more] + k] - 0x30)
-    values = np.zeros(len(names), np.int64)
-    values[named] = value
-    matched = np.zeros(len(names), bool)
-    matched[named] = True
-    # the keys: each number's first digit made "#", the others dropped
-    keys = b.copy()
-    keys[lo] = 0x23
-    keep = np.ones(len(b), bool)
-    dropped = widths - 1
-    if dropped.any():
-        ends = np.cumsum(dropped)
-        at = np.arange(int(ends[-1])) - np.repeat(ends - dropped, dropped) + np.repeat(lo + 1, dropped)
-        keep[at] = False
+    values = np.zeros(len(names), np.int64)  # each name's first dotted number
+    matched = np.zeros(len(names), bool)  # whether it has one
     groups: dict[bytes, list[int]] = {}
     get = groups.get
-    for i, key in enumerate(keys[keep].tobytes().split(b"\n")):
-        got = get(key)
-        if got is None:
-            groups[key] = [i]
-        else:
-            got.append(i)
+    for start in range(0, len(names), _GROUP_CHUNK):
+        made = _number_keys(names[start : start + _GROUP_CHUNK])
+        if made is None:
+            return None
+        keys, named, value = made
+        values[named + start] = value
+        matched[named + start] = True
+        for i, key in enumerate(keys, start):
+            got = get(key)
+            if got is None:
+                groups[key] = [i]
+            else:
+                got.append(i)
     out: list[tuple[str, list[_T]]] = []
     for key, members in groups.items():
         if len(members) == 1:
@@ -306,6 +279,56 @@ def _grouped_by_bytes(names: Sequence[str], items: Sequence[_T]) -> list[tuple[s
         pattern = key.decode("ascii").replace("#", "{" + ranges + "}", 1)
         out.append((pattern, list(map(items.__getitem__, members))))
     return out
+
+
+_GROUP_CHUNK = 16384
+"""Names :func:`_number_keys` takes at a time (100k at once: 50 MiB of scratch arrays)."""
+
+
+def _number_keys(names: Sequence[str]) -> tuple[list[bytes], Any, Any] | None:
+    """Each name's group key (its first dotted number made ``#``, as ``_NUM.sub("#", name, count=1)``),
+    which names have such a number and its value; None when the names are not all ASCII without
+    a newline, or a number has over 18 digits.
+
+    A digit run is a dotted number (as :data:`_NUM` matches) when a dot comes before it and a
+    dot or the name's end after it: ASCII digits are all ``\\d`` matches there, and a match
+    can neither start nor stop inside a run."""
+    import numpy as np
+
+    text = "\n".join(names)
+    if not text.isascii() or text.count("\n") != len(names) - 1:
+        return None
+    b = np.frombuffer(text.encode("ascii"), np.uint8)
+    del text
+    padded = np.r_[np.uint8(0), b, np.uint8(0x0A)]  # the end is a name's end
+    digit = (padded >= 0x30) & (padded <= 0x39)
+    edges = np.flatnonzero(digit[1:] != digit[:-1])  # in b: run starts and stops, alternating
+    del digit
+    starts, stops = edges[0::2], edges[1::2]
+    after = padded[stops + 1]
+    dotted = np.flatnonzero((padded[starts] == 0x2E) & ((after == 0x2E) | (after == 0x0A)))
+    del padded
+    owner = np.searchsorted(np.flatnonzero(b == 0x0A), starts[dotted])  # the name of each
+    named, first = np.unique(owner, return_index=True)  # each name's first dotted number
+    lo, hi = starts[dotted[first]], stops[dotted[first]]
+    widths = hi - lo
+    if len(widths) and widths.max() > 18:  # beyond int64
+        return None
+    value = np.zeros(len(lo), np.int64)
+    for k in range(int(widths.max(initial=0))):
+        more = k < widths
+        value[more] = value[more] * 10 + (b[lo[more] + k] - 0x30)
+    # the keys: each number's first digit made "#", the others dropped
+    keys = b.copy()
+    keys[lo] = 0x23
+    dropped = widths - 1
+    if dropped.any():
+        keep = np.ones(len(b), bool)
+        ends = np.cumsum(dropped)
+        at = np.arange(int(ends[-1])) - np.repeat(ends - dropped, dropped) + np.repeat(lo + 1, dropped)
+        keep[at] = False
+        keys = keys[keep]
+    return keys.tobytes().split(b"\n"), named, value
 
 
 def _ranges(values: Sequence[int]) -> str:

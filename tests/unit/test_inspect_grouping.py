@@ -9,10 +9,12 @@ import random
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from rich.console import Console
 from safetensors.torch import save_file
 
+from reshard import report
 from reshard.convert import SourceSpec, open_source
 from reshard.report import (
     _GROUP_BY_BYTES,
@@ -68,6 +70,14 @@ def test_group_names_matches_the_substitution_definition() -> None:
     names = ["l.#.w", "l.3.w", "l.4.w", "emb", "l.7", "l.9", "x.1.y.2", "x.1.y.3"]
     assert group_names(names) == _reference(names)
     assert group_names(names)[0] == ("l.{3..4}.w", ["l.#.w", "l.3.w", "l.4.w"])  # the literal "#" joins
+
+
+def test_numpys_way_in_chunks_of_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of a few names (a group's members in several, a non-ASCII name in the last)."""
+    monkeypatch.setattr(report, "_GROUP_CHUNK", 7)
+    names = [f"l.{i}.{w}" for i in range(12) for w in ("w", "v", "3")] + ["emb", "a.b", "l.x.1", "l.y.1"]
+    assert _grouped_by_bytes(names, names) == _reference(names)
+    assert _grouped_by_bytes([*names, "caf\u00e9.1"], [*names, "caf\u00e9.1"]) is None
 
 
 def test_rows_of_one_geometry_keep_each_tensors_dtype_and_bytes(tmp_path: Path) -> None:
