@@ -13,7 +13,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
-from ..checkpoint import Checkpoint, TensorSource, few_offsets, tensor_source
+from ..checkpoint import FEW_OFFSETS_MIN, Checkpoint, TensorSource, few_offsets, tensor_source
 from ..dtypes import DTYPE_RANK
 from ..errors import ConfigError, HeaderError, LayoutError, ReshardError, TensorNotFoundError, UsageError
 from ..intervals import Block, block_shape
@@ -486,14 +486,21 @@ def _uniform_sources(
     # so its id stays its own)
     per_shape: dict[tuple[int, ...], tuple[tuple[tuple[int, ...], ...], dict[int, tuple[object, Any]]]] = {}
     mark_of = describe.placements_for if isinstance(describe, _ByLayout) else None
+    marks = describe.marks if isinstance(describe, _ByDescription) else None
+    # the offsets of rank files of one data start, as few_offsets makes them (made here: no call a tensor)
+    repeated = same is not None and n < FEW_OFFSETS_MIN
     for en in files.headers[order[0]].entries:
         got = per_shape.get(en.shape)
         if got is None:
             got = per_shape[en.shape] = ((en.shape,) * n, {})
         local, seen = got
         desc = None
-        if mark_of is not None:
-            mark: object = mark_of(en.name)
+        if marks is not None:
+            mark: object = marks.get(en.name)
+            if mark is None:  # not described: describe says so
+                mark = desc = describe(en.name, local)
+        elif mark_of is not None:
+            mark = mark_of(en.name)
         else:
             mark = desc = describe(en.name, local)
         hit = seen.get(id(mark))
@@ -507,8 +514,11 @@ def _uniform_sources(
             if len(seen) >= _SEEN_MAX:  # placements (or descriptions) made per tensor: ids not reused
                 seen.clear()
             hit = seen[id(mark)] = (mark, geo.fields)
-        at = (same + en.start,) if same is not None else tuple(map(en.start.__add__, bases))
-        offsets = few_offsets(at, picks)
+        if repeated:
+            offsets: Sequence[int] = (same + en.start,) * n  # type: ignore[operator]
+        else:
+            at = (same + en.start,) if same is not None else tuple(map(en.start.__add__, bases))
+            offsets = few_offsets(at, picks)
         shape, pfiles, blocks, signature, partials, op, placements = hit[1]
         tensors[en.name] = tensor_source(
             en.name, en.dtype, shape, pfiles, offsets, blocks, signature, partials, op, placements
@@ -908,6 +918,23 @@ def _derived_shape(
     return shape
 
 
+class _ByDescription:
+    """A :data:`Describe` from the files' reshard metadata (:func:`_described_by`): ``marks`` maps
+    each described name to its description, which version 2 shares per geometry, so
+    :func:`_uniform_sources` tells geometries apart by its identity, before describing."""
+
+    __slots__ = ("marks", "_describe")
+
+    def __init__(self, marks: Mapping[str, object], describe: Describe) -> None:
+        self.marks = marks
+        self._describe = describe
+
+    def __call__(
+        self, name: str, local_shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], Sequence[Placement | str]]:
+        return self._describe(name, local_shapes)
+
+
 def _described_by(desc0: RankMetadata, path: Path) -> Describe:
     """Global shape and placements from rank 0's reshard metadata (converted once per description:
     version 2 shares one per geometry)."""
@@ -927,7 +954,7 @@ def _described_by(desc0: RankMetadata, path: Path) -> Describe:
             hit = values[id(info)] = (tuple(int(x) for x in info["shape"]), list(info["placements"]))
         return hit
 
-    return describe
+    return _ByDescription(described, describe)
 
 
 def _check_local_shapes(
@@ -1149,29 +1176,33 @@ def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[
 def _described(names: Sequence[str], layouts: Sequence[TensorLayout]) -> tuple[int, str]:
     """:func:`describe_tensors` of the tensors ``names`` laid out ``layouts``, in the file's data order."""
     table: dict[tuple[str, ...], str] = {}
-    codes = []
-    shapes = {}
     # tensors of one geometry share one layout object (the planner's): its code and evenness
-    # are found once, by identity (``layouts`` holds them, so their ids stay theirs)
-    per_layout: dict[int, tuple[str, bool]] = {}
-    for name, layout in zip(names, layouts):
-        hit = per_layout.get(id(layout))
-        if hit is None:
-            pls = _placement_texts(layout.placements)
-            code = table.get(pls)
-            if code is None:
-                if len(table) == len(_CODES):
-                    every = zip(names, layouts)
-                    return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, lay in every)
-                code = table[pls] = _CODES[len(table)]
-            hit = per_layout[id(layout)] = (code, _splits_evenly(layout))
-        codes.append(hit[0])
-        if not hit[1]:
-            shapes[name] = list(layout.shape)
+    # are found once, by identity (``layouts`` holds them, so their ids stay theirs), each
+    # distinct layout in the order it first comes (so the codes are given in that order)
+    ids = list(map(id, layouts))
+    per_layout: dict[int, str] = {}
+    uneven: set[int] = set()
+    for key, layout in dict(zip(ids, layouts)).items():
+        pls = _placement_texts(layout.placements)
+        code = table.get(pls)
+        if code is None:
+            if len(table) == len(_CODES):
+                every = zip(names, layouts)
+                return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, lay in every)
+            code = table[pls] = _CODES[len(table)]
+        per_layout[key] = code
+        if not _splits_evenly(layout):
+            uneven.add(key)
+    codes = "".join(map(per_layout.__getitem__, ids))
+    shapes = {}
+    if uneven:
+        for name, key, layout in zip(names, ids, layouts):
+            if key in uneven:
+                shapes[name] = list(layout.shape)
     compact = (",", ":")
     text = (
         f'"placements":{json.dumps([list(p) for p in table], separators=compact)},'
-        f'"layout":"{"".join(codes)}","shapes":{json.dumps(shapes, separators=compact)}'
+        f'"layout":"{codes}","shapes":{json.dumps(shapes, separators=compact)}'
     )
     return 2, text
 

@@ -67,12 +67,15 @@ def test_version_2_lists_placements_once_and_only_uneven_shapes(v2: Path) -> Non
         assert len(header.metadata["reshard"]) < entries_bytes + 200  # type: ignore[index]
 
 
-def _as_version_1(src: Path, dst: Path) -> None:
-    """The same checkpoint with version 1 metadata (each tensor's shape and placements listed)."""
+def _as_version_1(src: Path, dst: Path, omit: str = "") -> None:
+    """The same checkpoint with version 1 metadata (each tensor's shape and placements listed,
+    but for tensor ``omit``)."""
     dst.mkdir()
     ck = open_checkpoint(src)
     assert ck.mesh is not None
-    text = tensors_text((t.name, t.shape, [str(p) for p in t.placements or ()]) for t in ck.tensors.values())
+    text = tensors_text(
+        (t.name, t.shape, [str(p) for p in t.placements or ()]) for t in ck.tensors.values() if t.name != omit
+    )
     for r, f in enumerate(sorted(src.glob("rank-*.safetensors"))):
         local = load_file(str(f))
         prefix, header = encode_header(
@@ -105,6 +108,15 @@ def test_version_1_and_2_read_the_same(v2: Path, tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
         got = load_file(str(out / "model.safetensors"))
         assert all(torch.equal(got[n], FULL[n]) for n in FULL)
+
+
+def test_a_tensor_its_metadata_does_not_describe_is_named(v2: Path, tmp_path: Path) -> None:
+    v1 = tmp_path / "v1"
+    _as_version_1(v2, v1, omit="odd.w")
+    r = _cli("inspect", v1)
+    assert r.returncode == 2, r.stderr
+    assert 'tensor "odd.w" is not described in the reshard metadata' in r.stderr
+    assert "rank-00000-of-00004.safetensors" in r.stderr
 
 
 def test_version_2_with_a_wrong_layout_is_refused(v2: Path, tmp_path: Path) -> None:
