@@ -459,8 +459,10 @@ class _Writer:
             parts = [(int(gs[0]), np.arange(i, j))]
         else:
             order = np.argsort(gs, kind="stable")
-            cuts = np.flatnonzero(np.diff(gs[order])) + 1
-            parts = [(int(gs[p[0]]), p + i) for p in np.split(order, cuts)]
+            ordered = gs[order]
+            cuts = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), len(order)]
+            idx = order + i
+            parts = [(int(ordered[a]), idx[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
         jobs = []
         for g, idx in parts:
             runs = geos.runs(g, rank)
@@ -478,10 +480,8 @@ class _Writer:
                     for one in np.unique(files).tolist():
                         sel = files == one
                         jobs.append((one, lo[sel], pos[sel], n, rows, ss, ds))
-        if j - i > 1 and not bufs.spans.keeps(jobs):  # the windows siblings read too must all stay
-            return False
-        bufs.spans.gather(jobs, buf)
-        return True
+        # the windows siblings read too must all stay (else nothing is read)
+        return bufs.spans.gather(jobs, buf, check=j - i > 1)
 
     def chunk_steps(self, f: OutFile, geos: Geometries, first: int = 0, stop: int = -1) -> Iterator[None]:
         """:meth:`file_steps` for a file of archives, each its fixed bytes, an entry and a trailer

@@ -590,6 +590,66 @@ _MANY = 8
 """Pieces of one file in a buffer from which :class:`Spans` reads whole windows for siblings."""
 
 
+_PERIODIC = 16
+"""A job's pieces are copied as progressions (:func:`_progressions`) when their steps change at
+most once per this many pieces (a layer's norms between its experts); else by index arrays."""
+
+Period = tuple[int, int, int, int]
+"""Pieces ``a, a + p, a + 2p, ...`` of a job (and ``a + 1, a + 1 + p, ...``, up to ``p`` of them)
+``step`` bytes apart in the file and ``move`` in the buffer: ``(a, p, step, move)``."""
+
+
+def _progressions(lo: Any, pos: Any) -> list[tuple[int, int, Period | None]]:
+    """A job's pieces (``lo`` sorted) as consecutive ranges ``(first, stop, period)``: up to
+    :data:`_PERIODS` interleaved progressions (tensors of one geometry one after another, or
+    alternating with another geometry's: an expert's gate and up), or None (any offsets)."""
+    import numpy as np
+
+    count = len(lo)
+    for p in range(1, _PERIODS + 1):
+        if count < 4 * p:
+            break
+        dl, dq = lo[p:] - lo[:-p], pos[p:] - pos[:-p]
+        cuts = (np.flatnonzero((dl[1:] != dl[:-1]) | (dq[1:] != dq[:-1])) + 1).tolist()
+        if len(cuts) * _PERIODIC > count:  # steps change too often: try a longer period
+            continue
+        firsts = [0, *cuts]
+        out: list[tuple[int, int, Period | None]] = []
+        done = 0
+        for u, v, step, move in zip(firsts, [*cuts, count - p], dl[firsts].tolist(), dq[firsts].tolist()):
+            a, b = max(u, done), v + p  # from piece a, each p-th piece is step after the last, to b
+            if b - a < 2 * p:
+                continue  # left to the index arrays
+            if a > done:
+                out.append((done, a, None))
+            out.append((a, b, (a, p, step, move)))
+            done = b
+        if done < count:
+            out.append((done, count, None))
+        return out
+    return [(0, count, None)]
+
+
+def _stride(job: Job, i: int, j: int, per: Period, held: bytearray, shift: int, buf: bytearray) -> None:
+    """Pieces ``i`` to ``j`` of ``job``, of a run of progressions ``per``, their bytes at
+    ``lo + shift`` in ``held``: one strided numpy copy per progression (no index arrays, no
+    temporary)."""
+    import numpy as np
+
+    _, lo, pos, n, rows, ss, ds = job
+    a, p, step, move = per
+    for r in range(p):
+        t = i + (a + r - i) % p  # the first of progression r from piece i
+        if t >= j:
+            continue
+        src, dst = int(lo[t]) + shift, int(pos[t])
+        z = n | src | dst | step | move | (ss | ds if rows > 1 else 0)
+        isz = min(8, z & -z) if z else 8  # the widest items all offsets and strides allow
+        shape, dt = ((j - t + p - 1) // p, rows, n // isz), _UINTS[isz]
+        out = np.ndarray(shape, dt, buf, dst, (move, ds, isz))
+        out[...] = np.ndarray(shape, dt, held, src, (step, ss, isz))
+
+
 class Spans:
     """Spans of source files read whole by ``pread`` into ``slots`` buffers of at most ``span``
     bytes, kept for the next reader (the least recently used read over first).
@@ -615,8 +675,11 @@ class Spans:
     def keeps(self, jobs: Iterable[Job]) -> bool:
         """Whether the windows ``jobs`` read from :attr:`shared` files all fit in the slots, so
         they stay for the siblings (the reads of files no sibling reads need not stay)."""
+        return self._fits(job_reach(jobs))
+
+    def _fits(self, reach: dict[int, tuple[int, int, int]]) -> bool:
         span, shared = self.span, self.shared
-        windows = sum((b - a) // span + 2 for fi, (a, b, _) in job_reach(jobs).items() if fi in shared)
+        windows = sum((b - a) // span + 2 for fi, (a, b, _) in reach.items() if fi in shared)
         return windows <= len(self.slots)
 
     def locate(self, fi: int, lo: int, hi: int) -> tuple[bytearray, int]:
@@ -651,8 +714,10 @@ class Spans:
         self.used[j] = self.clock
         return self.bufs[j], 0
 
-    def gather(self, jobs: Sequence[Job], buf: bytearray) -> None:
-        """Copy the pieces of ``jobs`` into ``buf``.
+    def gather(self, jobs: Sequence[Job], buf: bytearray, *, check: bool = False) -> bool:
+        """Copy the pieces of ``jobs`` into ``buf``; True. With ``check``: False, nothing read,
+        when the windows they read from :attr:`shared` files would not all stay in the slots
+        (:meth:`keeps`).
 
         A job ``(file, lo, pos, n, rows, ss, ds)`` moves piece ``i``, ``rows`` rows of ``n`` bytes
         ``ss`` apart from file offset ``lo[i]``, to ``pos[i]`` with rows ``ds`` apart (``lo`` and
@@ -666,19 +731,30 @@ class Spans:
 
         w = self.span
         sorted_jobs: list[Job] = []
+        alone: list[Job] = []
+        reach: dict[int, tuple[int, int, int]] = {}
         for job in jobs:
             fi, lo, pos, n, rows, ss, ds = job
-            if not len(lo) or n <= 0:
+            count = len(lo)
+            if not count or n <= 0:
                 continue
-            if (rows - 1) * ss + n > w or ss < 0 or (rows > 1 and ds < n):
-                self._one_by_one(job, buf)
+            extent = (rows - 1) * ss + n
+            if extent > w or ss < 0 or (rows > 1 and ds < n):
+                alone.append(job)
                 continue
-            if len(lo) > 1 and not (lo[1:] >= lo[:-1]).all():
+            if count > 1 and not (lo[1:] >= lo[:-1]).all():
                 o = np.argsort(lo, kind="stable")
-                job = (fi, lo[o], pos[o], n, rows, ss, ds)
+                lo = lo[o]
+                job = (fi, lo, pos[o], n, rows, ss, ds)
             sorted_jobs.append(job)
+            a, b = int(lo[0]), int(lo[-1]) + extent  # job_reach, of sorted offsets
+            hit = reach.get(fi)
+            reach[fi] = (a, b, count) if hit is None else (min(a, hit[0]), max(b, hit[1]), hit[2] + count)
+        if check and not self._fits(reach):
+            return False
+        for job in alone:
+            self._one_by_one(job, buf)
         sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
-        reach = job_reach(sorted_jobs)
         for job in sorted_jobs:
             fi, lo, _, n, rows, ss, _ = job
             extent = (rows - 1) * ss + n
@@ -687,20 +763,25 @@ class Spans:
             first, size, pieces = reach[fi]
             if pieces >= _MANY and fi in self.shared:
                 first, size = 0, self.sources.size(fi)
-            i, count = 0, len(lo)
-            while i < count:
-                g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
-                stop = g + w
-                j = int(np.searchsorted(lo, stop - extent, "right"))  # the pieces it holds whole
-                if j > i:
-                    start = max(g, first)
-                    held, at = self.locate(fi, start, max(min(stop, size), int(lo[j - 1]) + extent))
-                    self._copy(job, i, j, held, at - start, buf)
-                    i = j
-                k = int(np.searchsorted(lo, stop, "left"))  # those across the grid line
-                if k > i:
-                    self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
-                    i = k
+            for i, count, per in _progressions(lo, job[2]):
+                while i < count:
+                    g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
+                    stop = g + w
+                    # the pieces it holds whole
+                    j = min(count, int(np.searchsorted(lo, stop - extent, "right")))
+                    if j > i:
+                        start = max(g, first)
+                        held, at = self.locate(fi, start, max(min(stop, size), int(lo[j - 1]) + extent))
+                        if per is None:
+                            self._copy(job, i, j, held, at - start, buf)
+                        else:
+                            _stride(job, i, j, per, held, at - start, buf)
+                        i = j
+                    k = min(count, int(np.searchsorted(lo, stop, "left")))  # those across the grid line
+                    if k > i:
+                        self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
+                        i = k
+        return True
 
     @staticmethod
     def _copy(job: Job, i: int, j: int, held: bytearray, shift: int, buf: bytearray) -> None:

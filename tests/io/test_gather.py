@@ -45,8 +45,8 @@ def _tensor(files: tuple[int, ...], offsets: tuple[int, ...]) -> TensorSource:
 @st.composite
 def _layouts(draw: Any) -> dict[str, Any]:
     """Entries of one geometry: one or two runs (two source files, like TP-4 -> HF), rows or not,
-    their pieces evenly spaced, alternating with other tensors, or anywhere; placed evenly or
-    in any order in the buffer."""
+    their pieces evenly spaced, alternating with other tensors (the spacing broken once or not),
+    or anywhere; placed evenly or in any order in the buffer."""
     n = draw(st.integers(1, 40))
     rows = draw(st.sampled_from([1, 1, 2, 5]))
     ss = n + draw(st.integers(0, 9)) if rows > 1 else 0
@@ -56,7 +56,7 @@ def _layouts(draw: Any) -> dict[str, Any]:
     nruns = draw(st.integers(1, 2))
     runs = tuple((r * rext, r, draw(st.integers(0, 5)), n, rows, ss, ds) for r in range(nruns))
     ext = nruns * rext
-    count = draw(st.integers(1, 40))
+    count = draw(st.integers(1, 80))
     order = draw(st.sampled_from(["even", "alternate", "any"]))
     files = [draw(st.integers(0, 2)) for _ in range(nruns)]
     room = SIZE - span - 5
@@ -70,6 +70,9 @@ def _layouts(draw: Any) -> dict[str, Any]:
         least = max(0, -step * (k - 1))
         base = draw(st.integers(least, max(least, room - gap - max(0, step * (k - 1)))))
         at = [base + (i if order == "even" else i // 2) * step + (i % 2) * gap for i in range(count)]
+        if draw(st.booleans()):  # from one entry on, further on (a layer's norms between its experts)
+            cut, shift = draw(st.integers(0, count)), draw(st.integers(1, 30))
+            at = [a + (shift if i >= cut else 0) for i, a in enumerate(at)]
         offsets = [[a] * nruns for a in at]
         files_of = [files] * count
         # a long step may not fit the file (base's range clamps at 0): such layouts read past the end
