@@ -590,9 +590,17 @@ _MANY = 8
 """Pieces of one file in a buffer from which :class:`Spans` reads whole windows for siblings."""
 
 
+_SPARSE = 8
+"""A few pieces (at most :data:`_MANY`) that fill less than one part in this many of the bytes
+from the first to the last are read each on its own (:meth:`Spans._scattered`)."""
+
 _PERIODIC = 16
 """A job's pieces are copied as progressions (:func:`_progressions`) when their steps change at
 most once per this many pieces (a layer's norms between its experts); else by index arrays."""
+
+_SMALL = 512
+"""Pieces of one row smaller than this are copied as progressions where they are: numpy's index
+arrays copy larger ones as fast (a memcpy each), and finding the progressions costs ~30 us a job."""
 
 Period = tuple[int, int, int, int]
 """Pieces ``a, a + p, a + 2p, ...`` of a job (and ``a + 1, a + 1 + p, ...``, up to ``p`` of them)
@@ -638,16 +646,21 @@ def _stride(job: Job, i: int, j: int, per: Period, held: bytearray, shift: int, 
 
     _, lo, pos, n, rows, ss, ds = job
     a, p, step, move = per
+    item = _item(n)
     for r in range(p):
         t = i + (a + r - i) % p  # the first of progression r from piece i
-        if t >= j:
-            continue
-        src, dst = int(lo[t]) + shift, int(pos[t])
-        z = n | src | dst | step | move | (ss | ds if rows > 1 else 0)
-        isz = min(8, z & -z) if z else 8  # the widest items all offsets and strides allow
-        shape, dt = ((j - t + p - 1) // p, rows, n // isz), _UINTS[isz]
-        out = np.ndarray(shape, dt, buf, dst, (move, ds, isz))
-        out[...] = np.ndarray(shape, dt, held, src, (step, ss, isz))
+        if t < j:
+            shape, src, dst = ((j - t + p - 1) // p, rows), int(lo[t]) + shift, int(pos[t])
+            out = np.ndarray(shape, item, buf, dst, (move, ds))  # a piece's rows: the inner loop
+            out[...] = np.ndarray(shape, item, held, src, (step, ss))
+
+
+@cache
+def _item(n: int) -> Any:
+    """The numpy type of an item of ``n`` bytes (an unsigned integer where there is one)."""
+    import numpy as np
+
+    return np.dtype(_UINTS.get(n, f"V{n}"))
 
 
 class Spans:
@@ -725,13 +738,36 @@ class Spans:
         so the sibling files that want other pieces of the same bytes find them read; each
         job's pieces in a window are moved with one numpy copy (items of ``n`` bytes at any
         offsets): many small pieces cost a few calls, not Python work per piece. Pieces across
-        a grid line are read on their own.
+        a grid line, larger than a window, or a few far apart are read on their own.
         """
+        windowed, alone, scattered, reach = self._sort(jobs)
+        if check and not self._fits(reach):
+            return False
+        for job in alone:
+            self._one_by_one(job, buf)
+        for job in scattered:
+            self._scattered(job, buf)
+        for job in windowed:
+            fi = job[0]
+            # whole windows when siblings will want the pieces between ours; else only the bytes
+            # wanted (alone, or a few tensors, which siblings want whole or cut in a few)
+            first, size, pieces = reach[fi]
+            if pieces >= _MANY and fi in self.shared:
+                first, size = 0, self.sources.size(fi)
+            self._windows(job, first, size, buf)
+        return True
+
+    def _sort(
+        self, jobs: Sequence[Job]
+    ) -> tuple[list[Job], list[Job], list[Job], dict[int, tuple[int, int, int]]]:
+        """``jobs`` as the ones read in windows (their pieces sorted by offset, the jobs by file and
+        first offset), the ones read piece by piece (larger than a window), the few pieces far
+        apart (:meth:`_scattered`), and :func:`job_reach` of the first."""
         import numpy as np
 
-        w = self.span
-        sorted_jobs: list[Job] = []
+        windowed: list[Job] = []
         alone: list[Job] = []
+        scattered: list[Job] = []
         reach: dict[int, tuple[int, int, int]] = {}
         for job in jobs:
             fi, lo, pos, n, rows, ss, ds = job
@@ -739,49 +775,50 @@ class Spans:
             if not count or n <= 0:
                 continue
             extent = (rows - 1) * ss + n
-            if extent > w or ss < 0 or (rows > 1 and ds < n):
+            if extent > self.span or ss < 0 or (rows > 1 and ds < n):
                 alone.append(job)
                 continue
             if count > 1 and not (lo[1:] >= lo[:-1]).all():
                 o = np.argsort(lo, kind="stable")
                 lo = lo[o]
                 job = (fi, lo, pos[o], n, rows, ss, ds)
-            sorted_jobs.append(job)
             a, b = int(lo[0]), int(lo[-1]) + extent  # job_reach, of sorted offsets
+            if 1 < count <= _MANY and count * extent * _SPARSE < b - a:
+                scattered.append(job)  # a few pieces far apart (a layer's norms): not the bytes between
+                continue
+            windowed.append(job)
             hit = reach.get(fi)
             reach[fi] = (a, b, count) if hit is None else (min(a, hit[0]), max(b, hit[1]), hit[2] + count)
-        if check and not self._fits(reach):
-            return False
-        for job in alone:
-            self._one_by_one(job, buf)
-        sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
-        for job in sorted_jobs:
-            fi, lo, _, n, rows, ss, _ = job
-            extent = (rows - 1) * ss + n
-            # whole windows when siblings will want the pieces between ours; else only the bytes
-            # wanted (alone, or a few tensors, which siblings want whole or cut in a few)
-            first, size, pieces = reach[fi]
-            if pieces >= _MANY and fi in self.shared:
-                first, size = 0, self.sources.size(fi)
-            for i, count, per in _progressions(lo, job[2]):
-                while i < count:
-                    g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
-                    stop = g + w
-                    # the pieces it holds whole
-                    j = min(count, int(np.searchsorted(lo, stop - extent, "right")))
-                    if j > i:
-                        start = max(g, first)
-                        held, at = self.locate(fi, start, max(min(stop, size), int(lo[j - 1]) + extent))
-                        if per is None:
-                            self._copy(job, i, j, held, at - start, buf)
-                        else:
-                            _stride(job, i, j, per, held, at - start, buf)
-                        i = j
-                    k = min(count, int(np.searchsorted(lo, stop, "left")))  # those across the grid line
-                    if k > i:
-                        self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
-                        i = k
-        return True
+        windowed.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
+        return windowed, alone, scattered, reach
+
+    def _windows(self, job: Job, first: int, size: int, buf: bytearray) -> None:
+        """A job's (sorted) pieces, window by window of the grid: windows of file bytes ``first`` to
+        ``size`` (see :meth:`gather`); pieces across a grid line read on their own."""
+        import numpy as np
+
+        w = self.span
+        fi, lo, pos, n, rows, ss, _ = job
+        extent = (rows - 1) * ss + n
+        # index arrays for large pieces (a memcpy each); progressions where they are tiny items
+        cut = rows > 1 or n < _SMALL
+        for i, count, per in _progressions(lo, pos) if cut else [(0, len(lo), None)]:
+            while i < count:
+                g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
+                stop = g + w
+                j = min(count, int(np.searchsorted(lo, stop - extent, "right")))  # the pieces it holds whole
+                if j > i:
+                    start = max(g, first)
+                    held, at = self.locate(fi, start, max(min(stop, size), int(lo[j - 1]) + extent))
+                    if per is None:
+                        self._copy(job, i, j, held, at - start, buf)
+                    else:
+                        _stride(job, i, j, per, held, at - start, buf)
+                    i = j
+                k = min(count, int(np.searchsorted(lo, stop, "left")))  # those across the grid line
+                if k > i:
+                    self._one_by_one((fi, lo[i:k], pos[i:k], *job[3:]), buf)
+                    i = k
 
     @staticmethod
     def _copy(job: Job, i: int, j: int, held: bytearray, shift: int, buf: bytearray) -> None:
@@ -806,6 +843,23 @@ class Spans:
         for a in range(i, j, step):
             b = min(j, a + step)
             dst[pos[a:b]] = src[lo[a:b] + shift]
+
+    def _scattered(self, job: Job, buf: bytearray) -> None:
+        """A job's pieces each from a slot that holds it, else read on its own (:meth:`_one_by_one`):
+        a few pieces far apart, whose windows would be read for them alone (the norms of a layer
+        or two, which sibling files each want whole: a 1 MiB window read for 384 bytes)."""
+        fi, lo, pos, n, rows, ss, ds = job
+        extent = (rows - 1) * ss + n
+        rest = []
+        for i, a in enumerate(lo.tolist()):
+            for j, (f, x, y) in enumerate(self.slots):
+                if f == fi and x <= a and a + extent <= y:
+                    self._copy(job, i, i + 1, self.bufs[j], -x, buf)
+                    break
+            else:
+                rest.append(i)
+        if rest:
+            self._one_by_one((fi, lo[rest], pos[rest], n, rows, ss, ds), buf)
 
     def _one_by_one(self, job: Job, buf: bytearray) -> None:
         """A job's pieces each read on its own (across a grid line, or larger than a window):

@@ -273,3 +273,27 @@ def test_spans_extend_a_held_window_instead_of_reading_it_again(tmp_path: Path) 
         assert bytes(held[at : at + 50]) == Path(paths[1]).read_bytes()[:50]
     finally:
         sources.close()
+
+
+def test_a_few_pieces_far_apart_are_read_alone_or_taken_from_a_held_window(tmp_path: Path) -> None:
+    """A layer's norms (a few small pieces, far apart) are not worth the windows between them:
+    each is taken from a window already held, else read on its own."""
+    paths = _files(tmp_path, 1)
+    data = Path(paths[0]).read_bytes()
+    reads: list[tuple[int, int]] = []
+    sources = SourceFiles(paths, seen=lambda fi, off, buf: reads.append((off, len(buf))))
+    try:
+        w = Spans(sources, 1024, 2)
+        w.shared = frozenset({0})
+        dense = np.arange(0, 1000, 100, dtype=np.int64)  # ten pieces in the first window
+        buf = bytearray(100)
+        assert w.gather([(0, dense, np.arange(0, 100, 10, dtype=np.int64), 10, 1, 0, 0)], buf, check=True)
+        assert buf == b"".join(data[o : o + 10] for o in range(0, 1000, 100))
+        assert reads == [(0, 1024)]  # a whole window: the siblings want the bytes between
+        far = np.array([150, 2000, 4500], dtype=np.int64)
+        out = bytearray(30)
+        assert w.gather([(0, far, np.array([20, 0, 10], dtype=np.int64), 10, 1, 0, 0)], out, check=True)
+        assert out == data[2000:2010] + data[4500:4510] + data[150:160]
+        assert reads == [(0, 1024), (2000, 10), (4500, 10)]  # 150: from the window held
+    finally:
+        sources.close()
