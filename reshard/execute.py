@@ -922,18 +922,7 @@ def _write_group(
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
         writers = [_Writer(sources, tmp.fd, bufs, progress, stop) for tmp in opened]
-        if len(writers) > 1:  # files in lockstep: the spans they all read are kept for each other
-            bufs.spans.shared = shared_sources(files, lambda f: geos.of(f) or geos.of_chunks(f))
-            order = geos.order()
-            for w in writers:
-                w.order = order
-        active = [(w, _steps(w, f, geos)) for w, f in zip(writers, files)]
-        while active:
-            # the files furthest behind in the plan's tensor order step first: siblings that hold
-            # different tensors (DCP ranks each holding some replicated ones) stay on the same
-            # tensor, so they still read its rows one after the other
-            low = min(w.at for w, _ in active)
-            active = [(w, g) for w, g in active if w.at != low or next(g, _END) is not _END]
+        _lockstep(writers, files, [(0, -1)] * len(files), geos)
         done = [(w.sink.close(f.size), w.crc32s, w.bytes_read) for w, f in zip(writers, files)]
         del writers, bufs  # free the buffers before reading back unhashed pieces
         results = []
@@ -949,6 +938,77 @@ def _write_group(
 
 
 _END = object()
+
+
+def _lockstep(
+    writers: Sequence[_Writer],
+    files: Sequence[OutFile],
+    ranges: Sequence[tuple[int, int]],
+    geos: _GeometriesOf,
+) -> None:
+    """Write items ``ranges[i]`` (first, stop: :func:`_steps`) of each file ``files[i]`` with
+    ``writers[i]`` (one thread's, sharing its buffers), a slab of each in turn."""
+    if len(writers) > 1:  # files in lockstep: the spans they all read are kept for each other
+        writers[0].bufs.spans.shared = shared_sources(files, lambda f: geos.of(f) or geos.of_chunks(f))
+        order = geos.order()
+        for w in writers:
+            w.order = order
+    active = [(w, _steps(w, f, geos, a, b)) for w, f, (a, b) in zip(writers, files, ranges)]
+    while active:
+        # the files furthest behind in the plan's tensor order step first: siblings that hold
+        # different tensors (DCP ranks each holding some replicated ones) stay on the same
+        # tensor, so they still read its rows one after the other
+        low = min(w.at for w, _ in active)
+        active = [(w, g) for w, g in active if w.at != low or next(g, _END) is not _END]
+
+
+def _write_parts(
+    files: Sequence[OutFile],
+    dst: Path,
+    sources: SourceFiles,
+    buffer_size: int,
+    window: int,
+    progress: ProgressFn | None,
+    parts: int,
+    stop: threading.Event,
+    geos: _GeometriesOf,
+) -> list[FileResult]:
+    """Write sibling files written by columns with ``parts`` threads, thread ``k`` the ``k``-th
+    run of entries of every file, the files in lockstep (:func:`_write_group`, split as
+    :func:`_write_split` splits one file): each thread reads its part of the source once for
+    all the files, where groups of files read all of it each (HF -> TP-8, two groups of 4
+    files: the 1.2 GB source read twice)."""
+    opened: list[TmpFile] = []
+    try:
+        for f in files:
+            opened.append(TmpFile(dst, f.name, f.size))
+        splits = [_split_columns(f, parts) for f in files]
+
+        def run(k: int) -> list[tuple[int, dict[int, bytes], dict[int, int], int]]:
+            mine = [i for i, sp in enumerate(splits) if k < len(sp)]
+            bufs = _Buffers(buffer_size, sources, window)
+            writers = [_Writer(sources, opened[i].fd, bufs, progress, stop, splits[i][k][0]) for i in mine]
+            _lockstep(writers, [files[i] for i in mine], [splits[i][k][1:] for i in mine], geos)
+            return [(i, w.sink.close(files[i].size), w.crc32s, w.bytes_read) for i, w in zip(mine, writers)]
+
+        digests: list[dict[int, bytes]] = [{} for _ in files]
+        crc32s: list[dict[int, int]] = [{} for _ in files]
+        nread = [0] * len(files)
+        for part in _run_all([functools.partial(run, k) for k in range(parts)], stop):
+            for i, d, c, n in part:
+                digests[i].update(d)
+                crc32s[i].update(c)
+                nread[i] += n
+        results = []
+        for f, tmp, d, c, n in zip(files, opened, digests, crc32s, nread):
+            if f.needs_crc32 and _patches(f):
+                tmp.patch(f.finish([c[i] for i in range(len(f.entries))]), d)
+            results.append(tmp.finish(d, n))
+        return results
+    except BaseException:
+        for tmp in opened:
+            tmp.discard()
+        raise
 
 
 class _Stopped(Exception):
@@ -1081,8 +1141,12 @@ def execute_plan(
             # lockstep files hold the same tensors cut differently: siblings share reads. Others
             # (hf shards) hold different tensors: one at a time, so each finishes (and is journaled) sooner
             most = GROUP_FILES if plan.writer.lockstep else 1
+            by_entries = 1 < len(todo) <= most and all(geos.of(f) is not None for f in todo)
             groups = sorted(_groups(todo, workers, most), key=lambda g: -sum(f.size for f in g))
-            if workers <= 1 or len(groups) <= 1:
+            if workers > 1 and by_entries:  # siblings that read the same source: all in lockstep
+                for r in _write_parts(todo, dst, sources, buffer_size, window, prog, workers, stop, geos):
+                    done(r)
+            elif workers <= 1 or len(groups) <= 1:
                 for g in groups:
                     group(g)
             else:
