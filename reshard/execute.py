@@ -26,6 +26,7 @@ workers split a file's entries. Where bytes go is the writer's
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import threading
@@ -962,6 +963,25 @@ def _lockstep(
         active = [(w, g) for w, g in active if w.at != low or next(g, _END) is not _END]
 
 
+def _read_by_all(
+    files: Sequence[OutFile], groups: Sequence[Sequence[OutFile]], most: int, geos: _GeometriesOf
+) -> bool:
+    """Whether ``files`` (siblings, written by columns, at most ``most``) would be better written
+    by :func:`_write_parts` than in ``groups``: most of the source files a group reads, another
+    reads too (HF -> TP-8: every group the whole source). Not otherwise: two threads writing
+    one file contend for it in the kernel (TP-4 -> TP-8, groups reading their own rank files
+    but for the norms: 0.2 s more system time in parts)."""
+    if len(files) > most or any(geos.of(f) is None for f in files):
+        return False
+    reads: collections.Counter[int] = collections.Counter()
+    for g in groups:
+        mine: set[int] = set()
+        for f in g:
+            mine |= geos.of(f).sources(f.local_rank)  # type: ignore[union-attr]
+        reads.update(mine)
+    return 2 * sum(1 for n in reads.values() if n > 1) > len(reads)
+
+
 def _write_parts(
     files: Sequence[OutFile],
     dst: Path,
@@ -1141,9 +1161,8 @@ def execute_plan(
             # lockstep files hold the same tensors cut differently: siblings share reads. Others
             # (hf shards) hold different tensors: one at a time, so each finishes (and is journaled) sooner
             most = GROUP_FILES if plan.writer.lockstep else 1
-            by_entries = 1 < len(todo) <= most and all(geos.of(f) is not None for f in todo)
             groups = sorted(_groups(todo, workers, most), key=lambda g: -sum(f.size for f in g))
-            if workers > 1 and by_entries:  # siblings that read the same source: all in lockstep
+            if workers > 1 and len(groups) > 1 and _read_by_all(todo, groups, most, geos):
                 for r in _write_parts(todo, dst, sources, buffer_size, window, prog, workers, stop, geos):
                     done(r)
             elif workers <= 1 or len(groups) <= 1:
