@@ -14,7 +14,7 @@ So the buffers and the window together stay within ``M`` once ``M / W >= 36 KiB`
 (below that the 4 KiB floor of ``B`` wins). Not counted in ``M``, and added by
 :func:`memory_estimate`: the interpreter (~36 MiB), torch when casting or reducing
 (~224 MiB), one more buffer ``B`` per extra Partial group and for a cast's output,
-the largest output header per worker, a 11.25 MiB scratch per worker for short reads
+the largest output header per worker, a 13.25 MiB scratch per worker for short reads
 (windows of the source files, :data:`reshard.io.reader.SCRATCH`), and the pages of
 one strided box read through a map before its window is released (at most one slab:
 ``B`` bytes of items, but whole pages of each source row).
@@ -96,7 +96,7 @@ def memory_estimate(plan: Plan, budget: Budget) -> int:
     Interpreter baseline, plus per worker: one slab buffer per Partial group (plus a
     cast output), the row cache, the column path's buffer (:data:`COLUMN_WRITES` buffers),
     mapped source pages up to the release window, the scratch of short reads
-    (``io.reader.SCRATCH``, 11.25 MiB) and the largest output header.
+    (``io.reader.SCRATCH``, 13.25 MiB) and the largest output header.
     """
     groups = max((t.groups for t in plan.tensors), default=1)
     casts = any(t.dtype != t.src.dtype for t in plan.tensors) or groups > 1

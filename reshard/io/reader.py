@@ -87,9 +87,11 @@ SPAN = 1 << 20
 """The column path's reads (:class:`Spans`): the source bytes a buffer of entries needs from one
 file, read whole with one ``pread`` up to this size (larger: in parts of it)."""
 
-SPAN_SLOTS = 8
+SPAN_SLOTS = 10
 """Spans a writer thread keeps for the sibling files written next in lockstep (which ask for the
-same bytes): the least recently used is read over first."""
+same bytes): the least recently used is read over first. At 8, one worker writing TP-4 -> TP-8
+(8 files, 4 sources, ~3 windows of each a buffer) read 1.82 GB for the 1.27 GB source; at 10
+and more, 1.22 GB."""
 
 SCRATCH = WINDOW_SLOTS * WINDOW + SPAN_SLOTS * SPAN
 """Bytes of a writer thread's scratch buffers: its windows (see ``memory_estimate``)."""
@@ -590,6 +592,79 @@ _MANY = 8
 """Pieces of one file in a buffer from which :class:`Spans` reads whole windows for siblings."""
 
 
+_SPARSE = 8
+"""A few pieces (at most :data:`_MANY`) that fill less than one part in this many of the bytes
+from the first to the last are read each on its own (:meth:`Spans._scattered`)."""
+
+_PERIODIC = 16
+"""A job's pieces are copied as progressions (:func:`_progressions`) when their steps change at
+most once per this many pieces (a layer's norms between its experts); else by index arrays."""
+
+_SMALL = 512
+"""Pieces of one row smaller than this are copied as progressions where they are: numpy's index
+arrays copy larger ones as fast (a memcpy each), and finding the progressions costs ~30 us a job."""
+
+Period = tuple[int, int, int, int]
+"""Pieces ``a, a + p, a + 2p, ...`` of a job (and ``a + 1, a + 1 + p, ...``, up to ``p`` of them)
+``step`` bytes apart in the file and ``move`` in the buffer: ``(a, p, step, move)``."""
+
+
+def _progressions(lo: Any, pos: Any) -> list[tuple[int, int, Period | None]]:
+    """A job's pieces (``lo`` sorted) as consecutive ranges ``(first, stop, period)``: up to
+    :data:`_PERIODS` interleaved progressions (tensors of one geometry one after another, or
+    alternating with another geometry's: an expert's gate and up), or None (any offsets)."""
+    import numpy as np
+
+    count = len(lo)
+    for p in range(1, _PERIODS + 1):
+        if count < 4 * p:
+            break
+        dl, dq = lo[p:] - lo[:-p], pos[p:] - pos[:-p]
+        cuts = (np.flatnonzero((dl[1:] != dl[:-1]) | (dq[1:] != dq[:-1])) + 1).tolist()
+        if len(cuts) * _PERIODIC > count:  # steps change too often: try a longer period
+            continue
+        firsts = [0, *cuts]
+        out: list[tuple[int, int, Period | None]] = []
+        done = 0
+        for u, v, step, move in zip(firsts, [*cuts, count - p], dl[firsts].tolist(), dq[firsts].tolist()):
+            a, b = max(u, done), v + p  # from piece a, each p-th piece is step after the last, to b
+            if b - a < 2 * p:
+                continue  # left to the index arrays
+            if a > done:
+                out.append((done, a, None))
+            out.append((a, b, (a, p, step, move)))
+            done = b
+        if done < count:
+            out.append((done, count, None))
+        return out
+    return [(0, count, None)]
+
+
+def _stride(job: Job, i: int, j: int, per: Period, held: bytearray, shift: int, buf: bytearray) -> None:
+    """Pieces ``i`` to ``j`` of ``job``, of a run of progressions ``per``, their bytes at
+    ``lo + shift`` in ``held``: one strided numpy copy per progression (no index arrays, no
+    temporary)."""
+    import numpy as np
+
+    _, lo, pos, n, rows, ss, ds = job
+    a, p, step, move = per
+    item = _item(n)
+    for r in range(p):
+        t = i + (a + r - i) % p  # the first of progression r from piece i
+        if t < j:
+            shape, src, dst = ((j - t + p - 1) // p, rows), int(lo[t]) + shift, int(pos[t])
+            out = np.ndarray(shape, item, buf, dst, (move, ds))  # a piece's rows: the inner loop
+            out[...] = np.ndarray(shape, item, held, src, (step, ss))
+
+
+@cache
+def _item(n: int) -> Any:
+    """The numpy type of an item of ``n`` bytes (an unsigned integer where there is one)."""
+    import numpy as np
+
+    return np.dtype(_UINTS.get(n, f"V{n}"))
+
+
 class Spans:
     """Spans of source files read whole by ``pread`` into ``slots`` buffers of at most ``span``
     bytes, kept for the next reader (the least recently used read over first).
@@ -615,8 +690,11 @@ class Spans:
     def keeps(self, jobs: Iterable[Job]) -> bool:
         """Whether the windows ``jobs`` read from :attr:`shared` files all fit in the slots, so
         they stay for the siblings (the reads of files no sibling reads need not stay)."""
+        return self._fits(job_reach(jobs))
+
+    def _fits(self, reach: dict[int, tuple[int, int, int]]) -> bool:
         span, shared = self.span, self.shared
-        windows = sum((b - a) // span + 2 for fi, (a, b, _) in job_reach(jobs).items() if fi in shared)
+        windows = sum((b - a) // span + 2 for fi, (a, b, _) in reach.items() if fi in shared)
         return windows <= len(self.slots)
 
     def locate(self, fi: int, lo: int, hi: int) -> tuple[bytearray, int]:
@@ -651,8 +729,10 @@ class Spans:
         self.used[j] = self.clock
         return self.bufs[j], 0
 
-    def gather(self, jobs: Sequence[Job], buf: bytearray) -> None:
-        """Copy the pieces of ``jobs`` into ``buf``.
+    def gather(self, jobs: Sequence[Job], buf: bytearray, *, check: bool = False) -> bool:
+        """Copy the pieces of ``jobs`` into ``buf``; True. With ``check``: False, nothing read,
+        when the windows they read from :attr:`shared` files would not all stay in the slots
+        (:meth:`keeps`).
 
         A job ``(file, lo, pos, n, rows, ss, ds)`` moves piece ``i``, ``rows`` rows of ``n`` bytes
         ``ss`` apart from file offset ``lo[i]``, to ``pos[i]`` with rows ``ds`` apart (``lo`` and
@@ -660,46 +740,86 @@ class Spans:
         so the sibling files that want other pieces of the same bytes find them read; each
         job's pieces in a window are moved with one numpy copy (items of ``n`` bytes at any
         offsets): many small pieces cost a few calls, not Python work per piece. Pieces across
-        a grid line are read on their own.
+        a grid line, larger than a window, or a few far apart are read on their own.
         """
-        import numpy as np
-
-        w = self.span
-        sorted_jobs: list[Job] = []
-        for job in jobs:
-            fi, lo, pos, n, rows, ss, ds = job
-            if not len(lo) or n <= 0:
-                continue
-            if (rows - 1) * ss + n > w or ss < 0 or (rows > 1 and ds < n):
-                self._one_by_one(job, buf)
-                continue
-            if len(lo) > 1 and not (lo[1:] >= lo[:-1]).all():
-                o = np.argsort(lo, kind="stable")
-                job = (fi, lo[o], pos[o], n, rows, ss, ds)
-            sorted_jobs.append(job)
-        sorted_jobs.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
-        reach = job_reach(sorted_jobs)
-        for job in sorted_jobs:
-            fi, lo, _, n, rows, ss, _ = job
-            extent = (rows - 1) * ss + n
+        windowed, alone, scattered, reach = self._sort(jobs)
+        if check and not self._fits(reach):
+            return False
+        for job in alone:
+            self._one_by_one(job, buf)
+        for job in scattered:
+            self._scattered(job, buf)
+        for job in windowed:
+            fi = job[0]
             # whole windows when siblings will want the pieces between ours; else only the bytes
             # wanted (alone, or a few tensors, which siblings want whole or cut in a few)
             first, size, pieces = reach[fi]
             if pieces >= _MANY and fi in self.shared:
                 first, size = 0, self.sources.size(fi)
-            i, count = 0, len(lo)
+            self._windows(job, first, size, buf)
+        return True
+
+    def _sort(
+        self, jobs: Sequence[Job]
+    ) -> tuple[list[Job], list[Job], list[Job], dict[int, tuple[int, int, int]]]:
+        """``jobs`` as the ones read in windows (their pieces sorted by offset, the jobs by file and
+        first offset), the ones read piece by piece (larger than a window), the few pieces far
+        apart (:meth:`_scattered`), and :func:`job_reach` of the first."""
+        import numpy as np
+
+        windowed: list[Job] = []
+        alone: list[Job] = []
+        scattered: list[Job] = []
+        reach: dict[int, tuple[int, int, int]] = {}
+        for job in jobs:
+            fi, lo, pos, n, rows, ss, ds = job
+            count = len(lo)
+            if not count or n <= 0:
+                continue
+            extent = (rows - 1) * ss + n
+            if extent > self.span or ss < 0 or (rows > 1 and ds < n):
+                alone.append(job)
+                continue
+            if count > 1 and not (lo[1:] >= lo[:-1]).all():
+                o = np.argsort(lo, kind="stable")
+                lo = lo[o]
+                job = (fi, lo, pos[o], n, rows, ss, ds)
+            a, b = int(lo[0]), int(lo[-1]) + extent  # job_reach, of sorted offsets
+            if 1 < count <= _MANY and count * extent * _SPARSE < b - a:
+                scattered.append(job)  # a few pieces far apart (a layer's norms): not the bytes between
+                continue
+            windowed.append(job)
+            hit = reach.get(fi)
+            reach[fi] = (a, b, count) if hit is None else (min(a, hit[0]), max(b, hit[1]), hit[2] + count)
+        windowed.sort(key=lambda job: (job[0], int(job[1][0])))  # a file's windows serve all in turn
+        return windowed, alone, scattered, reach
+
+    def _windows(self, job: Job, first: int, size: int, buf: bytearray) -> None:
+        """A job's (sorted) pieces, window by window of the grid: windows of file bytes ``first`` to
+        ``size`` (see :meth:`gather`); pieces across a grid line read on their own."""
+        import numpy as np
+
+        w = self.span
+        fi, lo, pos, n, rows, ss, _ = job
+        extent = (rows - 1) * ss + n
+        # index arrays for large pieces (a memcpy each); progressions where they are tiny items
+        cut = rows > 1 or n < _SMALL
+        for i, count, per in _progressions(lo, pos) if cut else [(0, len(lo), None)]:
             while i < count:
                 g = int(lo[i]) - int(lo[i]) % w  # the grid window of piece i
                 stop = g + w
-                j = int(np.searchsorted(lo, stop - extent, "right"))  # the pieces it holds whole
+                j = min(count, int(np.searchsorted(lo, stop - extent, "right")))  # the pieces it holds whole
                 if j > i:
                     start = max(g, first)
                     held, at = self.locate(fi, start, max(min(stop, size), int(lo[j - 1]) + extent))
-                    self._copy(job, i, j, held, at - start, buf)
+                    if per is None:
+                        self._copy(job, i, j, held, at - start, buf)
+                    else:
+                        _stride(job, i, j, per, held, at - start, buf)
                     i = j
-                k = int(np.searchsorted(lo, stop, "left"))  # those across the grid line
+                k = min(count, int(np.searchsorted(lo, stop, "left")))  # those across the grid line
                 if k > i:
-                    self._one_by_one((fi, lo[i:k], job[2][i:k], *job[3:]), buf)
+                    self._one_by_one((fi, lo[i:k], pos[i:k], *job[3:]), buf)
                     i = k
 
     @staticmethod
@@ -725,6 +845,23 @@ class Spans:
         for a in range(i, j, step):
             b = min(j, a + step)
             dst[pos[a:b]] = src[lo[a:b] + shift]
+
+    def _scattered(self, job: Job, buf: bytearray) -> None:
+        """A job's pieces each from a slot that holds it, else read on its own (:meth:`_one_by_one`):
+        a few pieces far apart, whose windows would be read for them alone (the norms of a layer
+        or two, which sibling files each want whole: a 1 MiB window read for 384 bytes)."""
+        fi, lo, pos, n, rows, ss, ds = job
+        extent = (rows - 1) * ss + n
+        rest = []
+        for i, a in enumerate(lo.tolist()):
+            for j, (f, x, y) in enumerate(self.slots):
+                if f == fi and x <= a and a + extent <= y:
+                    self._copy(job, i, i + 1, self.bufs[j], -x, buf)
+                    break
+            else:
+                rest.append(i)
+        if rest:
+            self._one_by_one((fi, lo[rest], pos[rest], n, rows, ss, ds), buf)
 
     def _one_by_one(self, job: Job, buf: bytearray) -> None:
         """A job's pieces each read on its own (across a grid line, or larger than a window):

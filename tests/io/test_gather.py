@@ -45,8 +45,8 @@ def _tensor(files: tuple[int, ...], offsets: tuple[int, ...]) -> TensorSource:
 @st.composite
 def _layouts(draw: Any) -> dict[str, Any]:
     """Entries of one geometry: one or two runs (two source files, like TP-4 -> HF), rows or not,
-    their pieces evenly spaced, alternating with other tensors, or anywhere; placed evenly or
-    in any order in the buffer."""
+    their pieces evenly spaced, alternating with other tensors (the spacing broken once or not),
+    or anywhere; placed evenly or in any order in the buffer."""
     n = draw(st.integers(1, 40))
     rows = draw(st.sampled_from([1, 1, 2, 5]))
     ss = n + draw(st.integers(0, 9)) if rows > 1 else 0
@@ -56,7 +56,7 @@ def _layouts(draw: Any) -> dict[str, Any]:
     nruns = draw(st.integers(1, 2))
     runs = tuple((r * rext, r, draw(st.integers(0, 5)), n, rows, ss, ds) for r in range(nruns))
     ext = nruns * rext
-    count = draw(st.integers(1, 40))
+    count = draw(st.integers(1, 80))
     order = draw(st.sampled_from(["even", "alternate", "any"]))
     files = [draw(st.integers(0, 2)) for _ in range(nruns)]
     room = SIZE - span - 5
@@ -70,6 +70,9 @@ def _layouts(draw: Any) -> dict[str, Any]:
         least = max(0, -step * (k - 1))
         base = draw(st.integers(least, max(least, room - gap - max(0, step * (k - 1)))))
         at = [base + (i if order == "even" else i // 2) * step + (i % 2) * gap for i in range(count)]
+        if draw(st.booleans()):  # from one entry on, further on (a layer's norms between its experts)
+            cut, shift = draw(st.integers(0, count)), draw(st.integers(1, 30))
+            at = [a + (shift if i >= cut else 0) for i, a in enumerate(at)]
         offsets = [[a] * nruns for a in at]
         files_of = [files] * count
         # a long step may not fit the file (base's range clamps at 0): such layouts read past the end
@@ -268,5 +271,29 @@ def test_spans_extend_a_held_window_instead_of_reading_it_again(tmp_path: Path) 
         assert bytes(held[at : at + 900]) == data[400:1300] and reads[-1] == (0, 400, 900)
         held, at = w.locate(1, 0, 50)  # another file: its own slot
         assert bytes(held[at : at + 50]) == Path(paths[1]).read_bytes()[:50]
+    finally:
+        sources.close()
+
+
+def test_a_few_pieces_far_apart_are_read_alone_or_taken_from_a_held_window(tmp_path: Path) -> None:
+    """A layer's norms (a few small pieces, far apart) are not worth the windows between them:
+    each is taken from a window already held, else read on its own."""
+    paths = _files(tmp_path, 1)
+    data = Path(paths[0]).read_bytes()
+    reads: list[tuple[int, int]] = []
+    sources = SourceFiles(paths, seen=lambda fi, off, buf: reads.append((off, len(buf))))
+    try:
+        w = Spans(sources, 1024, 2)
+        w.shared = frozenset({0})
+        dense = np.arange(0, 1000, 100, dtype=np.int64)  # ten pieces in the first window
+        buf = bytearray(100)
+        assert w.gather([(0, dense, np.arange(0, 100, 10, dtype=np.int64), 10, 1, 0, 0)], buf, check=True)
+        assert buf == b"".join(data[o : o + 10] for o in range(0, 1000, 100))
+        assert reads == [(0, 1024)]  # a whole window: the siblings want the bytes between
+        far = np.array([150, 2000, 4500], dtype=np.int64)
+        out = bytearray(30)
+        assert w.gather([(0, far, np.array([20, 0, 10], dtype=np.int64), 10, 1, 0, 0)], out, check=True)
+        assert out == data[2000:2010] + data[4500:4510] + data[150:160]
+        assert reads == [(0, 1024), (2000, 10), (4500, 10)]  # 150: from the window held
     finally:
         sources.close()
