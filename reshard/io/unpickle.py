@@ -1001,6 +1001,14 @@ def _tokens(data: Any, start: int, end: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _opcode_at(data: bytes, at: int, stop: int) -> bool:
+    """Whether ``data[:stop]`` parses as opcodes, one of them starting at ``at``."""
+    try:
+        return any(s == at for _, s, _ in _tokens(data, 0, stop))
+    except _Unsupported:
+        return False
+
+
 def _gidx(b: bytes) -> int:
     """The memo index of a BINGET / LONG_BINGET."""
     return b[1] if b[0] == 0x68 else int.from_bytes(b[1:5], "little")
@@ -1156,6 +1164,7 @@ class _Template:
 
 _MAX_TEMPLATES = 256
 _MAX_INTS = 4096
+_JOIN = 1 << 12  # bytes of an item across a frame's end read by the item reader (items: ~120)
 _NO_FRAME = 1 << 62
 _MAX_MEMO = 1 << 24
 
@@ -1183,6 +1192,7 @@ class _MetaDecoder:
         self.storage_templates: list[_Template] = []
         self.tuples: dict[bytes, tuple[int, ...] | None] = {}
         self.ints: dict[bytes, int] = {}  # a storage item's length opcode -> its value
+        self.joined = b""  # an item across a frame's end, without the FRAME opcode between
         self.sdm_acc: dict[str, Any] = {}
         self.names: dict[str, str] | None = None
         self.depth = 2  # len(marks) where the item reader reads
@@ -1713,18 +1723,32 @@ class _MetaDecoder:
         memo_len = self.memo_len  # memo writes below go at or past it: gets below it are stable
         got_path: dict[bytes, Any] = {}
         ints = self.ints
+        # an item across the frame's end: (its position, the next frame's start and end), read
+        # from its bytes with the FRAME opcode between left out (see :meth:`_across_frame`)
+        joined: tuple[int, int, int] | None = None
+        cut = 0  # then: where the frame ended in those bytes
         try:
             while True:
                 m = None if match is None else match(data, pos)
                 if m is None:
-                    found = _first_match(templates, data, pos) or self._learn_storage(pos)
-                    if found is None:
+                    found = _first_match(templates, data, pos)
+                    if found is None and joined is None:
+                        found = self._learn_storage(pos)
+                    if found is not None:
+                        t, m = found
+                        match, at, tputs = t.rx.match, t.at, t.puts
+                if m is None or m.end() > fend:
+                    if joined is not None:
+                        return joined[0]
+                    joined = self._across_frame(pos)
+                    if joined is None:
                         return pos
-                    t, m = found
-                    match, at, tputs = t.rx.match, t.at, t.puts
+                    data, cut = self.joined, fend - pos
+                    pos, fend = 0, len(data)
+                    continue
                 stop = m.end()
-                if stop > fend:
-                    return pos
+                if joined is not None and (stop <= cut or not _opcode_at(data, cut, stop)):
+                    return joined[0]  # (opcodes across the frame's end: the machine refuses them)
                 fb, ob, pb, sb, lb = m.groups()
                 op = fb[0]
                 fqn: Any
@@ -1790,10 +1814,32 @@ class _MetaDecoder:
                     stack.append(None)
                 puts += tputs
                 pos = stop
-                if stop == fend:
+                if joined is not None:  # back in the file, inside the next frame
+                    _, frame, self.frame_end = joined
+                    data, pos, fend = self.data, frame + stop - cut, self.frame_end
+                    joined = None
+                    self.joined = b""
+                if pos == fend:
                     return pos
         finally:
             self.memo_len += puts
+
+    def _across_frame(self, pos: int) -> tuple[int, int, int] | None:
+        """When the open frame ends a few KiB after ``pos`` and a well-formed FRAME opcode follows
+        (as the machine checks it), the bytes from ``pos`` on without that opcode in
+        ``self.joined`` (up to :data:`_JOIN` bytes of the next frame), and ``(pos, the next
+        frame's first byte, its end)``; else None. CPython's pickler starts a frame between
+        two opcodes of an item: 1 item in 40 of ``storage_data`` is across a frame's end."""
+        data, fend = self.data, self.frame_end
+        end = len(data)
+        if not pos < fend <= pos + _JOIN or fend + 9 > end or data[fend] != 0x95:
+            return None
+        n = int.from_bytes(data[fend + 1 : fend + 9], "little")
+        if n > end - fend - 9:
+            return None
+        frame = fend + 9
+        self.joined = data[pos:fend] + data[frame : frame + min(n, _JOIN)]
+        return pos, frame, frame + n
 
     def _learn_storage(self, pos: int) -> tuple[_Template, re.Match[bytes]] | None:
         pats = self.pats
