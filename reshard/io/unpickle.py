@@ -1726,7 +1726,7 @@ class _MetaDecoder:
         # an item across the frame's end: (its position, the next frame's start and end), read
         # from its bytes with the FRAME opcode between left out (see :meth:`_across_frame`)
         joined: tuple[int, int, int] | None = None
-        cut = 0  # then: where the frame ended in those bytes
+        cut = back = 0  # then: where the frame ended in those bytes, and where they start
         try:
             while True:
                 m = None if match is None else match(data, pos)
@@ -1739,40 +1739,40 @@ class _MetaDecoder:
                         match, at, tputs = t.rx.match, t.at, t.puts
                 if m is None or m.end() > fend:
                     if joined is not None:
-                        return joined[0]
+                        return back
                     joined = self._across_frame(pos)
                     if joined is None:
                         return pos
-                    data, cut = self.joined, fend - pos
+                    data, cut, back = self.joined, fend - pos, pos
                     pos, fend = 0, len(data)
                     continue
                 stop = m.end()
                 if joined is not None and (stop <= cut or not _opcode_at(data, cut, stop)):
-                    return joined[0]  # (opcodes across the frame's end: the machine refuses them)
+                    return back  # (opcodes across the frame's end: the machine refuses them)
                 fb, ob, pb, sb, lb = m.groups()
                 op = fb[0]
                 fqn: Any
                 if op == 0x8C:  # a string of its own (each rank's MetadataIndex, gathered by dcp.save)
                     if len(fb) - 2 != fb[1]:  # the lazy match ended early: the machine reads it
-                        return pos
+                        return pos + back
                     try:
                         fqn = str(fb[2:], "utf-8", "surrogatepass")
                     except UnicodeDecodeError:
-                        return pos
+                        return pos + back
                     fqn = names.get(fqn, fqn)  # the state_dict_metadata key: one string a tensor
                 elif op == 0x68 or op == 0x6A:
                     fqn = memo.get(fb[1] if op == 0x68 else from_bytes(fb[1:], "little"))
                 else:
                     fqn = _own_string(fb)
                     if fqn is None:
-                        return pos
+                        return pos + back
                     fqn = names.get(fqn, fqn)
                 path = got_path.get(pb)
                 if path is None:
                     i = pb[1] if len(pb) == 2 else from_bytes(pb[1:], "little")
                     path = memo.get(i)
                     if type(path) is not str:
-                        return pos
+                        return pos + back
                     if i < memo_len:
                         got_path[pb] = path
                 off = tuples.get(ob, False)
@@ -1798,9 +1798,9 @@ class _MetaDecoder:
                     if len(ints) < _MAX_INTS:
                         ints[lb] = length
                 if type(fqn) is not str or off is None or start < 0 or length < 0:
-                    return pos
+                    return pos + back
                 if start > _I64 or length > _I64:
-                    return pos
+                    return pos + back
                 if at >= 0:
                     memo[memo_len + puts + at] = fqn
                 if flat:
@@ -1817,7 +1817,7 @@ class _MetaDecoder:
                 if joined is not None:  # back in the file, inside the next frame
                     _, frame, self.frame_end = joined
                     data, pos, fend = self.data, frame + stop - cut, self.frame_end
-                    joined = None
+                    joined, back = None, 0
                     self.joined = b""
                 if pos == fend:
                     return pos
