@@ -662,8 +662,13 @@ class _Reader:
         from_bytes = int.from_bytes
         rel = None
         fi = fsize = -1
-        for i in order:
-            fqn = fqns[i]
+        # the rows' columns in file order (as they are, the common case: no index per column)
+        rows = (
+            zip(order, fqns, paths, starts, lengths, offs)
+            if isinstance(order, range)
+            else zip(order, *(map(col.__getitem__, order) for col in (fqns, paths, starts, lengths, offs)))
+        )
+        for i, fqn, row_path, start, length, off in rows:
             m = entries.get(fqn)
             if m is None:
                 raise HeaderError(
@@ -671,13 +676,12 @@ class _Reader:
                     path=mp,
                     tensor=fqn,
                 )
-            if paths[i] != rel:
-                rel = paths[i]
+            if row_path != rel:
+                rel = row_path
                 fi = fis.get(rel, -1)
                 if fi < 0:
                     fi = fis[rel] = files.index(rel, mp)
                 fsize = sizes[fi]
-            start, length = starts[i], lengths[i]
             if start + length > fsize:
                 where = f"{files.paths[fi]} (bytes {start}..{start + length})"
                 raise HeaderError(
@@ -698,7 +702,6 @@ class _Reader:
                         self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind)
                     reader_fi = -1
                 continue
-            off = offs[i]
             chunk = chunks.get((id(m), off))
             if chunk is None:
                 chunk = self._chunk(m, off, fqn, fi, start, length)

@@ -37,7 +37,10 @@ import os
 import re
 import struct
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
 
 from ..errors import HeaderError
 
@@ -354,6 +357,10 @@ class ArchiveLayout:
         head: matches the archive's bytes before ``split``.
         head_bytes: those bytes, when none of them varies (compared, faster than a match).
         tail: matches the bytes after it; its groups are the ``varying`` CRC32s.
+        tail_parts: what :meth:`match` compares instead of ``tail`` (the same test: every part
+            of ``tail`` has a fixed length, so its literal bytes are at fixed offsets): a getter
+            of those byte ranges of the tail, their bytes, and the offsets in the archive of the
+            ``varying`` CRC32s; None when ``tail`` never matches (a layout of one archive).
     """
 
     length: int
@@ -365,6 +372,7 @@ class ArchiveLayout:
     head: re.Pattern[bytes]
     head_bytes: bytes | None
     tail: re.Pattern[bytes]
+    tail_parts: tuple[Callable[[bytes], Any], Any, tuple[int, ...]] | None = field(default=None)
 
     def match(self, mm: mmap.mmap, base: int) -> tuple[bytes, ...] | None:
         """The ``varying`` CRC32s of the archive at ``base`` of ``mm`` if it has this layout."""
@@ -375,8 +383,16 @@ class ArchiveLayout:
                 return None
         elif self.head.fullmatch(mm, base, base + a) is None:
             return None
-        t = self.tail.fullmatch(mm, base + b, base + self.length)
-        return None if t is None else t.groups()
+        tp = self.tail_parts
+        if tp is None:
+            t = self.tail.fullmatch(mm, base + b, base + self.length)
+            return None if t is None else t.groups()
+        get, want, crcs = tp
+        end = base + self.length
+        tail = mm[base + b : end]
+        if get(tail) != want or len(tail) != end - base - b:
+            return None
+        return tuple([mm[base + c : base + c + 4] for c in crcs])
 
 
 class ArchiveReader:
@@ -474,7 +490,10 @@ class ArchiveReader:
         tail = _layout_rx(mm, base, split[1], length, ranges)
         varying = tuple(r.name for r in sorted(wild, key=lambda r: r.entry) if r.name.startswith(store))
         head_bytes = mm[base : base + split[0]] if fixed else None
-        lay = ArchiveLayout(length, tz.prefix, records, checked, varying, split, head, head_bytes, tail)
+        parts = _tail_parts(mm, base, split[1], length, ranges)
+        lay = ArchiveLayout(
+            length, tz.prefix, records, checked, varying, split, head, head_bytes, tail, parts
+        )
         crcs = tuple(tz.records[n].crc32.to_bytes(4, "little") for n in varying)
         if lay.match(mm, base) != crcs:
             return self._unlearnt(tz, records, checked)
@@ -520,6 +539,33 @@ def _relative(r: ZipRecord, base: int) -> ZipRecord:
         r.entry,
         r.flags,
     )
+
+
+def _tail_parts(
+    mm: mmap.mmap, base: int, start: int, stop: int, ranges: list[tuple[int, int, bool]]
+) -> tuple[Callable[[bytes], Any], Any, tuple[int, ...]] | None:
+    """What :func:`_layout_rx` of ``[start, stop)`` tests, as byte ranges: a getter of the literal
+    ranges of those bytes (relative to ``start``), their bytes, and the archive offsets of the
+    groups (4-byte CRC32s); None when the tail has no literal byte or a group that is not 4 bytes."""
+    cuts: list[tuple[int, int]] = []
+    crcs: list[int] = []
+    pos = start
+    for a, b, group in ranges:
+        if b <= start or a >= stop:
+            continue
+        if a > pos:
+            cuts.append((pos, a))
+        if group:
+            if b - a != 4:
+                return None
+            crcs.append(a)
+        pos = b
+    if stop > pos:
+        cuts.append((pos, stop))
+    if not cuts:
+        return None
+    get = itemgetter(*[slice(a - start, b - start) for a, b in cuts])
+    return get, get(mm[base + start : base + stop]), tuple(crcs)
 
 
 def _layout_rx(

@@ -35,8 +35,10 @@ from reshard.io.dcp_metadata import ChunkEntry, TensorEntry, encode_metadata
 from reshard.io.torchzip import ArchiveReader, read_record, read_torch_zip
 from reshard.io.unpickle import (
     DcpMetadata,
+    _Compact,
     _MetaDecoder,
     _reference_metadata,
+    _StorageAcc,
     _Unsupported,
     load_dcp_metadata,
     load_stored_tensor,
@@ -255,16 +257,27 @@ def test_metadata_memory_is_bounded() -> None:
     assert len({id(m) for m in md.entries.values()}) == 1  # one TensorMeta for one geometry
 
 
-def _gathered_metadata(n: int) -> Metadata:
+def _gathered_metadata(n: int, norms: int = 0) -> Metadata:
     """``dcp.save`` from 4 ranks of DTensors: rank 0 gathers each rank's plan, so every
     ``MetadataIndex`` and planner key holds a name string of its own (the pickle writes it again
-    instead of a memo get of the ``state_dict_metadata`` key)."""
+    instead of a memo get of the ``state_dict_metadata`` key). ``norms``: every so many tensors,
+    a replicated 1-d one (one chunk, on one rank)."""
     sdm: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
     paths = [f"__{r}_0.distcp" for r in range(4)]  # each rank's file: one string
     at = 0
     for i in range(n):
+        if norms and i % norms == norms - 1:
+            fqn = f"model.layers.{i // 192}.norm{i}.weight"
+            chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([192]))
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.int16), torch.Size([192]), [chunk])
+            storage[MetadataIndex("".join(list(fqn)), torch.Size([0]), 0)] = _StorageInfo(
+                paths[i % 4], at, 1961
+            )
+            at += 1961
+            planner["".join(list(fqn))] = (fqn,)
+            continue
         fqn = f"model.layers.{i // 192}.mlp.experts.{i % 64}.{['gate', 'up', 'down'][i % 3]}_proj.weight"
         cols = i % 3 == 2
         shape = (192, 32) if cols else (32, 192)
@@ -304,6 +317,62 @@ def test_gathered_metadata_memory_is_bounded() -> None:
     # reads: an item across a protocol-4 frame's end, the first of each batch of 1000)
     assert len({id(f) for f in md.storage.fqns}) < 5000 * 1.02
     assert peak < 5000 * 1500, peak
+
+
+def _storage_frames(data: bytes) -> list[int]:
+    """Where the FRAME opcodes of ``storage_data`` are (after its first item)."""
+    first = data.index(b"MetadataIndex")
+    return [p for op, _, p in pickletools.genops(data) if op.name == "FRAME" and p > first + 200]
+
+
+def test_storage_items_across_frames_are_read_by_the_templates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython's pickler starts a protocol-4 frame between two opcodes of an item (1 storage item
+    in 40): the item reader reads it from its bytes with the FRAME opcode left out (the same
+    values), not the machine, opcode by opcode (which took 10-20 us an opcode)."""
+    data = pickle.dumps(_gathered_metadata(2000), protocol=4)
+    assert len(_storage_frames(data)) > 10
+    by_machine: list[int] = []  # items the machine built (the others come as _Compact values)
+    vm_items = _StorageAcc.vm_items
+
+    def counted(acc: _StorageAcc, items: list[Any]) -> None:
+        by_machine.append(sum(type(k) is not _Compact for k in items[::2]))
+        vm_items(acc, items)
+
+    monkeypatch.setattr(_StorageAcc, "vm_items", counted)
+    got = fast(data)
+    assert got.decoder == "fast"
+    assert values(got) == values(reference(data))
+    # the first few only (templates are learnt from them); the frames' 15 items too before
+    assert sum(by_machine) <= 8, by_machine
+
+
+def test_items_across_frames_that_a_template_does_not_take_go_to_the_machine() -> None:
+    """1-d items among 2-d ones: the 2-d template's lazy name match runs on into the next item
+    (its length check then refuses it), also for an item across a frame's end: the machine
+    reads such an item, and the rest of the pickle stays the item reader's (the fast decoder)."""
+    for n in range(1200, 1400, 29):
+        data = pickle.dumps(_gathered_metadata(n, norms=7), protocol=4)
+        got = fast(data)
+        assert got.decoder == "fast"
+        assert values(got) == values(reference(data))
+
+
+@pytest.mark.parametrize("shift", [1, 2, 3, 5, 9])
+def test_frame_cut_inside_an_opcode_of_an_item_reads_as_the_c_unpickler(shift: int) -> None:
+    """A FRAME opcode moved ``shift`` bytes on, into the middle of an opcode of a storage item
+    (a frame ending inside an opcode: the C unpickler refuses it): both refuse or read alike."""
+    good = pickle.dumps(_gathered_metadata(300), protocol=4)
+    frames = _storage_frames(good)
+    assert frames
+    for at in frames[:3]:
+        prev = max(p for p in [0, *(q for q in frames if q < at)] if good[p] == 0x95 or p == 0)
+        n_prev = int.from_bytes(good[prev + 1 : prev + 9], "little") if prev else None
+        n = int.from_bytes(good[at + 1 : at + 9], "little")
+        head, body = good[:at], good[at + 9 :]
+        bad = bytearray(head + body[:shift] + b"\x95" + (n - shift).to_bytes(8, "little") + body[shift:])
+        if n_prev is not None:  # the frame before grows by the bytes moved into it
+            bad[prev + 1 : prev + 9] = (n_prev + shift).to_bytes(8, "little")
+        assert outcome(lambda d: load_dcp_metadata(d, path="m"), bytes(bad)) == outcome(reference, bytes(bad))
 
 
 def _megatron_metadata(n: int, ranks: int = 4) -> Metadata:
