@@ -371,6 +371,29 @@ def _one_geometry(rows: Sequence[dict[str, Any]]) -> bool:
     return all(map(eq, map(_SIGNATURE, rows), repeat(first)))
 
 
+PLAIN_ROWS = 2000
+"""Tables of more rows than this are printed as aligned plain text, not through rich's table:
+rich lays out every cell of every row first (``inspect --all`` of 100k tensors: ~45 s)."""
+
+_PLAIN_WIDTH = 64
+"""Columns are padded to their widest cell up to this many characters (a longer cell is
+written whole, moving the rest of its row)."""
+
+
+def _plain_table(console: Any, headers: list[str], cells: Sequence[Sequence[str]]) -> None:
+    """``cells`` (already :func:`shown`: no terminal codes) as aligned text lines under
+    ``headers``, written to the console's file in one go."""
+    widths = [min(_PLAIN_WIDTH, max(len(h), *(len(r[i]) for r in cells))) for i, h in enumerate(headers)]
+    last = len(headers) - 1
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c if i == last else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out.extend(map(line, cells))
+    console.file.write("\n".join(out) + "\n")
+
+
 def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> None:
     """Human table of an inspect report."""
     from rich.table import Table
@@ -416,18 +439,25 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
                 rows.extend((t["name"], [t]) for t in ts)
     else:
         rows = [(t["name"], [t]) for t in doc["tensors"]]
-    for label, ts in rows:
-        t = ts[0]
-        table.add_row(
-            Text(shown(label)),
+    cells: list[tuple[str, ...]] = [
+        (
+            shown(label),
             str(len(ts)) if len(ts) > 1 else "",
             t["dtype"],
             str(t["shape"]),
-            Text(shown(", ".join(t["placements"]))) if t["placements"] else f"{t['pieces']} piece(s)",
-            Text(shown(_chunks_text(t, group))) if "chunks" in t else _local_text(t),
+            shown(", ".join(t["placements"])) if t["placements"] else f"{t['pieces']} piece(s)",
+            shown(_chunks_text(t, group)) if "chunks" in t else _local_text(t),
             human(sum(map(_BYTES, ts))),
         )
-    console.print(table)
+        for label, ts in rows
+        for t in (ts[0],)
+    ]
+    if len(cells) > PLAIN_ROWS:
+        _plain_table(console, [str(c.header) for c in table.columns], cells)
+    else:
+        for row in cells:
+            table.add_row(*map(Text, row))
+        console.print(table)
     tot = doc["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['params']:,} elements, {human(tot['bytes'])}")
     if doc.get("note"):

@@ -142,3 +142,37 @@ def test_rows_with_equal_lists_group_and_differing_ones_do_not() -> None:
     assert "l.{0..2}.w" not in mixed and "l.1.w" in mixed
     dtypes = _render(_doc([_row("l.0.w"), _row("l.1.w", dtype="BF16")]))
     assert "l.{0..1}.w" not in dtypes and "BF16" in dtypes
+
+
+def test_a_table_of_many_rows_is_plain_aligned_text_with_every_row_and_no_terminal_codes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # rich lays out every cell first: `inspect --all` of 100k tensors took ~45 s
+    monkeypatch.setattr(report, "PLAIN_ROWS", 5)
+    rows = [_row(f"l.{i}.w") for i in range(8)] + [_row("evil\x1b]0;pwned\x07.w", placements=["R"])]
+    doc = _doc(rows)
+    out = io.StringIO()
+    render_inspect(doc, Console(file=out, width=160, highlight=False, emoji=False), group=False)
+    text = out.getvalue()
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("tensor"))
+    assert lines[header].split() == [
+        "tensor",
+        "count",
+        "dtype",
+        "shape",
+        "placements",
+        "local",
+        "shape(s)",
+        "bytes",
+    ]
+    body = lines[header + 2 : header + 2 + len(rows)]
+    assert [line.split()[0] for line in body] == [f"l.{i}.w" for i in range(8)] + ["evil\\x1b]0;pwned\\x07.w"]
+    assert "\x1b" not in text and "\x07" not in text
+    col = lines[header].index("dtype")  # aligned: every row's dtype under the header's
+    assert all(line[col : col + 3] == "F32" for line in body)
+    assert all(line.endswith("128 B") for line in body)
+    assert "9 tensors" in text
+    # at the threshold or below: rich's table, as before
+    monkeypatch.setattr(report, "PLAIN_ROWS", 100)
+    assert "┃" in _render(doc) or "│" in _render(doc)
