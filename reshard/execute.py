@@ -1019,12 +1019,7 @@ def _write_parts(
                 digests[i].update(d)
                 crc32s[i].update(c)
                 nread[i] += n
-        results = []
-        for f, tmp, d, c, n in zip(files, opened, digests, crc32s, nread):
-            if f.needs_crc32 and _patches(f):
-                tmp.patch(f.finish([c[i] for i in range(len(f.entries))]), d)
-            results.append(tmp.finish(d, n))
-        return results
+        return [_finished(*parts) for parts in zip(files, opened, digests, crc32s, nread)]
     except BaseException:
         for tmp in opened:
             tmp.discard()
@@ -1055,6 +1050,16 @@ def _run_all(jobs: Sequence[Callable[[], T]], stop: threading.Event, workers: in
         raise
     pool.shutdown(wait=True)
     return out
+
+
+def _finished(
+    f: OutFile, tmp: TmpFile, digests: dict[int, bytes], crc32s: dict[int, int], nread: int
+) -> FileResult:
+    """A file written in parts by several threads, finished: the CRC32s its format writes before
+    the data patched in (their pieces' digests given again), then renamed into place."""
+    if f.needs_crc32 and _patches(f):
+        tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
+    return tmp.finish(digests, nread)
 
 
 def _write_split(
@@ -1090,9 +1095,7 @@ def _write_split(
         for d, c, _ in parts_done:
             digests.update(d)
             crc32s.update(c)
-        if f.needs_crc32 and _patches(f):
-            tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
-        return tmp.finish(digests, sum(n for _, _, n in parts_done))
+        return _finished(f, tmp, digests, crc32s, sum(n for _, _, n in parts_done))
     except BaseException:
         tmp.discard()
         raise
