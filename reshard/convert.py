@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -20,7 +19,7 @@ from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
 from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, UsageError, WriteError
 from .execute import ProgressFn, execute_plan
-from .formats import MANIFEST, open_checkpoint, writer, writers
+from .formats import MANIFEST, open_checkpoint, read_manifest, writer, writers
 from .formats.base import Writer
 from .formats.hf_extras import copy_model_files, scan_model_files
 from .io.lock import LOCK, DirLock
@@ -584,12 +583,11 @@ def _refuse_nothing_to_resume(dst: Path, plan: Plan) -> None:
         return
     want = {f.name for f in plan.files}
     try:
-        with open(dst / MANIFEST, "rb") as f:
-            man = json.loads(f.read(1 << 24))
-        listed = man.get("files") if isinstance(man, dict) else None
-        same = isinstance(listed, dict) and man.get("format") == plan.format and want <= set(listed)
-    except (OSError, ValueError):
-        same = False
+        man = read_manifest(dst) or {}
+    except ReshardError:  # not reshard's manifest: another checkpoint's files
+        man = {}
+    listed = man.get("files")
+    same = isinstance(listed, dict) and man.get("format") == plan.format and want <= set(listed)
     if not same:
         what = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
         raise UsageError(
