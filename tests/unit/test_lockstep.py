@@ -91,9 +91,9 @@ def test_64_ranks_in_lockstep_read_each_column_sharded_row_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """HF -> TP-64: the 64 ranks that cut each row of a column-sharded tensor are written in
-    lockstep by one worker (with two, each writes a part of every file's entries in lockstep),
-    so its rows are read once, not once per group of 8 siblings (8 times: 8.1 GB read for a
-    2 GB Llama)."""
+    lockstep by one worker (with two, by two groups of 32: more files than span slots are not
+    written in parts), so its rows are read once per group, not once per group of 8 siblings
+    (8 times: 8.1 GB read for a 2 GB Llama)."""
     monkeypatch.setattr(ex, "_STRIDED_MAX", 0)  # "o" gathered as a large column shard would be
     monkeypatch.setattr(ex, "_WINDOW", 0)
     monkeypatch.setattr(ex, "_SPAN", 0)
@@ -104,7 +104,7 @@ def test_64_ranks_in_lockstep_read_each_column_sharded_row_once(
     one = _run(plan, tmp_path / "one", monkeypatch, group=ex.GROUP_FILES, workers=1)
     two = _run(plan, tmp_path / "two", monkeypatch, group=ex.GROUP_FILES, workers=2)
     assert one == o_bytes + q_bytes
-    assert two == o_bytes + q_bytes  # each worker a part of every file's entries (two groups: twice)
+    assert two == 2 * o_bytes + q_bytes  # two groups of 32 files: each reads all of o's rows
     for r in range(64):
         name = f"rank-{r:05d}-of-00064.safetensors"
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
