@@ -207,7 +207,115 @@ def _runs(src: TensorSource, copies: Sequence[Copy], isz: int) -> tuple[Run, ...
                 merged[-1] = (d, k, s, n + r[3], 1, 0, 0)
                 continue
         merged.append(r)
-    return tuple(merged)
+    return tuple(_progressions(merged))
+
+
+_AHEAD = 8
+"""How many runs after a row :func:`_progressions` looks among for the next row of its progression."""
+
+
+def _progressions(runs: list[Run]) -> list[Run]:
+    """One-row runs that are arithmetic progressions on both sides as strided runs, in target
+    order: a RoPE permutation's rows (every second target row from consecutive source rows,
+    two progressions a head) are a few runs a block, not one a row.
+
+    A row's next one is looked for among the :data:`_AHEAD` runs after it, the longest
+    progression taken; rows apart by less than their size on either side are left alone.
+
+    >>> rows = [(0, 0, 0, 4, 1, 0, 0), (4, 0, 32, 4, 1, 0, 0), (8, 0, 4, 4, 1, 0, 0),
+    ...         (12, 0, 36, 4, 1, 0, 0), (16, 0, 8, 4, 1, 0, 0), (20, 0, 40, 4, 1, 0, 0)]
+    >>> _progressions(rows)
+    [(0, 0, 0, 4, 3, 4, 8), (4, 0, 32, 4, 3, 4, 8)]
+    """
+    if len(runs) < 3:
+        return runs
+    where = {(r[1], r[0], r[2], r[3]): i for i, r in enumerate(runs) if r[4] == 1}
+    used = bytearray(len(runs))
+    out: list[Run] = []
+    for i, r in enumerate(runs):
+        if used[i]:
+            continue
+        used[i] = 1
+        d, k, s, n, rows = r[:5]
+        best: tuple[int, int, int, list[int]] = (1, 0, 0, [])
+        for j in range(i + 1, min(i + 1 + _AHEAD, len(runs)) if rows == 1 else i + 1):
+            q = runs[j]
+            dd, dsrc = q[0] - d, q[2] - s
+            if used[j] or q[4] != 1 or q[1] != k or q[3] != n or dd < n or dsrc < n:
+                continue
+            members, m = [j], 2
+            while True:
+                x = where.get((k, d + m * dd, s + m * dsrc, n))
+                if x is None or used[x]:
+                    break
+                members.append(x)
+                m += 1
+            if m > best[0]:
+                best = (m, dd, dsrc, members)
+        m, dd, dsrc, members = best
+        if m < 3:
+            out.append(r)
+            continue
+        for x in members:
+            used[x] = 1
+        out.append((d, k, s, n, m, dsrc, dd))
+    out.sort()
+    return out
+
+
+def closed_chunks(runs: tuple[Run, ...], nbytes: int, cap: int) -> tuple[Chunk, ...] | None:
+    """An entry of ``nbytes`` whose runs interleave, as consecutive target ranges of at most
+    ``cap`` bytes made of whole rows (a contiguous run may be cut anywhere), each
+    ``(offset, its runs from there, bytes)``; None when a strided row is larger than ``cap``.
+    Cached like :func:`entry_runs` (by the runs' identity, held)."""
+    key = (id(runs), nbytes, cap)
+    hit = _CHUNKS.get(key)
+    if hit is None:
+        if len(_CHUNKS) > 4096:
+            _CHUNKS.clear()
+        hit = _CHUNKS[key] = (runs, _chunks(runs, nbytes, cap))
+    return hit[1]
+
+
+Chunk = tuple[int, tuple[Run, ...], int]
+_CHUNKS: dict[tuple[int, int, int], tuple[object, tuple[Chunk, ...] | None]] = {}
+
+
+def _chunks(runs: Sequence[Run], nbytes: int, cap: int) -> tuple[Chunk, ...] | None:
+    import bisect
+
+    spans = sorted(
+        (d + j * ds, n, rows == 1) for d, _, _, n, rows, _, ds in runs for j in range(rows)
+    )  # the runs tile the entry: each span starts where the one before ends
+    cuts, c = [0], 0
+    for a, n, whole in spans:
+        if a + n - c <= cap:
+            continue
+        if a > c:
+            cuts.append(a)
+            c = a
+        if n > cap:
+            if not whole:
+                return None
+            while a + n - c > cap:
+                c += cap
+                cuts.append(c)
+    cuts.append(nbytes)
+    parts: list[list[Run]] = [[] for _ in range(len(cuts) - 1)]
+    for d, k, s, n, rows, ss, ds in runs:
+        if rows == 1:
+            for ci in range(bisect.bisect_right(cuts, d) - 1, bisect.bisect_left(cuts, d + n)):
+                a, b = max(d, cuts[ci]), min(d + n, cuts[ci + 1])
+                parts[ci].append((a - cuts[ci], k, s + a - d, b - a, 1, 0, 0))
+            continue
+        last = d + (rows - 1) * ds
+        for ci in range(bisect.bisect_right(cuts, d) - 1, bisect.bisect_right(cuts, last)):
+            j0 = max(0, -(-(cuts[ci] - d) // ds))
+            j1 = min(rows, -(-(cuts[ci + 1] - d) // ds))
+            if j1 > j0:
+                sub = (ss, ds) if j1 - j0 > 1 else (0, 0)
+                parts[ci].append((d + j0 * ds - cuts[ci], k, s + j0 * ss, n, j1 - j0, *sub))
+    return tuple((cuts[i], tuple(sorted(p)), cuts[i + 1] - cuts[i]) for i, p in enumerate(parts))
 
 
 def interleaved(runs: Sequence[Run]) -> bool:
@@ -575,6 +683,15 @@ class _Writer:
         if e.nbytes == 0:
             return
         runs = self._runs(e)
+        if runs is not None and e.nbytes > self.bufs.budget and interleaved(runs):
+            chunks = closed_chunks(runs, e.nbytes, self.bufs.budget)
+            if chunks is not None:  # a RoPE permutation's block: buffers of whole rows
+                for at, part, n in chunks:
+                    if self._queue(e.start + at, e.tensor.src, part, n):
+                        self.at = (self._place(e.tensor), 0)
+                        yield
+                return
+            runs = None
         if runs is not None and (e.nbytes <= self.bufs.budget or not interleaved(runs)):
             if self._queue(e.start, e.tensor.src, runs, e.nbytes):
                 self.at = (self._place(e.tensor), 0)
