@@ -88,6 +88,32 @@ def qwen3_moe_hf() -> dict[str, torch.Tensor]:
     return sd
 
 
+def qwen3_hf(
+    cfg: dict[str, int] = QWEN3_MOE, *, dense_layers: tuple[int, ...] = (1,)
+) -> dict[str, torch.Tensor]:
+    """Qwen3(-MoE) as saved: Llama's names, per-head q/k RMSNorms, and in the layers not in
+    ``dense_layers`` one tensor per expert and a router (``mlp_only_layers``: dense layers in a
+    MoE model); a config without ``num_experts`` is dense Qwen3."""
+    sd = llama_hf(cfg)
+    g = torch.Generator().manual_seed(3)
+    hd, experts = cfg["hidden_size"] // cfg["num_attention_heads"], cfg.get("num_experts", 0)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_norm.weight"] = torch.randn(hd, generator=g)
+        sd[p + "self_attn.k_norm.weight"] = torch.randn(hd, generator=g)
+        if not experts or i in dense_layers:
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del sd[p + f"mlp.{name}.weight"]
+        sd[p + "mlp.gate.weight"] = torch.randn(experts, cfg["hidden_size"], generator=g)
+        f = cfg["moe_intermediate_size"]
+        for e in range(experts):
+            sd[p + f"mlp.experts.{e}.gate_proj.weight"] = torch.randn(f, cfg["hidden_size"], generator=g)
+            sd[p + f"mlp.experts.{e}.up_proj.weight"] = torch.randn(f, cfg["hidden_size"], generator=g)
+            sd[p + f"mlp.experts.{e}.down_proj.weight"] = torch.randn(cfg["hidden_size"], f, generator=g)
+    return dict(sorted(sd.items()))
+
+
 def numpy_of(sd: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {n: t.numpy() for n, t in sd.items()}
 
@@ -101,6 +127,7 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, torch.Tensor]) -> No
 
 PROFILES = {
     "hf-to-torchtitan-llama": (llama_hf, LLAMA),
+    "hf-to-torchtitan-qwen3": (qwen3_hf, QWEN3_MOE),
     "hf-to-megatron-gpt": (llama_hf, LLAMA),
     "hf-to-vllm": (llama_hf, LLAMA),
     "mixtral-experts-stack": (mixtral_hf, MIXTRAL),
@@ -190,6 +217,76 @@ def test_torchtitan_tied_embeddings_with_a_tie_rule(tmp_path: Path) -> None:
     assert_same(run_spec(spec, numpy_of(hf), LLAMA), titan)
     back = run_spec(inverse(spec), numpy_of({n: t.contiguous() for n, t in titan.items()}), LLAMA)
     assert_same(back, adapter.to_hf(titan))  # to_hf drops the tied lm_head; untie does too
+
+
+def torchtitan_qwen3_adapter(cfg: dict[str, int], dense_layers: tuple[int, ...]) -> Any:
+    """torchtitan's Qwen3StateDictAdapter and the MoEStateDictAdapter it extends, run from their
+    installed source (their modules import torchtitan's model code and triton kernels): the
+    imports of the model config and RoPE classes (an isinstance check, type hints) are
+    stand-ins, and MoEStateDictAdapter is its class statement from ``models/utils.py`` alone.
+    The name map, from_hf's stacking and to_hf's splitting are torchtitan's code, unchanged."""
+    import ast
+
+    pytest.importorskip("torchtitan.protocols.state_dict_adapter")
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+    from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+    spec = importlib.util.find_spec("torchtitan")
+    assert spec is not None and spec.submodule_search_locations
+    models = Path(spec.submodule_search_locations[0]) / "models"
+    utils = (models / "utils.py").read_text(encoding="utf-8")
+    (cls,) = [
+        n for n in ast.parse(utils).body if isinstance(n, ast.ClassDef) and n.name == "MoEStateDictAdapter"
+    ]
+    ns: dict[str, Any] = {
+        "torch": torch,
+        "DeviceMesh": DeviceMesh,
+        "DTensor": DTensor,
+        "Replicate": Replicate,
+        "Shard": Shard,
+        "_StridedShard": _StridedShard,
+        "StateDictAdapter": StateDictAdapter,
+        "Decoder": SimpleNamespace(Config=object),
+        "logger": None,
+    }
+    exec(compile(ast.get_source_segment(utils, cls) or "", str(models / "utils.py"), "exec"), ns)  # noqa: S102
+    path = models / "qwen3" / "state_dict_adapter.py"
+    text = path.read_text(encoding="utf-8")
+    for line in (
+        "from torchtitan.models.common.rope import CosSinRoPE\n",
+        "from torchtitan.models.utils import MoEStateDictAdapter\n",
+        "from .model import Qwen3Model\n",
+    ):
+        assert line in text, f"torchtitan changed its imports: {line!r}"
+        text = text.replace(line, "")
+    ns |= {"CosSinRoPE": _ComplexRoPE, "Qwen3Model": SimpleNamespace(Config=object)}
+    exec(compile(text, str(path), "exec"), ns)  # noqa: S102 - torchtitan's own installed source
+    attention = SimpleNamespace(rope=_ComplexRoPE.Config())
+    moe = SimpleNamespace(num_experts=cfg["num_experts"]) if "num_experts" in cfg else None
+    layers = [
+        SimpleNamespace(attention=attention, moe=None if i in dense_layers else moe)
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    model = SimpleNamespace(layers=layers, dim=cfg["hidden_size"], enable_weight_tying=False)
+    return ns["Qwen3StateDictAdapter"](model, None)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_hf_to_torchtitan_qwen3_matches_torchtitan_from_hf_and_to_hf(moe: bool) -> None:
+    """Dense Qwen3, and Qwen3-MoE with a dense layer (``mlp_only_layers``): the profile gives
+    torchtitan's from_hf (experts stacked, q/k not permuted) and its inverse to_hf."""
+    cfg = QWEN3_MOE if moe else LLAMA
+    adapter = torchtitan_qwen3_adapter(cfg, dense_layers=(1,))
+    spec = load_transforms("hf-to-torchtitan-qwen3")
+    hf = {**qwen3_hf(cfg), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.arange(2.0)}
+    titan = adapter.from_hf(dict(hf))
+    assert "layers.0.attention.q_norm.weight" in titan
+    assert ("layers.0.moe.routed_experts.inner_experts.w2_EDF" in titan) is moe
+    assert_same(run_spec(spec, numpy_of(hf), cfg), titan)
+    titan_np = numpy_of({n: t.contiguous() for n, t in titan.items()})
+    assert_same(run_spec(inverse(spec), titan_np, cfg), adapter.to_hf(titan))
 
 
 # -- Megatron, vLLM, Mixtral: the same transforms as torch ops -----------------------
