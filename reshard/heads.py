@@ -114,11 +114,17 @@ def _model_dir(ckpt: Checkpoint) -> Path:
     return p if p.is_dir() else p.parent
 
 
+DATA_PARALLEL = frozenset({"dp", "ddp", "fsdp", "hsdp", "zero", "dp_shard", "dp_replicate", "dp_shard_cp"})
+"""Mesh dim names of data parallelism: FSDP gathers a parameter whole before computing with it,
+so its shards cut no head in use (torchtitan's and accelerate's names, and the usual short ones)."""
+
+
 def _sharding_degree(placements: tuple[Placement, ...], mesh: Mesh, dim: int) -> int:
-    """How many ways the mesh dims sharding tensor dim ``dim`` split it."""
+    """How many ways the mesh dims sharding tensor dim ``dim`` split it, but for data-parallel
+    ones (:data:`DATA_PARALLEL`)."""
     n = 1
-    for p, size in zip(placements, mesh.shape, strict=True):
-        if isinstance(p, (Shard, StridedShard)) and p.dim == dim:
+    for p, size, name in zip(placements, mesh.shape, mesh.names, strict=True):
+        if isinstance(p, (Shard, StridedShard)) and p.dim == dim and name not in DATA_PARALLEL:
             n *= size
     return n
 

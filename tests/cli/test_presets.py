@@ -108,20 +108,26 @@ def test_llama_tp_fused_covers_phi3(models: Path) -> None:
     }
 
 
-def test_dense_llama_gets_no_unused_rule_warning_from_llama_tp(models: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("preset", "mesh"), [("llama-tp", "tp=2"), ("llama-fsdp-tp", "fsdp=2,tp=2")])
+def test_dense_llama_gets_no_unused_rule_warning_from_its_presets(
+    models: Path, tmp_path: Path, preset: str, mesh: str
+) -> None:
+    """Rules for tensors a saved Llama does not have (stacked experts, the catch-all ``"*"``
+    when every tensor has its own rule) are optional in the presets meant for it."""
     out = str(tmp_path / "out")
-    p = run(
-        "convert",
-        str(models / "llama"),
-        out,
-        "--target-layout",
-        "llama-tp",
-        "--target-mesh",
-        "tp=2",
-        "--json",
-    )
+    p = run("convert", str(models / "llama"), out, "--target-layout", preset, "--target-mesh", mesh, "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["warnings"] == []
+
+
+def test_fsdp_shards_do_not_count_as_cutting_kv_heads_but_tp_ones_do(models: Path, tmp_path: Path) -> None:
+    """FSDP x TP on a model of 2 KV heads: k/v rows cut 2 x 4 ways, of which the tp dim's 4
+    cut heads in use (FSDP gathers before computing): warned as 4 ways, not 8."""
+    p = run("plan", str(models / "llama"), "--target-layout", "llama-fsdp-tp", "--target-mesh", "fsdp=2,tp=4",
+            "--json")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    kv = [w for w in json.loads(p.stdout)["warnings"] if "key/value heads" in w]
+    assert kv and all(" 4 ways, which exceeds the 2 key/value heads" in w for w in kv), kv
 
 
 # -- fused QKV with grouped-query attention (item: never cut unequal q/k/v into thirds) ----------
