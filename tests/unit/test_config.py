@@ -180,8 +180,10 @@ def test_fsdp_tp_split_factor_is_a_dim_name_bound_to_the_mesh() -> None:
 
 
 def test_fsdp_tp_every_rule_but_catch_all_used_on_llama() -> None:
+    """The catch-all takes no tensor of a saved Llama; it is optional, so not worth a warning."""
     cfg = load_layout(resolve_preset("llama-fsdp-tp"))
-    assert [r.pattern for r in cfg.unused_rules(LLAMA_NAMES)] == ["*"]
+    assert [r.pattern for r in cfg.unused_rules(LLAMA_NAMES)] == []
+    assert [r.pattern for r in cfg.rules if not any(cfg.match(n) is r for n in LLAMA_NAMES)] == ["*"]
 
 
 MIXTRAL = {
