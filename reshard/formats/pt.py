@@ -132,10 +132,19 @@ def pt_files(directory: Path) -> list[Path]:
             f"(rank_{{r}}.pt, rank-{{r}}.pt, ..._{{r}}.pt); found {kinds}",
             path=str(directory),
         )
-    (files,) = groups.values()
+    ((template, files),) = groups.items()
+    if len(files) == 1 and 0 not in files and not _RANK.search(template):
+        # one file numbered by a step (model_1000.pt, checkpoint-500.pth), not a rank: the whole
+        # state dict, as torch.load reads it (a world's rank files are numbered from 0)
+        return list(files.values())
     missing = [r for r in range(max(files) + 1) if r not in files]
     if missing:
-        raise HeaderError(f"{directory}: no .pt file for rank(s) {missing[:8]}", path=str(directory))
+        found = ", ".join(p.name for p in list(files.values())[:4]) + (", ..." if len(files) > 4 else "")
+        raise HeaderError(
+            f"{directory}: no .pt file for rank(s) {missing[:8]} (found {found}): per-rank files are "
+            "numbered from rank 0; if these are saves of several steps, give the one to convert as SRC",
+            path=str(directory),
+        )
     return [files[r] for r in range(len(files))]
 
 

@@ -62,3 +62,39 @@ def test_a_pt_tensor_of_more_than_int64_elements_exits_2(tmp_path: Path, count: 
         assert f"{src / 'model.pt'}: " in r.stderr and "[1099511627776, 1099511627776]" in r.stderr
         assert "over 9223372036854775807 elements" in r.stderr, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["model_1000.pt", "checkpoint-500.pth", "epoch_3.pt"])
+def test_one_pt_file_numbered_by_its_step_converts(tmp_path: Path, name: str) -> None:
+    """A directory holding one ``torch.save(model.state_dict(), "model_1000.pt")`` (beside the
+    optimizer's ``optimizer_1000.pt``): the number is a step, not a rank. It exited 2 with "no .pt
+    file for rank(s) [0, 1, 2, 3, 4, 5, 6, 7]"; now it converts to what ``torch.load`` gives."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(4)
+    sd = {"w": torch.randn(4, 6, generator=g).to(torch.bfloat16), "b": torch.arange(3)}
+    torch.save(sd, src / name)
+    if name.startswith("model_"):  # the optimizer's file beside it: the model is what converts
+        torch.save({"state": {0: {"step": torch.tensor(1.0)}}}, src / name.replace("model", "optimizer"))
+    out = tmp_path / "out"
+    r = run_cli("convert", src, out, "--consolidate")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out / "model.safetensors"))
+    assert got.keys() == sd.keys()
+    assert all(torch.equal(got[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+    assert run_cli("verify", src, out).returncode == 0
+
+
+def test_pt_files_of_several_steps_say_what_they_found(tmp_path: Path) -> None:
+    """``model_1000.pt`` and ``model_2000.pt``: still refused (two saves are no world of ranks),
+    naming the files found and what to do, not only "no .pt file for rank(s) [0, ..., 7]"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for step in (1000, 2000):
+        torch.save({"w": torch.ones(2)}, src / f"model_{step}.pt")
+    r = run_cli("inspect", src)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "(found model_1000.pt, model_2000.pt)" in r.stderr, r.stderr
+    assert "give the one to convert as SRC" in r.stderr
