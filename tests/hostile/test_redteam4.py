@@ -98,3 +98,38 @@ def test_pt_files_of_several_steps_say_what_they_found(tmp_path: Path) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "(found model_1000.pt, model_2000.pt)" in r.stderr, r.stderr
     assert "give the one to convert as SRC" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "others"),
+    [
+        ("model.pt", ["optimizer.pt"]),  # torch.save(model.state_dict()) beside the optimizer's
+        ("pytorch_model_fsdp.bin", ["optimizer.bin", "scheduler.bin"]),  # accelerate FULL_STATE_DICT
+    ],
+)
+def test_a_model_file_beside_its_optimizer_file_converts(
+    tmp_path: Path, model: str, others: list[str]
+) -> None:
+    """A training loop's ``model.pt`` beside ``optimizer.pt`` (and accelerate's FSDP
+    ``save_state`` with FULL_STATE_DICT: ``pytorch_model_fsdp.bin``, ``optimizer.bin``,
+    ``scheduler.bin``): it exited 2 "no checkpoint found". The model file is what converts, equal
+    to what ``torch.load`` gives; the others are not read."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(m.state_dict(), src / model)
+    for name in others:
+        torch.save(opt.state_dict() if name.startswith("optim") else {"last_epoch": 1}, src / name)
+    out = tmp_path / "out"
+    r = run_cli("convert", src, out, "--consolidate")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out / "model.safetensors"))
+    want = torch.load(src / model, weights_only=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert run_cli("verify", src, out).returncode == 0
