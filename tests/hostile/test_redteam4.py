@@ -133,3 +133,22 @@ def test_a_model_file_beside_its_optimizer_file_converts(
     want = torch.load(src / model, weights_only=True)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert run_cli("verify", src, out).returncode == 0
+
+
+def test_an_hf_index_naming_an_empty_shard_file_says_so(tmp_path: Path) -> None:
+    """``weight_map: {"w": ""}``: the shard path was the directory itself, and the error named the
+    directory as "the safetensors file is a directory", not the index and the tensor."""
+    import json
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.ones(2), "v": torch.zeros(2)}, str(src / "model-00001-of-00001.safetensors"))
+    index = src / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "", "v": "model-00001-of-00001.safetensors"}}))
+    for args in (["inspect", src], ["convert", src, tmp_path / "out", "--consolidate"]):
+        r = run_cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f'{index}: tensor "w" has an empty shard file name' in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
