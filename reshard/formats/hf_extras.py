@@ -378,6 +378,11 @@ def read_weight_index(index: Path) -> dict[str, str]:
     for k, v in weight_map.items():  # one string per shard, not one per tensor (200k: 16 MB)
         weight_map[k] = shards.setdefault(v, v)
     names = sorted(shards)
+    if names and not names[0]:  # "" is the directory itself: refused before it is opened as a shard
+        tensor = next(k for k, v in weight_map.items() if not v)
+        raise HeaderError(
+            f'{index}: tensor "{tensor}" has an empty shard file name', path=str(index), tensor=tensor
+        )
     for n in names:
         if "/" in n or n.startswith("."):
             raise HeaderError(f"{index}: shard name {n!r} points outside the checkpoint", path=str(index))

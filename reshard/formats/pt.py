@@ -74,6 +74,8 @@ _SUFFIXES = (".pt", ".pth")
 _SINGLE_SUFFIXES = (*_SUFFIXES, ".bin")  # one whole state dict: also HF's legacy pytorch_model.bin
 _RANK = re.compile(r"(?:^|[^a-z])rank[_-]?(\d+)", re.I)
 _NUMBER = re.compile(r"\d+")
+#: a training run's state beside the model's file, never a model's weights
+_NOT_MODEL = re.compile(r"optim|sched|rng_state|random_state|training_args", re.I)
 #: transformers' pickle weights (``save_pretrained(safe_serialization=False)``; transformers < 5)
 BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -132,17 +134,37 @@ def pt_files(directory: Path) -> list[Path]:
             f"(rank_{{r}}.pt, rank-{{r}}.pt, ..._{{r}}.pt); found {kinds}",
             path=str(directory),
         )
-    (files,) = groups.values()
+    ((template, files),) = groups.items()
+    if len(files) == 1 and 0 not in files and not _RANK.search(template):
+        # one file numbered by a step (model_1000.pt, checkpoint-500.pth), not a rank: the whole
+        # state dict, as torch.load reads it (a world's rank files are numbered from 0)
+        return list(files.values())
     missing = [r for r in range(max(files) + 1) if r not in files]
     if missing:
-        raise HeaderError(f"{directory}: no .pt file for rank(s) {missing[:8]}", path=str(directory))
+        found = ", ".join(p.name for p in list(files.values())[:4]) + (", ..." if len(files) > 4 else "")
+        raise HeaderError(
+            f"{directory}: no .pt file for rank(s) {missing[:8]} (found {found}): per-rank files are "
+            "numbered from rank 0; if these are saves of several steps, give the one to convert as SRC",
+            path=str(directory),
+        )
     return [files[r] for r in range(len(files))]
 
 
-def _single_file(directory: Path) -> Path | None:
-    """The directory's only ``torch.save`` file when it holds exactly one (by suffix), else None."""
-    found = [p for p in sorted(directory.iterdir()) if p.name.endswith(_SINGLE_SUFFIXES) and p.is_file()]
+def _whole(names: Sequence[str]) -> str | None:
+    """The one ``torch.save`` file (by suffix) of ``names`` once a training run's other state is
+    set aside (``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``; accelerate's ``optimizer.bin``
+    and ``scheduler.bin`` beside its ``pytorch_model_fsdp.bin``): the model is what converts. None
+    when there is none, or several (``model.pt`` and ``ema.pt``: which one is meant?)."""
+    found = [n for n in names if n.endswith(_SINGLE_SUFFIXES)]
+    if len(found) > 1:
+        found = [n for n in found if not _NOT_MODEL.search(n)]
     return found[0] if len(found) == 1 else None
+
+
+def _single_file(directory: Path) -> Path | None:
+    """The directory's whole state dict file (:func:`_whole` of its regular files), else None."""
+    name = _whole([p.name for p in sorted(directory.iterdir()) if p.is_file()])
+    return None if name is None else directory / name
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,8 +604,7 @@ def _detect(probe: Probe) -> int:
         return YES  # transformers' names; a safetensors model beside them is hf's (it wins ties)
     if any(rank_of(n) is not None for n in probe.names):
         return YES
-    single = [n for n in probe.names if n.endswith(_SINGLE_SUFFIXES)]
-    return MAYBE if len(single) == 1 else NO
+    return MAYBE if _whole(probe.names) is not None else NO
 
 
 READER = Reader(

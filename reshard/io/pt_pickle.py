@@ -39,10 +39,12 @@ import struct
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 from operator import itemgetter
 from typing import Any
 
 from ..errors import HeaderError
+from .header import MAX_INT64
 
 __all__ = ["Unsupported", "decode_state_pickle"]
 
@@ -301,6 +303,8 @@ class _Decoder:
         numel_v, off_v = _int_of(numel), _int_of(off)
         sz, st = self._int_tuple(size), self._int_tuple(stride)
         if numel_v < 0 or off_v < 0 or len(sz) != len(st) or (sz and min(sz) < 0) or (st and min(st) < 0):
+            return None
+        if prod(sz) > MAX_INT64:  # the C path names the size (over int64 elements)
             return None
         return self.stored_tensor(str(key, "ascii"), t.dtype, numel_v * t.itemsize, off_v, sz, st)
 

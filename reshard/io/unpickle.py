@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import mmap
 import os
 import pickle
@@ -46,6 +47,7 @@ from typing import Any
 
 from ..dtypes import DTYPE_SIZES, TORCH_NAMES
 from ..errors import HeaderError
+from .header import MAX_INT64
 
 __all__ = [
     "UnsafePickleError",
@@ -508,6 +510,8 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | Non
         or min((offset, *sz, *st)) < 0
     ):
         raise ValueError("tensor rebuild arguments are not (storage, offset, sizes, strides) >= 0")
+    if math.prod(sz) > MAX_INT64 or max(sz, default=0) > MAX_INT64:  # torch: "numel: ... overflow"
+        raise ValueError(f"tensor size {list(sz)} is over {MAX_INT64} elements (int64; torch refuses it)")
     if dtype is None:
         dtype = storage.dtype
     if dtype is None or dtype not in SAFETENSORS_DTYPES:
