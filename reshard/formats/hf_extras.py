@@ -385,7 +385,12 @@ def read_weight_index(index: Path) -> dict[str, str]:
         )
     for n in names:
         if "/" in n or n.startswith("."):
-            raise HeaderError(f"{index}: shard name {n!r} points outside the checkpoint", path=str(index))
+            where = "points outside the checkpoint" if n.startswith(("/", ".")) else "is in a sub-directory"
+            raise HeaderError(
+                f"{index}: shard name {n!r} {where}; shards are read from the index's own directory "
+                "only (name each file as it sits beside the index)",
+                path=str(index),
+            )
     missing = [n for n in names if not (index.parent / n).exists()]
     if missing:
         counts = {n: 0 for n in missing}

@@ -357,6 +357,9 @@ def test_hf_weight_files_errors(tmp_path: Path) -> None:
     touch(tmp_path / INDEX, '{"weight_map": {"w": "../x.safetensors"}}')
     with pytest.raises(HeaderError, match="points outside the checkpoint"):
         hf_weight_files(tmp_path)
+    touch(tmp_path / INDEX, '{"weight_map": {"w": "sub/x.safetensors"}}')
+    with pytest.raises(HeaderError, match="'sub/x.safetensors' is in a sub-directory; shards are read from"):
+        hf_weight_files(tmp_path)
     touch(tmp_path / INDEX, '{"weight_map": {"w": "gone.safetensors"}}')
     with pytest.raises(HeaderError, match="listed in model.safetensors.index.json but missing"):
         hf_weight_files(tmp_path)
