@@ -21,7 +21,7 @@ from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, 
 from .execute import ProgressFn, execute_plan
 from .formats import MANIFEST, open_checkpoint, read_manifest, writer, writers
 from .formats.base import Writer
-from .formats.hf_extras import copy_model_files, scan_model_files
+from .formats.hf_extras import config_dtype_mismatch, copy_model_files, scan_model_files
 from .io.lock import LOCK, DirLock
 from .io.readhash import ReadHashes
 from .io.staging import STAGE, Stage, refuse_non_files
@@ -687,6 +687,10 @@ def convert(
         run = _Run(plan, tgt.writer, dst_path, Budget(workers, buffer_size, window), progress, resume)
         run.hashes = _source_hashes(ckpt, run.budget) if verify_source and coordinator().is_main else None
         run.extras, run.extras_dtype = extras, tgt.dtype
+        if extras and tgt.dtype is None:
+            note = config_dtype_mismatch(extras, {t.dtype for t in plan.tensors})
+            if note is not None:
+                ckpt.warnings.append(CheckpointWarning(note, path=str(dst_path)))
         ordered, kept = run.guarded()
         if run.note is not None:
             ckpt.warnings.append(CheckpointWarning(run.note, path=str(dst_path)))

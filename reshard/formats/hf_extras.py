@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import ConfigError, HeaderError, UsageError, WriteError
+from ..errors import ConfigError, HeaderError, ReshardError, UsageError, WriteError
 from ..io.safe import MAX_JSON_BYTES, expect_object, load_json, read_document
 from ..io.writer import create_exclusive, temp_name
 
@@ -37,6 +37,7 @@ __all__ = [
     "copy_model_files",
     "config_dtype_name",
     "rewrite_config_dtype",
+    "config_dtype_mismatch",
     "hf_weight_files",
     "read_weight_index",
 ]
@@ -186,6 +187,47 @@ def _set_dtype(obj: dict[str, Any], name: str) -> None:
         # sub-configs of composite models (text_config, vision_config, ...) carry their own
         if key.endswith("_config") and isinstance(value, dict):
             _set_dtype(value, name)
+
+
+_WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_CAST_OPTION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def config_dtype_mismatch(files: list[Path] | tuple[Path, ...], dtypes: set[str]) -> str | None:
+    """A warning when the ``config.json`` among ``files`` names a dtype other than the weights'
+    (``dtypes``: the output tensors' safetensors dtypes, of which exactly one floating-point
+    one): transformers' ``from_pretrained(dtype="auto")`` would cast them to the config's.
+    None when they agree, or the config names none, or cannot be read (copying reports that).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"dtype": "bfloat16"}')
+    >>> note = config_dtype_mismatch([d / "config.json"], {"F32", "I64"})
+    >>> note.split(": ", 1)[1].split("; ")[1]
+    'pass --dtype bf16 to write them so, or edit config.json'
+    >>> config_dtype_mismatch([d / "config.json"], {"BF16"}) is None
+    True
+    """
+    cfg = next((Path(p) for p in files if Path(p).name == "config.json"), None)
+    floats = {d for d in dtypes if d in _WEIGHT_DTYPES or d.startswith("F8")}
+    if cfg is None or len(floats) != 1:
+        return None
+    (weights,) = floats
+    try:
+        obj = json.loads(_read_text(cfg))
+    except (ValueError, RecursionError, ReshardError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    key = next((k for k in _DTYPE_KEYS if isinstance(obj.get(k), str)), None)
+    if key is None or obj[key] == _WEIGHT_DTYPES.get(weights) or obj[key] == "auto":
+        return None
+    named = obj[key]
+    cast = _CAST_OPTION.get(named)
+    fix = f"pass --dtype {cast} to write them so, or edit config.json" if cast else "edit config.json"
+    return (
+        f'{cfg}: its {key} is "{named}" but the weights written are {weights}: transformers\' '
+        f'from_pretrained(dtype="auto") casts them to {named}; {fix}'
+    )
 
 
 def rewrite_config_dtype(text: str, dtype: str, *, where: str = "config.json") -> str:

@@ -89,3 +89,29 @@ def test_hf_to_tp4_to_hf_and_bf16_load_as_the_source_model(tmp_path: Path, kind:
     assert p.returncode == 0, p.stderr
     assert "no config.json; the hf output holds weights only" in p.stderr and "--config-from DIR" in p.stderr
     assert sorted(x.name for x in bare.iterdir()) == ["model.safetensors", "reshard.json"]
+
+
+@pytest.mark.parametrize(("config_dtype", "extra", "warned"), [
+    ("bfloat16", [], True),  # bf16 in config.json, F32 weights: from_pretrained would cast them
+    ("float32", [], False),
+    ("bfloat16", ["--dtype", "bf16"], False),  # cast to it: config and weights agree
+    ("auto", [], False),
+])  # fmt: skip
+def test_a_config_naming_another_dtype_than_the_weights_is_warned(
+    tmp_path: Path, config_dtype: str, extra: list[str], warned: bool
+) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.randn(4, 4), "step": torch.tensor([3])}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": config_dtype}, indent=2))
+    p = run("convert", str(src), str(tmp_path / "out"), "--consolidate", "--json", *extra)
+    assert p.returncode == 0, p.stderr
+    notes = [w for w in json.loads(p.stdout)["warnings"] if "from_pretrained" in w]
+    assert len(notes) == warned, notes
+    if warned:
+        assert f'dtype is "{config_dtype}" but the weights written are F32' in notes[0]
+        assert "pass --dtype bf16" in notes[0] and "config.json" in notes[0]
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["dtype"] == ("bfloat16" if extra else config_dtype)
