@@ -16,7 +16,7 @@ names the storage record, dtype, size and stride; the element bytes are record
 ``data/<key>``, stored uncompressed, so a piece is just its absolute offset in
 the ``.distcp`` file and the copy path reads it with ``pread``. Opening checks
 that every chunk's record is stored, little-endian, of the right length and
-row-major, and takes its CRC32. A MoE checkpoint has 100k chunks of a few
+row-major (or a permuted dense layout), and takes its CRC32. A MoE checkpoint has 100k chunks of a few
 layouts: each layout is parsed once (zip directory, ``data.pkl``, byte order)
 and later archives are matched against its bytes through a map
 (:class:`~reshard.io.torchzip.ArchiveReader`); each layout and box is checked
@@ -29,17 +29,25 @@ What the format does not say, and how it is handled:
   sets of boxes; converting never needs the source placements.
 - **Transposed or permuted views** are saved as is (``x.t()`` has strides
   ``(1, n)``). The copy path reads row-major pieces, so such a chunk is copied
-  once at open time, tile by tile in bounded memory, into its row-major layout
+  once, when first read, tile by tile in bounded memory, into its row-major layout
   in the spool file below (its CRC32 checked on the way). Strides that are not
-  a permuted dense layout are refused.
+  a permuted dense layout are refused (at open).
 - **zstd** (``_extensions=[ZStandard()]``, descriptor ``stream.zstd/1``): the
-  whole chunk archive is compressed. It is decompressed at open time, streaming
-  in bounded memory, into one spool file under ``$TMPDIR`` (removed at exit,
-  :func:`~reshard.io.pages.scratch_dir`), and its pieces point there. The spool
+  whole chunk archive is compressed. Opening reserves the chunk's region of one
+  spool file under ``$TMPDIR`` (its size is the box's sizes times the dtype's,
+  from ``.metadata``; removed at exit, :func:`~reshard.io.pages.reserve_scratch`),
+  and its piece points there; nothing is decompressed. When a command first
+  reads the region (:class:`~reshard.io.spool.LazySpool`) the archive is
+  decompressed, streaming in bounded memory, into a temporary file beside the
+  spool, checked as a stored archive is (zip, ``data.pkl``, byte order, record,
+  CRC32: errors name the ``.distcp`` file, its bytes and the tensor), and the
+  chunk's bytes copied into the region. So ``inspect`` and ``plan`` decompress
+  nothing, ``convert --include`` only the selected tensors' chunks. The spool
   (:mod:`reshard.io.spool`) is not a file of the checkpoint: ``inspect`` and
   ``plan`` count and name the ``.distcp`` files only, a spooled chunk under the
   file (and byte range) it was made from (:attr:`Checkpoint.spooled`).
-  Needs the ``zstandard`` or ``pyzstd`` module; other descriptors are refused.
+  Needs the ``zstandard`` or ``pyzstd`` module (checked at open); other
+  descriptors are refused.
 - **SAFETENSORS serialisation** (``FileSystemWriter(serialization_format=SAFETENSORS)``):
   a chunk offset points at a safetensors blob instead of a zip; told apart by
   the bytes at the offset.

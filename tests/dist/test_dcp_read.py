@@ -419,7 +419,11 @@ def test_damaged_zstd_chunk(saved: Path, tmp_path: Path) -> None:
         b = f.read(4)
         f.seek(info.offset + 30)
         f.write(bytes(x ^ 0xFF for x in b))
+    assert run_cli("inspect", ck).returncode == 0  # reads no chunk: the spool is made when read
     err = _refused(run_cli("convert", ck, tmp_path / "out", "--consolidate"))
+    assert f"{info.relative_path} (bytes {info.offset}.." in err and "zstd stream is damaged" in err
+    assert 'tensor "model.w"' in err and not (tmp_path / "out").exists()  # found at copy time
+    err = _refused(run_cli("inspect", ck, "--check"))
     assert f"{info.relative_path} (bytes {info.offset}.." in err and "zstd stream is damaged" in err
 
 
