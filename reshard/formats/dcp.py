@@ -106,7 +106,17 @@ from ..io.header import MAX_HEADER_SIZE, MAX_INT64, Header, decode_header
 from ..io.safe import file_kind
 from ..io.spool import LazySpool, SpoolCheckError
 from ..io.torchsave import leaves, locate
-from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range, read_record, read_torch_zip
+from ..io.torchzip import (
+    CHECKED_RECORDS,
+    STORED,
+    ArchiveLayout,
+    ArchiveReader,
+    NotHeld,
+    crc32_range,
+    layout_of,
+    read_record,
+    read_torch_zip,
+)
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
     BytesMeta,
@@ -119,6 +129,7 @@ from ..io.unpickle import (
     load_stored_tensor,
     load_torch_save,
 )
+from ..io.zipstream import NotStreamable, ZipStream
 from .base import NO, YES, Probe, Reader, ReadOptions
 from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning
 
@@ -567,27 +578,164 @@ def _fill_zstd(
     at: int,
 ) -> None:
     """Make the spooled chunk of ``fqn`` (box ``sizes``) at byte ``at`` of ``spool`` (a
-    :data:`~reshard.io.spool.Fill`): its archive, zstd-compressed at ``[offset, offset + length)``
-    of ``path``, is decompressed into a temporary file beside the spool (streaming, in bounded
-    memory), checked as an uncompressed chunk is at open (zip, ``data.pkl``, byte order, record,
-    CRC32), and the chunk's bytes copied (row-major) into the region."""
+    :data:`~reshard.io.spool.Fill`) from its archive, zstd-compressed at ``[offset, offset +
+    length)`` of ``path``.
+
+    The archive is decompressed as a stream and read record by record (:func:`_stream_zstd`):
+    the chunk's bytes go straight into the region, their CRC32 computed on the way, and the
+    archive is checked as an uncompressed chunk is at open (zip, ``data.pkl``, byte order,
+    record, CRC32). A chunk that is permuted, a SAFETENSORS blob, or an archive not laid out as
+    torch.save writes one (:class:`~reshard.io.zipstream.NotStreamable`: this includes every
+    damaged one but a bad CRC32) is decompressed again, into a temporary file beside the spool,
+    and read from there (:func:`_place`), which gives the errors."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        z, errors = _zstd_reader(io.BufferedReader(_Range(fd, offset, length)), where)
+        try:
+            with z:
+                _stream_zstd(z, spool, at, where, path, fqn, meta, sizes)
+            return
+        except NotStreamable:
+            pass
+        except ReshardError:  # (a HeaderError is a ValueError, which zstandard raises too)
+            raise
+        except errors as e:
+            raise _zstd_damaged(where, path, fqn, e) from None
         z, errors = _zstd_reader(io.BufferedReader(_Range(fd, offset, length)), where)
         tmp = spool.scratch_file()
         try:
             try:
                 with z:
                     n = _write_all(spool, z, tmp)
+            except ReshardError:
+                raise
             except errors as e:
-                raise HeaderError(
-                    f'{where}: tensor "{fqn}": zstd stream is damaged ({e})', path=path, tensor=fqn
-                ) from None
+                raise _zstd_damaged(where, path, fqn, e) from None
             _place(spool, at, tmp, n, where, path, fqn, meta, sizes)
         finally:
             os.close(tmp)
     finally:
         os.close(fd)
+
+
+def _zstd_damaged(where: str, path: str, fqn: str, e: Exception) -> HeaderError:
+    return HeaderError(f'{where}: tensor "{fqn}": zstd stream is damaged ({e})', path=path, tensor=fqn)
+
+
+#: Records of a chunk archive kept in memory as it streams (their size is refused over
+#: :data:`~reshard.io.zipstream.MAX_HELD`); any other record but the chunk's is read another way.
+_HELD_RECORDS = (
+    "data.pkl",
+    "byteorder",
+    "version",
+    ".format_version",
+    ".storage_alignment",
+    ".data/serialization_id",
+)
+
+
+def _stream_zstd(
+    z: BinaryIO,
+    spool: LazySpool,
+    at: int,
+    where: str,
+    path: str,
+    fqn: str,
+    meta: TensorMeta,
+    sizes: tuple[int, ...],
+) -> None:
+    """Fill the region at ``at`` from the decompressed archive ``z`` read as a stream: the small
+    records kept (:data:`_HELD_RECORDS`), the data record ``data.pkl`` names written straight into
+    the region (pwrite) with its CRC32 computed; then the archive is checked from the bytes kept as
+    a stored one is (:func:`~reshard.io.torchzip.read_torch_zip`, :func:`_zip_piece`), the record
+    being the one the central directory names, and its CRC32 the one it records.
+
+    Raises:
+        NotStreamable: the chunk is permuted, not a zip, or the archive is not as torch.save writes
+            one, or fails a check (read it another way: that gives the error).
+        SpoolCheckError: the chunk's record fails its CRC32.
+        HeaderError: a small record is over :data:`~reshard.io.zipstream.MAX_HELD` bytes.
+    """
+    inner = f"{where}, decompressed"
+    isz = DTYPE_SIZES[SAFETENSORS_DTYPES[meta.dtype]]
+    nbytes = _numel(sizes) * isz
+    zs = ZipStream(z, inner)
+    st: StoredTensor | None = None
+    data: tuple[str, int, int, int] | None = None  # (name, offset, size, crc32) of the record streamed
+    want = ""
+    first = 0
+    sfd = spool.open()
+
+    def out(view: memoryview, pos: int) -> None:  # record bytes [pos, pos + len): the chunk's part
+        lo, hi = max(pos, first), min(pos + len(view), first + nbytes)
+        if lo < hi:
+            _pwrite_all(spool, sfd, view[lo - pos : hi - pos], at + lo - first)
+
+    while (rec := zs.next()) is not None:
+        if st is not None and rec.name == want and data is None:
+            crc = zs.stream(rec, st.storage_nbytes, out)
+            data = (rec.name, rec.offset, st.storage_nbytes, crc)
+            continue
+        prefix, _, sfx = rec.name.partition("/")
+        if sfx not in _HELD_RECORDS:
+            raise NotStreamable(f"record {rec.name} comes before data.pkl names it")
+        try:
+            got = zs.small(rec)
+        except HeaderError as e:
+            raise HeaderError(f'{e.message} (a chunk of tensor "{fqn}")', path=path, tensor=fqn) from None
+        if sfx == "data.pkl" and st is None:
+            try:
+                st = load_stored_tensor(got, path=where)
+            except ReshardError as e:
+                raise NotStreamable(str(e)) from None
+            order = _storage_order(st.size, st.stride)
+            moving = [d for d in order or () if st.size[d] != 1]
+            first = st.storage_offset * isz
+            if (
+                st.dtype != meta.dtype
+                or _numel(st.size) * isz != nbytes
+                or (nbytes and (order is None or moving != sorted(moving)))
+                or first + nbytes > st.storage_nbytes
+            ):
+                raise NotStreamable("the chunk is not the row-major box .metadata gives")
+            want = f"{prefix}/data/{st.key}"
+    if data is None:
+        raise NotStreamable(f"no record {want or 'data.pkl'}")
+    try:
+        tz = read_torch_zip(zs.held, inner, 0, zs.pos)
+        checked = {sfx: read_record(zs.held, tz, r) for sfx in CHECKED_RECORDS if (r := tz.get(sfx))}
+        lay, _ = layout_of(tz, checked)
+        s = _zip_piece(lay, _pickle(lay, inner, 0, where), 0, fqn, meta, sizes, where, path)
+    except (ReshardError, NotHeld) as e:
+        raise NotStreamable(str(e)) from None
+    name, start, size, crc = data
+    zr = tz.records.get(name)
+    if (
+        zr is None
+        or load_stored_tensor(checked["data.pkl"], path=where) != st
+        or zr.offset != start
+        or zr.size != size
+        or s.start != start + first
+        or s.order is not None
+    ):
+        raise NotStreamable("the central directory names other bytes than the stream gave")
+    if crc != zr.crc32:
+        raise _crc_failed(where, path, fqn)
+
+
+def _pwrite_all(spool: LazySpool, fd: int, view: memoryview, at: int) -> None:
+    """Write ``view`` at byte ``at`` of the spool (open as ``fd``).
+
+    Raises:
+        WriteError: no room under ``$TMPDIR``.
+    """
+    while view:  # a short write (a file system filling up) writes the rest next
+        try:
+            k = os.pwrite(fd, view, at)
+        except OSError as e:
+            raise spool.full(e) from None
+        at += k
+        view = view[k:]
 
 
 def _write_all(spool: LazySpool, src: BinaryIO, fd: int) -> int:
