@@ -705,9 +705,9 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
 
 
 def _make_spooled(ckpt: Checkpoint, out: list[Problem]) -> None:
-    """Make every spooled piece of ``ckpt``'s tensors (a reader's spool makes them when first
-    read, and the checks below read only some): each made from stored bytes that fail their
-    CRC32 (a zstd chunk's, a transposed view's record) is a ``crc32`` problem.
+    """Make every spooled piece of ``ckpt``'s tensors, empty ones too (a reader's spool makes
+    them when first read, and the checks below read only some): each made from stored bytes
+    that fail their CRC32 (a zstd chunk's, a transposed view's record) is a ``crc32`` problem.
 
     Raises:
         ReshardError: a piece cannot be made (a damaged zstd stream, a bad inner archive).
@@ -724,7 +724,7 @@ def _make_spooled(ckpt: Checkpoint, out: list[Problem]) -> None:
             if spool is None:
                 continue
             try:
-                spool.ensure(at, at + block_volume(t.piece_blocks[k]) * isz)
+                spool.ensure_piece(at, block_volume(t.piece_blocks[k]) * isz)
             except SpoolCheckError as e:
                 out.append(_problem("crc32", e.message, path=e.path, tensor=e.tensor))
 

@@ -145,7 +145,7 @@ class LazySpool:
         stop)`` of the caller's files); its offset in the spool (64-byte aligned)."""
         self.path  # noqa: B018 - the path is reserved with the first region
         start = -(-self.size // 64) * 64
-        self.size = start + nbytes
+        self.size = start + max(nbytes, 1)  # an empty region has a start of its own, too
         self._starts.append(start)
         self._stops.append(start + nbytes)
         self._fills.append(fill)
@@ -194,6 +194,20 @@ class LazySpool:
             if stops[k] > lo and self._fills[k] is not None:
                 self._fill(k)
             k += 1
+
+    def ensure_piece(self, at: int, nbytes: int) -> None:
+        """:meth:`ensure` of a piece of ``nbytes`` at ``at``; an empty one (a chunk of no element,
+        which no read asks for) is filled too: its region is the one starting at ``at``.
+
+        Raises:
+            ReshardError: a region's fill failed.
+        """
+        if nbytes:
+            self.ensure(at, at + nbytes)
+            return
+        k = bisect_right(self._starts, at) - 1
+        if k >= 0 and self._starts[k] == at == self._stops[k] and self._fills[k] is not None:
+            self._fill(k)
 
     def fill_all(self, on_check: Callable[[SpoolCheckError], None] | None = None) -> None:
         """Fill every region not filled yet (``inspect --check``); a region whose stored bytes fail

@@ -303,3 +303,96 @@ def test_a_region_is_made_once_whichever_thread_asks(tmp_path: Path) -> None:
     sp.ensure(a, a + 4096)  # made: nothing to do
     assert sp.filled == 1
     sp.close()
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_zstd_chunk_is_written_once_from_the_stream(
+    zstd_dcp: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A full convert writes each zstd chunk's bytes once, into its spool region, straight from the
+    decompressed stream: the bytes the process writes, less the output's, are the chunks' bytes
+    (and the small transposed chunk's temporary archive), not twice them (a temporary archive
+    per chunk, then its copy into the region)."""
+    src, want = zstd_dcp
+    data = sum(v.numel() * v.element_size() for v in want.values())
+    doc, _ = run(tmp_path, "convert", src, tmp_path / "out", "--consolidate", "--quiet")
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(same_bits(got[k], want[k]) for k in want)
+    spooled = doc["wchar"] - _tree_bytes(tmp_path / "out")
+    assert data <= spooled < data + 2 * 64 * 96 * 4 + (256 << 10), (spooled, data)
+
+
+def _damage_zstd_frame(src: Path, fqn: str, at: float) -> tuple[str, int]:
+    """Overwrite tensor ``fqn``'s zstd stream with 0xFF bytes from fraction ``at`` of it to its end
+    (a block header of reserved type: the decompressor fails there); (relative path, offset)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(src)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+    path = src / info.relative_path
+    raw = bytearray(path.read_bytes())
+    lo = info.offset + max(int(info.length * at), 16)
+    raw[lo : info.offset + info.length] = b"\xff" * (info.offset + info.length - lo)
+    path.write_bytes(bytes(raw))
+    return info.relative_path, info.offset
+
+
+def test_a_stream_damaged_within_the_chunk_is_named(
+    zstd_dcp: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A zstd stream that fails half-way through its chunk's data record (the region partly
+    written): convert exits 2 naming the .distcp file, its bytes and the tensor, and commits
+    nothing; a convert leaving the tensor out holds torch's values."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(zstd_dcp[0], src)
+    rel, offset = _damage_zstd_frame(src, "model.layers.2.w", 0.5)
+    run(tmp_path, "inspect", src)
+    _, err = run(tmp_path, "convert", src, tmp_path / "out", "--consolidate", "--quiet", code=2)
+    assert f"{src / rel} (bytes {offset}.." in err and 'tensor "model.layers.2.w"' in err, err
+    assert "zstd stream is damaged" in err, err
+    assert not (tmp_path / "out").exists()
+    run(
+        tmp_path,
+        "convert",
+        src,
+        tmp_path / "rest",
+        "--consolidate",
+        "--exclude",
+        "model.layers.2.w",
+        "--quiet",
+    )
+    got = load_file(str(tmp_path / "rest" / "model.safetensors"))
+    want = zstd_dcp[1]
+    assert sorted(got) == sorted(k for k in want if k != "model.layers.2.w")
+    assert all(same_bits(got[k], want[k]) for k in got)
+
+
+def test_an_empty_zstd_chunk_is_checked(tmp_path: Path) -> None:
+    """A tensor of no element saved through ZStandard still has a compressed archive (its data.pkl
+    says dtype and shape): inspect --check decompresses and checks it like any other. Sound, the
+    check is clean and convert gives torch's tensors; its stream damaged, inspect (which reads no
+    chunk) passes and inspect --check exits 2 naming the file and tensor."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    if not ZStandard.is_available():
+        pytest.skip("torch's ZStandard extension needs the zstandard module")
+    src = tmp_path / "src"
+    sd = {"empty": torch.empty(0, 4), "w": torch.randn(16, 8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=FileSystemWriter(str(src), _extensions=[ZStandard()]), no_dist=True)
+    run(tmp_path, "inspect", src, "--check")
+    run(tmp_path, "convert", src, tmp_path / "out", "--consolidate", "--quiet")
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert got["empty"].shape == (0, 4) and same_bits(got["w"], sd["w"])
+    rel, offset = _damage_zstd_frame(src, "empty", 0.3)
+    run(tmp_path, "inspect", src)
+    _, err = run(tmp_path, "inspect", src, "--check", code=2)
+    assert f"{src / rel} (bytes {offset}.." in err and 'tensor "empty"' in err, err
