@@ -38,10 +38,13 @@ What the format does not say, and how it is handled:
   from ``.metadata``; removed at exit, :func:`~reshard.io.pages.reserve_scratch`),
   and its piece points there; nothing is decompressed. When a command first
   reads the region (:class:`~reshard.io.spool.LazySpool`) the archive is
-  decompressed, streaming in bounded memory, into a temporary file beside the
-  spool, checked as a stored archive is (zip, ``data.pkl``, byte order, record,
-  CRC32: errors name the ``.distcp`` file, its bytes and the tensor), and the
-  chunk's bytes copied into the region. So ``inspect`` and ``plan`` decompress
+  decompressed as a stream and read record by record
+  (:class:`~reshard.io.zipstream.ZipStream`): the chunk's bytes are written
+  straight into the region, and the archive checked as a stored one is (zip,
+  ``data.pkl``, byte order, record, CRC32: errors name the ``.distcp`` file, its
+  bytes and the tensor). A permuted chunk, a SAFETENSORS blob or an archive not
+  as torch.save writes one is decompressed into a temporary file beside the
+  spool instead, and read from there. So ``inspect`` and ``plan`` decompress
   nothing, ``convert --include`` only the selected tensors' chunks. The spool
   (:mod:`reshard.io.spool`) is not a file of the checkpoint: ``inspect`` and
   ``plan`` count and name the ``.distcp`` files only, a spooled chunk under the
