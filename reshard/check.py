@@ -55,6 +55,7 @@ from .intervals import (
 from .io.checksum import CHECKSUM_PREFIX, file_checksum
 from .io.reader import MappedFiles, read_box
 from .io.readhash import CrcRegions, ReadHashes, Region, xxh3_regions
+from .io.spool import SpoolCheckError
 from .plan import natural_key, natural_sorted
 from .select import LEFT_OUT
 
@@ -304,7 +305,10 @@ def _manifest_root(ckpt: Checkpoint) -> Path:
 
 def _check_files(ckpt: Checkpoint, out: list[Problem]) -> list[int | None]:
     sizes: list[int | None] = []
-    for f in ckpt.files:
+    for fi, f in enumerate(ckpt.files):
+        if fi in ckpt.spooled:  # a reader's spool: made (at this size) when first read
+            sizes.append(ckpt.file_sizes[fi])
+            continue
         try:
             sizes.append(os.stat(f).st_size)
         except OSError as e:
@@ -681,6 +685,7 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
     for w in ckpt.warnings:
         if w.problem:
             out.append(_problem("warning", w.message, path=w.path, tensor=w.tensor))
+    _make_spooled(ckpt, out)
     sizes = _check_files(ckpt, out)
     _check_manifest(ckpt, out, max_bytes)
     cache: dict[tuple[Hashable, ...], _Geometry] = {}
@@ -697,6 +702,31 @@ def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) ->
     finally:
         data.close()
     return out
+
+
+def _make_spooled(ckpt: Checkpoint, out: list[Problem]) -> None:
+    """Make every spooled piece of ``ckpt``'s tensors, empty ones too (a reader's spool makes
+    them when first read, and the checks below read only some): each made from stored bytes
+    that fail their CRC32 (a zstd chunk's, a transposed view's record) is a ``crc32`` problem.
+
+    Raises:
+        ReshardError: a piece cannot be made (a damaged zstd stream, a bad inner archive).
+    """
+    spools = {fi: sp.spool for fi, sp in ckpt.spooled.items() if sp.spool is not None}
+    if not spools:
+        return
+    for t in ckpt.tensors.values():
+        if not spools.keys() & set(t.piece_files):
+            continue
+        isz = DTYPE_SIZES[t.dtype]
+        for k, (fi, at) in enumerate(zip(t.piece_files, t.piece_offsets, strict=True)):
+            spool = spools.get(fi)
+            if spool is None:
+                continue
+            try:
+                spool.ensure_piece(at, block_volume(t.piece_blocks[k]) * isz)
+            except SpoolCheckError as e:
+                out.append(_problem("crc32", e.message, path=e.path, tensor=e.tensor))
 
 
 def _suspects(

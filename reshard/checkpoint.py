@@ -380,19 +380,23 @@ class Spooled:
     """Where the pieces in a reader's spool file (:mod:`reshard.io.spool`: row-major copies of
     transposed or strided tensors, decompressed chunks) came from: bytes ``[starts[k], stops[k])``
     of the spool were made from bytes ``[origin_starts[k], origin_stops[k])`` of the checkpoint's
-    file ``files[k]``, ``starts`` increasing."""
+    file ``files[k]``, ``starts`` increasing. ``spool``: the reader's
+    :class:`~reshard.io.spool.LazySpool`, which makes each region when it is first read (kept
+    alive with the checkpoint: its readers find it by the spool's path)."""
 
     starts: tuple[int, ...]
     stops: tuple[int, ...]
     files: tuple[int, ...]
     origin_starts: tuple[int, ...]
     origin_stops: tuple[int, ...]
+    spool: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, regions: Sequence[tuple[int, int, int, int, int]]) -> Spooled:
-        """From :attr:`reshard.io.spool.Spool.origins` rows ``(start, stop, file, o_start, o_stop)``."""
+    def of(cls, regions: Sequence[tuple[int, int, int, int, int]], spool: Any = None) -> Spooled:
+        """From :attr:`reshard.io.spool.LazySpool.origins` rows ``(start, stop, file, o_start, o_stop)``."""
         cols = tuple(zip(*sorted(regions), strict=True)) or ((), (), (), (), ())
-        return cls(*cols)
+        starts, stops, files, origin_starts, origin_stops = cols
+        return cls(starts, stops, files, origin_starts, origin_stops, spool)
 
     def origin(self, offset: int) -> tuple[int, int, int]:
         """``(file, start, stop)``: the checkpoint's bytes the spooled piece at ``offset`` came from.

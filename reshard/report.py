@@ -550,7 +550,7 @@ def _file_reads(
 
     A piece in a reader's spool (``spooled``: a transposed or compressed DCP chunk, a strided
     ``torch.save`` tensor) is counted under the checkpoint file it was made from, its spans
-    shown as the bytes of that file it was made from (read whole when the spool was made)."""
+    shown as the bytes of that file it was made from (read whole when the copy first reads it)."""
     import numpy as np
 
     sums: dict[int, int] = {}

@@ -16,7 +16,7 @@ names the storage record, dtype, size and stride; the element bytes are record
 ``data/<key>``, stored uncompressed, so a piece is just its absolute offset in
 the ``.distcp`` file and the copy path reads it with ``pread``. Opening checks
 that every chunk's record is stored, little-endian, of the right length and
-row-major, and takes its CRC32. A MoE checkpoint has 100k chunks of a few
+row-major (or a permuted dense layout), and takes its CRC32. A MoE checkpoint has 100k chunks of a few
 layouts: each layout is parsed once (zip directory, ``data.pkl``, byte order)
 and later archives are matched against its bytes through a map
 (:class:`~reshard.io.torchzip.ArchiveReader`); each layout and box is checked
@@ -29,17 +29,28 @@ What the format does not say, and how it is handled:
   sets of boxes; converting never needs the source placements.
 - **Transposed or permuted views** are saved as is (``x.t()`` has strides
   ``(1, n)``). The copy path reads row-major pieces, so such a chunk is copied
-  once at open time, tile by tile in bounded memory, into its row-major layout
+  once, when first read, tile by tile in bounded memory, into its row-major layout
   in the spool file below (its CRC32 checked on the way). Strides that are not
-  a permuted dense layout are refused.
+  a permuted dense layout are refused (at open).
 - **zstd** (``_extensions=[ZStandard()]``, descriptor ``stream.zstd/1``): the
-  whole chunk archive is compressed. It is decompressed at open time, streaming
-  in bounded memory, into one spool file under ``$TMPDIR`` (removed at exit,
-  :func:`~reshard.io.pages.scratch_dir`), and its pieces point there. The spool
+  whole chunk archive is compressed. Opening reserves the chunk's region of one
+  spool file under ``$TMPDIR`` (its size is the box's sizes times the dtype's,
+  from ``.metadata``; removed at exit, :func:`~reshard.io.pages.reserve_scratch`),
+  and its piece points there; nothing is decompressed. When a command first
+  reads the region (:class:`~reshard.io.spool.LazySpool`) the archive is
+  decompressed as a stream and read record by record
+  (:class:`~reshard.io.zipstream.ZipStream`): the chunk's bytes are written
+  straight into the region, and the archive checked as a stored one is (zip,
+  ``data.pkl``, byte order, record, CRC32: errors name the ``.distcp`` file, its
+  bytes and the tensor). A permuted chunk, a SAFETENSORS blob or an archive not
+  as torch.save writes one is decompressed into a temporary file beside the
+  spool instead, and read from there. So ``inspect`` and ``plan`` decompress
+  nothing, ``convert --include`` only the selected tensors' chunks. The spool
   (:mod:`reshard.io.spool`) is not a file of the checkpoint: ``inspect`` and
   ``plan`` count and name the ``.distcp`` files only, a spooled chunk under the
   file (and byte range) it was made from (:attr:`Checkpoint.spooled`).
-  Needs the ``zstandard`` or ``pyzstd`` module; other descriptors are refused.
+  Needs the ``zstandard`` or ``pyzstd`` module (checked at open); other
+  descriptors are refused.
 - **SAFETENSORS serialisation** (``FileSystemWriter(serialization_format=SAFETENSORS)``):
   a chunk offset points at a safetensors blob instead of a zip; told apart by
   the bytes at the offset.
@@ -75,6 +86,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -91,13 +103,23 @@ from ..checkpoint import (
     tensor_source,
 )
 from ..dtypes import DTYPE_SIZES
-from ..errors import HeaderError, LayoutError, ReshardError, UsageError
+from ..errors import HeaderError, LayoutError, ReshardError, SourceChangedError, UsageError
 from ..intervals import Block, Interval, full_block, normalize, overlapping_pairs
 from ..io.header import MAX_HEADER_SIZE, MAX_INT64, Header, decode_header
 from ..io.safe import file_kind
-from ..io.spool import Spool
+from ..io.spool import LazySpool, SpoolCheckError
 from ..io.torchsave import leaves, locate
-from ..io.torchzip import STORED, ArchiveLayout, ArchiveReader, crc32_range, read_record, read_torch_zip
+from ..io.torchzip import (
+    CHECKED_RECORDS,
+    STORED,
+    ArchiveLayout,
+    ArchiveReader,
+    NotHeld,
+    crc32_range,
+    layout_of,
+    read_record,
+    read_torch_zip,
+)
 from ..io.unpickle import (
     SAFETENSORS_DTYPES,
     BytesMeta,
@@ -110,6 +132,7 @@ from ..io.unpickle import (
     load_stored_tensor,
     load_torch_save,
 )
+from ..io.zipstream import NotStreamable, ZipStream
 from .base import NO, YES, Probe, Reader, ReadOptions
 from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning
 
@@ -202,6 +225,11 @@ def _zstd_reader(raw: BinaryIO, where: str) -> tuple[BinaryIO, tuple[type[Except
         ) from None
 
 
+def _zstd_module(where: str) -> None:
+    """Nothing when a zstd module imports; else the :class:`UsageError` :func:`_zstd_reader` gives."""
+    _zstd_reader(io.BytesIO(b""), where)
+
+
 class _Files:
     """The checkpoint's data files by relative path, plus the spool file.
 
@@ -217,7 +245,7 @@ class _Files:
         self._open: OrderedDict[int, int] = OrderedDict()
         self._archives: dict[int, ArchiveReader] = {}
         self._spool: int | None = None
-        self.spool = Spool("reshard-dcp-")
+        self.spool = LazySpool("reshard-dcp-")
         self.sizes = self._sizes
         self.layouts: dict[int, list[ArchiveLayout]] = {}  # chunk archive layouts, for every file
 
@@ -249,8 +277,6 @@ class _Files:
 
     def fd(self, fi: int) -> int:
         """An open descriptor of file ``fi`` (least recently used ones are closed)."""
-        if fi == self._spool:
-            return self.spool.fd
         fd = self._open.get(fi)
         if fd is not None:
             self._open.move_to_end(fi)
@@ -278,54 +304,55 @@ class _Files:
         return self.spool.size if fi == self._spool else self._sizes[fi]
 
     def spool_index(self) -> int:
-        """The spool's file index (made on first use): decompressed chunks and row-major copies of
-        permuted ones."""
+        """The spool's file index (listed with the first region reserved; the file is made when
+        first read): decompressed chunks and row-major copies of permuted ones."""
         if self._spool is None:
-            self.spool.open()
-            assert self.spool.path is not None
             self.paths.append(self.spool.path)
             self._sizes.append(0)
             self._spool = len(self.paths) - 1
         return self._spool
 
-    def _origin(self, fi: int, start: int, stop: int) -> tuple[int, int, int]:
-        """Own bytes ``[start, stop)`` of file ``fi``, or the own bytes a spooled region came from."""
-        if fi != self._spool:
-            return fi, start, stop
-        for a, b, f, oa, ob in reversed(self.spool.origins):  # a zstd chunk, just spooled: the last
-            if a <= start < b or a == start:
-                return f, oa, ob
-        raise AssertionError(start)
-
     def permute(
-        self, fi: int, offset: int, size: tuple[int, ...], order: tuple[int, ...], isz: int
+        self,
+        fi: int,
+        offset: int,
+        size: tuple[int, ...],
+        order: tuple[int, ...],
+        isz: int,
+        crc: int | None,
+        fqn: str,
+        where: str,
     ) -> tuple[int, int]:
-        """Write the row-major copy of a permuted dense chunk to the spool; its (file, offset) there
-        (tile by tile in bounded memory: :meth:`~reshard.io.spool.Spool.strided`)."""
-        stride = [0] * len(size)
-        step = 1
-        for d in reversed(order):
-            stride[d] = step
-            step *= size[d]
-        origin = self._origin(fi, offset, offset + _numel(size) * isz)
-        src = self.fd(fi)
+        """Reserve the row-major copy of a permuted dense chunk (stored at ``offset`` of file ``fi``,
+        CRC32 ``crc`` when recorded) in the spool; its (file, offset) there. Made when first read
+        (:func:`_fill_permuted`)."""
+        nbytes = _numel(size) * isz
+        fill = partial(_fill_permuted, str(self.paths[fi]), offset, size, order, isz, crc, fqn, where)
         sp = self.spool_index()
-        return sp, self.spool.strided(src, offset, size, tuple(stride), isz, origin, _SPOOL_TILE)
+        return sp, self.spool.reserve(nbytes, (fi, offset, offset + nbytes), fill)
 
-    def decompress(self, fi: int, offset: int, length: int, where: str) -> tuple[int, int, int]:
-        """Spool the zstd stream at ``[offset, offset + length)``; its (file, offset, size) there."""
-        z, errors = _zstd_reader(io.BufferedReader(_Range(self.fd(fi), offset, length)), where)
-        sp = self.spool_index()  # after the module check: no temporary directory for nothing
-        try:
-            with z:
-                start, n = self.spool.stream(z, (fi, offset, offset + length))
-        except errors as e:
-            raise HeaderError(f"{where}: zstd stream is damaged ({e})", path=str(self.paths[fi])) from None
-        return sp, start, n
+    def decompress(
+        self,
+        fi: int,
+        offset: int,
+        length: int,
+        where: str,
+        fqn: str,
+        meta: TensorMeta,
+        sizes: tuple[int, ...],
+    ) -> tuple[int, int]:
+        """Reserve the chunk of ``fqn`` (box ``sizes``) whose zstd-compressed archive is at
+        ``[offset, offset + length)`` of file ``fi`` in the spool; its (file, offset) there. Made when
+        first read (:func:`_fill_zstd`)."""
+        _zstd_module(where)  # refused now, not at copy time, without one
+        nbytes = _numel(sizes) * DTYPE_SIZES[SAFETENSORS_DTYPES[meta.dtype]]
+        fill = partial(_fill_zstd, str(self.paths[fi]), offset, length, where, fqn, meta, sizes)
+        sp = self.spool_index()
+        return sp, self.spool.reserve(nbytes, (fi, offset, offset + length), fill)
 
     def spooled(self) -> dict[int, Spooled]:
-        """Where the spool's pieces came from (:attr:`Checkpoint.spooled`)."""
-        return {} if self._spool is None else {self._spool: Spooled.of(self.spool.origins)}
+        """Where the spool's pieces come from (:attr:`Checkpoint.spooled`)."""
+        return {} if self._spool is None else {self._spool: Spooled.of(self.spool.origins, self.spool)}
 
     def close(self) -> None:
         for ar in self._archives.values():
@@ -334,7 +361,6 @@ class _Files:
         for fd in self._open.values():
             os.close(fd)
         self._open.clear()
-        self.spool.close()
 
 
 # --------------------------------------------------------------------------- chunks
@@ -447,8 +473,9 @@ def _zip_piece(
 
 
 def _safetensors_piece(
-    files: _Files,
-    fi: int,
+    fd: int,
+    path: str,
+    fsize: int,
     base: int,
     fqn: str,
     meta: TensorMeta,
@@ -456,12 +483,12 @@ def _safetensors_piece(
     where: str,
     cache: dict[Any, Header],
 ) -> int:
-    """Absolute data offset of ``fqn`` in the safetensors blob at ``base`` (SAFETENSORS serialisation)."""
-    fd, path = files.fd(fi), str(files.paths[fi])
-    h = cache.get((fi, base))
+    """Absolute data offset of ``fqn`` in the safetensors blob at ``base`` of the file open as
+    ``fd`` (``fsize`` bytes; SAFETENSORS serialisation)."""
+    h = cache.get((path, base))
     if h is None:
         n = int.from_bytes(os.pread(fd, 8, base).ljust(8, b"\0"), "little")
-        if not 0 < n <= MAX_HEADER_SIZE or base + 8 + n > files.size(fi):
+        if not 0 < n <= MAX_HEADER_SIZE or base + 8 + n > fsize:
             raise HeaderError(
                 f"{where}: neither a torch.save zip nor a safetensors blob starts here; the file is "
                 "damaged or .metadata belongs to another checkpoint",
@@ -469,7 +496,7 @@ def _safetensors_piece(
                 tensor=fqn,
             )
         h = decode_header(os.pread(fd, n, base + 8), path=where)
-        cache[(fi, base)] = h
+        cache[(path, base)] = h
     e = h.entry(fqn)
     if e.dtype != SAFETENSORS_DTYPES.get(meta.dtype) or _numel(e.shape) != _numel(sizes):
         raise HeaderError(
@@ -479,6 +506,319 @@ def _safetensors_piece(
             tensor=fqn,
         )
     return base + h.data_start + e.start
+
+
+def _pickle(lay: ArchiveLayout, path: str, base: int, where: str) -> StoredTensor:
+    """What the ``data.pkl`` of archives of layout ``lay`` rebuilds (``base``: this archive's offset)."""
+    pkl = lay.checked.get("data.pkl")
+    if pkl is None:
+        raise HeaderError(
+            f"{path} (archive at byte {base}): the torch.save archive has no record "
+            f"{lay.prefix}/data.pkl; the file is damaged or not written by torch.save",
+            path=path,
+        )
+    return load_stored_tensor(pkl, path=where)
+
+
+def _order_strides(size: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """The element strides of a dense layout of ``size`` stored in dim order ``order``."""
+    stride = [0] * len(size)
+    step = 1
+    for d in reversed(order):
+        stride[d] = step
+        step *= size[d]
+    return tuple(stride)
+
+
+def _crc_failed(where: str, path: str, fqn: str) -> SpoolCheckError:
+    return SpoolCheckError(
+        f'{where}: tensor "{fqn}" chunk bytes fail their CRC32 check; the file is damaged',
+        path=path,
+        tensor=fqn,
+    )
+
+
+def _fill_permuted(
+    path: str,
+    offset: int,
+    size: tuple[int, ...],
+    order: tuple[int, ...],
+    isz: int,
+    crc: int | None,
+    fqn: str,
+    where: str,
+    spool: LazySpool,
+    at: int,
+) -> None:
+    """Make a permuted chunk's spooled row-major copy at byte ``at`` of ``spool`` (a
+    :data:`~reshard.io.spool.Fill`), after checking the stored bytes' CRC32."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        now = os.fstat(fd).st_size
+        if now < offset + _numel(size) * isz:  # (a mapped read past the end is SIGBUS)
+            raise SourceChangedError(
+                f"{path}: the source file changed while it was being read (now {now} bytes, too short "
+                f'for tensor "{fqn}"); is another job rewriting it? Convert again once it is finished',
+                path=path,
+                tensor=fqn,
+            )
+        if crc is not None and crc32_range(fd, offset, _numel(size) * isz, where) != crc:
+            raise _crc_failed(where, path, fqn)
+        spool.write_strided(at, fd, offset, size, _order_strides(size, order), isz, _SPOOL_TILE)
+    finally:
+        os.close(fd)
+
+
+def _fill_zstd(
+    path: str,
+    offset: int,
+    length: int,
+    where: str,
+    fqn: str,
+    meta: TensorMeta,
+    sizes: tuple[int, ...],
+    spool: LazySpool,
+    at: int,
+) -> None:
+    """Make the spooled chunk of ``fqn`` (box ``sizes``) at byte ``at`` of ``spool`` (a
+    :data:`~reshard.io.spool.Fill`) from its archive, zstd-compressed at ``[offset, offset +
+    length)`` of ``path``.
+
+    The archive is decompressed as a stream and read record by record (:func:`_stream_zstd`):
+    the chunk's bytes go straight into the region, their CRC32 computed on the way, and the
+    archive is checked as an uncompressed chunk is at open (zip, ``data.pkl``, byte order,
+    record, CRC32). A chunk that is permuted, a SAFETENSORS blob, or an archive not laid out as
+    torch.save writes one (:class:`~reshard.io.zipstream.NotStreamable`: this includes every
+    damaged one but a bad CRC32) is decompressed again, into a temporary file beside the spool,
+    and read from there (:func:`_place`), which gives the errors."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        z, errors = _zstd_reader(io.BufferedReader(_Range(fd, offset, length)), where)
+        try:
+            with z:
+                _stream_zstd(z, spool, at, where, path, fqn, meta, sizes)
+            return
+        except NotStreamable:
+            pass
+        except ReshardError:  # (a HeaderError is a ValueError, which zstandard raises too)
+            raise
+        except errors as e:
+            raise _zstd_damaged(where, path, fqn, e) from None
+        z, errors = _zstd_reader(io.BufferedReader(_Range(fd, offset, length)), where)
+        tmp = spool.scratch_file()
+        try:
+            try:
+                with z:
+                    n = _write_all(spool, z, tmp)
+            except ReshardError:
+                raise
+            except errors as e:
+                raise _zstd_damaged(where, path, fqn, e) from None
+            _place(spool, at, tmp, n, where, path, fqn, meta, sizes)
+        finally:
+            os.close(tmp)
+    finally:
+        os.close(fd)
+
+
+def _zstd_damaged(where: str, path: str, fqn: str, e: Exception) -> HeaderError:
+    return HeaderError(f'{where}: tensor "{fqn}": zstd stream is damaged ({e})', path=path, tensor=fqn)
+
+
+#: Records of a chunk archive kept in memory as it streams (their size is refused over
+#: :data:`~reshard.io.zipstream.MAX_HELD`); any other record but the chunk's is read another way.
+_HELD_RECORDS = (
+    "data.pkl",
+    "byteorder",
+    "version",
+    ".format_version",
+    ".storage_alignment",
+    ".data/serialization_id",
+)
+
+
+def _stream_zstd(
+    z: BinaryIO,
+    spool: LazySpool,
+    at: int,
+    where: str,
+    path: str,
+    fqn: str,
+    meta: TensorMeta,
+    sizes: tuple[int, ...],
+) -> None:
+    """Fill the region at ``at`` from the decompressed archive ``z`` read as a stream: the small
+    records kept (:data:`_HELD_RECORDS`), the data record ``data.pkl`` names written straight into
+    the region (pwrite) with its CRC32 computed; then the archive is checked from the bytes kept as
+    a stored one is (:func:`~reshard.io.torchzip.read_torch_zip`, :func:`_zip_piece`), the record
+    being the one the central directory names, and its CRC32 the one it records.
+
+    Raises:
+        NotStreamable: the chunk is permuted, not a zip, or the archive is not as torch.save writes
+            one, or fails a check (read it another way: that gives the error).
+        SpoolCheckError: the chunk's record fails its CRC32.
+        HeaderError: a small record is over :data:`~reshard.io.zipstream.MAX_HELD` bytes.
+    """
+    inner = f"{where}, decompressed"
+    isz = DTYPE_SIZES[SAFETENSORS_DTYPES[meta.dtype]]
+    nbytes = _numel(sizes) * isz
+    zs = ZipStream(z, inner)
+    st: StoredTensor | None = None
+    data: tuple[str, int, int, int] | None = None  # (name, offset, size, crc32) of the record streamed
+    want = ""
+    first = 0
+    sfd = spool.open()
+
+    def out(view: memoryview, pos: int) -> None:  # record bytes [pos, pos + len): the chunk's part
+        lo, hi = max(pos, first), min(pos + len(view), first + nbytes)
+        if lo < hi:
+            _pwrite_all(spool, sfd, view[lo - pos : hi - pos], at + lo - first)
+
+    while (rec := zs.next()) is not None:
+        if st is not None and rec.name == want and data is None:
+            crc = zs.stream(rec, st.storage_nbytes, out)
+            data = (rec.name, rec.offset, st.storage_nbytes, crc)
+            continue
+        prefix, _, sfx = rec.name.partition("/")
+        if sfx not in _HELD_RECORDS:
+            raise NotStreamable(f"record {rec.name} comes before data.pkl names it")
+        try:
+            got = zs.small(rec)
+        except HeaderError as e:
+            raise HeaderError(f'{e.message} (a chunk of tensor "{fqn}")', path=path, tensor=fqn) from None
+        if sfx == "data.pkl" and st is None:
+            try:
+                st = load_stored_tensor(got, path=where)
+            except ReshardError as e:
+                raise NotStreamable(str(e)) from None
+            order = _storage_order(st.size, st.stride)
+            moving = [d for d in order or () if st.size[d] != 1]
+            first = st.storage_offset * isz
+            if (
+                st.dtype != meta.dtype
+                or _numel(st.size) * isz != nbytes
+                or (nbytes and (order is None or moving != sorted(moving)))
+                or first + nbytes > st.storage_nbytes
+            ):
+                raise NotStreamable("the chunk is not the row-major box .metadata gives")
+            want = f"{prefix}/data/{st.key}"
+    if data is None:
+        raise NotStreamable(f"no record {want or 'data.pkl'}")
+    try:
+        tz = read_torch_zip(zs.held, inner, 0, zs.pos)
+        checked = {sfx: read_record(zs.held, tz, r) for sfx in CHECKED_RECORDS if (r := tz.get(sfx))}
+        lay, _ = layout_of(tz, checked)
+        s = _zip_piece(lay, _pickle(lay, inner, 0, where), 0, fqn, meta, sizes, where, path)
+    except (ReshardError, NotHeld) as e:
+        raise NotStreamable(str(e)) from None
+    name, start, size, crc = data
+    zr = tz.records.get(name)
+    if (
+        zr is None
+        or load_stored_tensor(checked["data.pkl"], path=where) != st
+        or zr.offset != start
+        or zr.size != size
+        or s.start != start + first
+        or s.order is not None
+    ):
+        raise NotStreamable("the central directory names other bytes than the stream gave")
+    if crc != zr.crc32:
+        raise _crc_failed(where, path, fqn)
+
+
+def _pwrite_all(spool: LazySpool, fd: int, view: memoryview, at: int) -> None:
+    """Write ``view`` at byte ``at`` of the spool (open as ``fd``).
+
+    Raises:
+        WriteError: no room under ``$TMPDIR``.
+    """
+    while view:  # a short write (a file system filling up) writes the rest next
+        try:
+            k = os.pwrite(fd, view, at)
+        except OSError as e:
+            raise spool.full(e) from None
+        at += k
+        view = view[k:]
+
+
+def _write_all(spool: LazySpool, src: BinaryIO, fd: int) -> int:
+    """Write what ``src`` reads to the start of file ``fd``; the bytes written.
+
+    Raises:
+        WriteError: no room under ``$TMPDIR`` (named as the spool's).
+    """
+    pos = 0
+    while block := src.read(1 << 20):
+        view = memoryview(block)
+        while view:  # a short write (a file system filling up) writes the rest next
+            try:
+                k = os.pwrite(fd, view, pos)
+            except OSError as e:
+                raise spool.full(e) from None
+            pos += k
+            view = view[k:]
+    return pos
+
+
+def _place(
+    spool: LazySpool,
+    at: int,
+    tmp: int,
+    n: int,
+    where: str,
+    path: str,
+    fqn: str,
+    meta: TensorMeta,
+    sizes: tuple[int, ...],
+) -> None:
+    """Copy the chunk of a decompressed archive (``n`` bytes of file ``tmp``) to byte ``at`` of
+    the spool, row-major, checking it as :func:`_zip_piece` checks a stored one and its CRC32."""
+    import zlib
+
+    inner = f"{where}, decompressed"
+    try:
+        ar = ArchiveReader(tmp, inner, n)
+        try:
+            got = ar.read(0, n)
+        finally:
+            ar.close()
+        isz = DTYPE_SIZES[SAFETENSORS_DTYPES[meta.dtype]]
+        nbytes = _numel(sizes) * isz
+        crc = None
+        if got is None:  # a safetensors blob
+            start = _safetensors_piece(tmp, inner, n, 0, fqn, meta, sizes, where, {})
+        else:
+            lay, crcs = got
+            s = _zip_piece(lay, _pickle(lay, inner, 0, where), 0, fqn, meta, sizes, where, path)
+            crc = None if s.slot is None else int.from_bytes(crcs[s.slot], "little")
+            start = s.start
+            if s.order is not None:
+                if crc is not None and crc32_range(tmp, start, nbytes, inner) != crc:
+                    raise _crc_failed(where, path, fqn)
+                spool.write_strided(at, tmp, start, s.size, _order_strides(s.size, s.order), isz, _SPOOL_TILE)
+                return
+    except HeaderError as e:
+        if isinstance(e, SpoolCheckError) or e.tensor is not None:
+            raise
+        raise HeaderError(f'{e.message} (a chunk of tensor "{fqn}")', path=path, tensor=fqn) from None
+    got_crc = 0
+    pos = 0
+    sfd = spool.open()
+    while pos < nbytes:  # (os.copy_file_range has no CRC32 on the way)
+        block = os.pread(tmp, min(1 << 20, nbytes - pos), start + pos)
+        if not block:
+            raise HeaderError(f'{inner}: tensor "{fqn}": the chunk ends early', path=path, tensor=fqn)
+        got_crc = zlib.crc32(block, got_crc)
+        view = memoryview(block)
+        while view:
+            try:
+                k = os.pwrite(sfd, view, at + pos)
+            except OSError as e:
+                raise spool.full(e) from None
+            pos += k
+            view = view[k:]
+    if crc is not None and got_crc != crc:
+        raise _crc_failed(where, path, fqn)
 
 
 def _read_metadata(mpath: Path) -> DcpMetadata:
@@ -921,49 +1261,24 @@ class _Reader:
                     path=where,
                     tensor=fqn,
                 )
-            fi, base, length = self.files.decompress(fi, base, length, where)
-            ar = ArchiveReader(self.files.fd(fi), str(self.files.paths[fi]), self.files.size(fi))
-            try:
-                got = ar.read(base, length)
-            finally:
-                ar.close()
-            if got is not None:
-                lay, crcs = got
-                s = _zip_piece(
-                    lay, self._pickle(lay, fi, base, where), base, fqn, m, chunk.sizes, where, where
-                )
-                if s.order is not None:
-                    return self._permuted(fqn, fi, base, length, s, crcs, chunk)
-                crc = None if s.slot is None else int.from_bytes(crcs[s.slot], "little")
-                return (fi, chunk, base + s.start, crc)
-        start = _safetensors_piece(self.files, fi, base, fqn, m, chunk.sizes, where, self.blobs)
+            sp, start = self.files.decompress(fi, base, length, where, fqn, m, chunk.sizes)
+            return (sp, chunk, start, None)
+        files = self.files
+        start = _safetensors_piece(
+            files.fd(fi), str(files.paths[fi]), files.size(fi), base, fqn, m, chunk.sizes, where, self.blobs
+        )
         return (fi, chunk, start, None)
-
-    def _pickle(self, lay: ArchiveLayout, fi: int, base: int, where: str) -> StoredTensor:
-        pkl = lay.checked.get("data.pkl")
-        if pkl is None:
-            path = str(self.files.paths[fi])
-            raise HeaderError(
-                f"{path} (archive at byte {base}): the torch.save archive has no record "
-                f"{lay.prefix}/data.pkl; the file is damaged or not written by torch.save",
-                path=path,
-            )
-        return load_stored_tensor(pkl, path=where)
 
     def _permuted(
         self, fqn: str, fi: int, base: int, length: int, s: _Stored, crcs: tuple[bytes, ...], chunk: _Chunk
     ) -> tuple[int, _Chunk, int, int | None]:
-        """Spool a row-major copy of a permuted chunk, checking the stored bytes' CRC32 on the way."""
+        """Reserve a row-major copy of a permuted chunk in the spool (made when first read, after
+        checking the stored bytes' CRC32)."""
         assert s.order is not None
-        start = base + s.start
-        nbytes = _numel(s.size) * s.itemsize
         where = self._where(fi, base, length)
         want = None if s.slot is None else int.from_bytes(crcs[s.slot], "little")
-        if want is not None and crc32_range(self.files.fd(fi), start, nbytes, where) != want:
-            msg = f'{where}: tensor "{fqn}" chunk bytes fail their CRC32 check; the file is damaged'
-            self.warnings.append(CheckpointWarning(msg, True, str(self.files.paths[fi]), fqn))
-        sp, sstart = self.files.permute(fi, start, s.size, s.order, s.itemsize)
-        return (sp, chunk, sstart, None)
+        sp, start = self.files.permute(fi, base + s.start, s.size, s.order, s.itemsize, want, fqn, where)
+        return (sp, chunk, start, None)
 
     def _merge_meta(self, md: DcpMetadata, mpath: Path) -> None:
         for fqn, m in md.entries.items():

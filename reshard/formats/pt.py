@@ -34,10 +34,12 @@ the zip's stored ``data/N`` records and are read in place by offset.
 - **Views are read as torch holds them**: a tensor saved as a view of a bigger storage
   (``x.t()``, ``x.permute(...)``, ``big[::3]``, ``big[4:7]``, an ``expand``) is what
   ``torch.load`` gives back, ``.contiguous()``. A row-major one is read in place; any other
-  is copied once at open time, tile by tile in bounded memory, into its row-major layout in
-  a spool file under ``$TMPDIR`` (:mod:`reshard.io.spool`, removed at exit; the record's
-  CRC32 checked on the way). Reports name the ``.pt`` file, never the spool
-  (:attr:`~reshard.checkpoint.Checkpoint.spooled`).
+  gets a region of a spool file under ``$TMPDIR`` when the file is opened (:mod:`reshard.io.spool`,
+  removed at exit; nothing is written then), filled with its row-major copy, tile by tile in
+  bounded memory, when a command first reads it (the record's CRC32 checked on the way: a
+  mismatch is an error naming the file and tensor, a ``crc32`` problem for ``inspect --check``).
+  So ``inspect`` and ``plan`` copy nothing, and ``convert --exclude`` of a view never copies it.
+  Reports name the ``.pt`` file, never the spool (:attr:`~reshard.checkpoint.Checkpoint.spooled`).
 - Legacy (pre-zip, ``_use_new_zipfile_serialization=False``) files are refused.
 """
 
@@ -47,14 +49,15 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, Spooled
 from ..dtypes import DTYPE_SIZES
-from ..errors import HeaderError, LayoutError, TensorNotFoundError, UsageError
+from ..errors import HeaderError, LayoutError, SourceChangedError, TensorNotFoundError, UsageError
 from ..io.header import Header, TensorEntry
-from ..io.spool import Spool, strided_span
+from ..io.spool import LazySpool, SpoolCheckError, strided_span
 from ..io.torchsave import geometry_of, leaves, locate, stored_record
 from ..io.torchzip import TorchZip, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, load_torch_save
@@ -181,8 +184,8 @@ class DTensorSpec:
 class PtFile:
     """One rank file: its local tensors as header entries (absolute offsets), DTensors, other leaves,
     and the zip's CRC32 of each tensor whose record holds exactly its bytes; ``spooled``: the
-    tensors copied row-major into the spool (their entries' offsets are the spool's), and what
-    was noticed on the way (a record failing its CRC32)."""
+    tensors whose row-major copies are in the spool (their entries' offsets are the spool's), and
+    what was noticed on the way."""
 
     header: Header
     dtensors: dict[str, DTensorSpec]
@@ -219,13 +222,14 @@ def _entry(
     tz: TorchZip,
     path: Path,
     fd: int,
-    spool: Spool,
+    spool: LazySpool,
     index: int,
     geometries: dict[Any, Any],
 ) -> tuple[TensorEntry, int | None, list[CheckpointWarning] | None]:
     """Where the local tensor's row-major bytes are, after checking its record: in place when it
-    is row-major, else in ``spool`` (a row-major copy; ``index``: the file's number, for its
-    origin), with the record's CRC32 check (a list, empty when it matched) instead of a CRC32."""
+    is row-major, else in a region reserved in ``spool`` (its row-major copy, made when first
+    read, the record's CRC32 checked then; ``index``: the file's number, for its origin), with
+    an empty list of problems instead of a CRC32."""
     g = geometry_of(st, geometries)
     if isinstance(g, str) or g[2]:  # row-major (or a dtype safetensors has no name for): in place
         entry, crc = locate(name, st, tz, path, geometries)
@@ -242,20 +246,54 @@ def _entry(
     isz = DTYPE_SIZES[dtype]
     nbytes = strided_span(st.size, st.stride) * isz  # the stored bytes it spans
     rec, first = stored_record(name, st, tz, path, isz, nbytes)
-    problems = []
-    if rec.crc32 is not None and crc32_range(fd, rec.offset, rec.size, str(path)) != rec.crc32:
-        msg = f"{q}: data record {rec.name} fails its CRC32 check; the file is damaged"
-        problems.append(CheckpointWarning(msg, True, str(path), name))
     at = rec.offset + first
-    start = spool.strided(fd, at, st.size, st.stride, isz, (index, at, at + nbytes))
-    return TensorEntry(name, dtype, st.size, start, start + numel * isz), None, problems
+    fill = partial(_fill_view, str(path), name, rec.name, rec.offset, rec.size, rec.crc32, at, st, isz)
+    start = spool.reserve(numel * isz, (index, at, at + nbytes), fill)
+    return TensorEntry(name, dtype, st.size, start, start + numel * isz), None, []
+
+
+def _fill_view(
+    path: str,
+    name: str,
+    record: str,
+    rec_offset: int,
+    rec_size: int,
+    crc: int | None,
+    at: int,
+    st: StoredTensor,
+    isz: int,
+    spool: LazySpool,
+    start: int,
+) -> None:
+    """Make the spooled row-major copy of a view (a :data:`~reshard.io.spool.Fill`): the record's
+    CRC32 checked, then the copy tile by tile."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        now = os.fstat(fd).st_size
+        if now < rec_offset + rec_size:  # (a mapped read past the end is SIGBUS)
+            raise SourceChangedError(
+                f"{path}: the source file changed while it was being read (now {now} bytes, too short "
+                f'for tensor "{name}"); is another job rewriting it? Convert again once it is finished',
+                path=path,
+                tensor=name,
+            )
+        if crc is not None and crc32_range(fd, rec_offset, rec_size, path) != crc:
+            raise SpoolCheckError(
+                f'{path}: tensor "{name}": data record {record} fails its CRC32 check; the file is damaged',
+                path=path,
+                tensor=name,
+            )
+        spool.write_strided(start, fd, at, st.size, st.stride, isz)
+    finally:
+        os.close(fd)
 
 
 def read_pt(
-    path: Path, spool: Spool | None = None, index: int = 0, shared: dict[Any, Any] | None = None
+    path: Path, spool: LazySpool | None = None, index: int = 0, shared: dict[Any, Any] | None = None
 ) -> PtFile:
-    """Read one rank file's pickle (restricted; nothing runs) and locate its tensors; copy those
-    that are not row-major into ``spool`` (one made here when None), as file number ``index``.
+    """Read one rank file's pickle (restricted; nothing runs) and locate its tensors; reserve the
+    row-major copies of those that are not in ``spool`` (one made here when None; made when first
+    read), as file number ``index``.
     ``shared`` interns names and DTensor specs across the files of one checkpoint (each file
     names the same 100k tensors: one string each, not one per file).
 
@@ -263,9 +301,8 @@ def read_pt(
         UnsafePickleError: a global outside the allow-list (names the file and the global).
         HeaderError: a legacy or damaged file, big-endian data, a tensor record that does not fit.
         LayoutError: negative strides.
-        WriteError: no room under ``$TMPDIR`` for the spool.
     """
-    spool = spool if spool is not None else Spool("reshard-pt-")
+    spool = spool if spool is not None else LazySpool("reshard-pt-")
     fd = os.open(path, os.O_RDONLY)
     try:
         tz = _open_zip(fd, path)
@@ -412,12 +449,8 @@ def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None 
     """Open a directory of per-rank ``torch.save`` files, or the given ones (see the module docstring)."""
     paths = pt_files(directory) if paths is None else paths
     shared: dict[Any, Any] = {}  # names and DTensor specs, one object each for all files
-    spool = Spool("reshard-pt-")  # row-major copies of the files' other views (made on first use)
-    try:
-        files = [read_pt(p, spool, i, shared) for i, p in enumerate(paths)]
-        spool_size = spool.size
-    finally:
-        spool.close()
+    spool = LazySpool("reshard-pt-")  # row-major copies of the files' other views (made when read)
+    files = [read_pt(p, spool, i, shared) for i, p in enumerate(paths)]
     del shared
     cfg = source_layout(options)
     described = _described(paths, files)
@@ -456,15 +489,15 @@ def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None 
         n: replace(t, piece_crc32=tuple(files[f].crc32s.get(n) for f in t.piece_files))
         for n, t in ckpt.tensors.items()
     }
-    if spool.path is not None:  # the spooled pieces are in the spool, at their entries' offsets
+    if len(spool):  # the spooled pieces are in the spool, at their entries' offsets
         sp = len(ckpt.files)
         for n, t in ckpt.tensors.items():
             if any(n in files[f].spooled for f in t.piece_files):
                 pfs = tuple(sp if n in files[f].spooled else f for f in t.piece_files)
                 ckpt.tensors[n] = replace(t, piece_files=pfs)
         ckpt.files += (str(spool.path),)
-        ckpt.file_sizes += (spool_size,)
-        ckpt.spooled = {sp: Spooled.of(spool.origins)}
+        ckpt.file_sizes += (spool.size,)
+        ckpt.spooled = {sp: Spooled.of(spool.origins, spool)}
     ckpt.warnings += [w for f in files for w in f.warnings]
     ckpt.non_tensors = tuple(
         NonTensor(n, len(v) if isinstance(v, (str, bytes)) else 0, 0, type(v).__name__)

@@ -15,6 +15,11 @@ header was read at); :meth:`SourceFiles.check` compares it with ``fstat`` (the
 mapped readers of ``verify`` and ``inspect --check`` call it before each read).
 Every byte :meth:`SourceFiles.pread` reads is shown to the ``seen`` hook, if
 set: source verification hashes the bytes as the copy reads them.
+
+A reader's lazy spool (:class:`~reshard.io.spool.LazySpool`, registered by its path with
+:func:`register_lazy`) is a file whose regions are made when first read: before every
+``pread`` of it, and before a mapped read (:meth:`SourceFiles.ready`), its regions under the
+bytes read are filled.
 """
 
 from __future__ import annotations
@@ -22,18 +27,54 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import HeaderError, SourceChangedError
 from ..intervals import box_span
 from .safe import open_regular
 
-__all__ = ["SourceFiles", "PageWindow", "Seen", "scratch_dir", "is_scratch", "remove_scratch"]
+__all__ = [
+    "SourceFiles",
+    "PageWindow",
+    "Seen",
+    "Lazy",
+    "scratch_dir",
+    "reserve_scratch",
+    "make_scratch",
+    "is_scratch",
+    "remove_scratch",
+    "register_lazy",
+    "lazy_file",
+]
 
 
 Seen = Callable[[int, int, memoryview], None]
 """A hook shown every span :meth:`SourceFiles.pread` reads: (file, offset, bytes)."""
+
+
+class Lazy(Protocol):
+    """A file made as it is read (:class:`~reshard.io.spool.LazySpool`)."""
+
+    def open(self) -> int: ...  # makes the file, at its full size
+
+    def ensure(self, lo: int, hi: int) -> None: ...  # makes bytes [lo, hi)
+
+
+_LAZY: weakref.WeakValueDictionary[str, Lazy] = weakref.WeakValueDictionary()
+
+
+def register_lazy(path: str, lazy: Lazy) -> None:
+    """Make readers of ``path`` (a reader's spool) ask ``lazy`` for its bytes before reading them,
+    for as long as ``lazy`` lives (its checkpoint holds it)."""
+    _LAZY[path] = lazy
+
+
+def lazy_file(path: str | os.PathLike[str]) -> Lazy | None:
+    """The :class:`Lazy` registered for ``path``, or None for a plain file."""
+    return _LAZY.get(os.fspath(path)) if _LAZY else None
 
 
 class SourceFiles:
@@ -54,6 +95,7 @@ class SourceFiles:
         self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
         self.seen = seen
+        self._lazy = {i: z for i, p in enumerate(self._paths) if (z := lazy_file(p)) is not None}
 
     def fd(self, i: int) -> int:
         fd = self._fds.get(i)
@@ -61,6 +103,9 @@ class SourceFiles:
             with self._lock:
                 fd = self._fds.get(i)
                 if fd is None:
+                    lazy = self._lazy.get(i)
+                    if lazy is not None:
+                        lazy.open()  # a spool: made (sparse, at its full size) on first use
                     fd, st = open_regular(self._paths[i], what="source file", error=HeaderError)
                     self._sizes.setdefault(i, st.st_size)
                     self._fds[i] = fd
@@ -96,6 +141,8 @@ class SourceFiles:
         """
         fd = self.fd(i)
         want = len(buf)
+        if self._lazy:
+            self.ready(i, offset, offset + want)
         got = os.preadv(fd, [buf], offset)
         while 0 < got < want:  # a short read that is not the end of the file
             n = os.preadv(fd, [buf[got:]], offset + got)
@@ -112,6 +159,17 @@ class SourceFiles:
             )
         if self.seen is not None:
             self.seen(i, offset, buf)
+
+    def ready(self, i: int, lo: int, hi: int) -> None:
+        """Make sure bytes ``[lo, hi)`` of file ``i`` are there: a lazy spool's regions under them
+        are filled (call it before reading them through the map).
+
+        Raises:
+            ReshardError: a region could not be made (naming the checkpoint's file and tensor).
+        """
+        lazy = self._lazy.get(i)
+        if lazy is not None:
+            lazy.ensure(lo, hi)
 
     def map(self, i: int) -> mmap.mmap:
         mm = self._maps.get(i)
@@ -175,6 +233,7 @@ class PageWindow:
         more than they read (measured: 100 MiB of a file in RSS for a 16 MiB window).
         """
         self.sources.check(fi)
+        self.sources.ready(fi, lo, hi)
         self._touched.add(fi)
         self._touched_bytes += max(hi - lo, FAULT_AROUND)
         if self._touched_bytes >= self.every:
@@ -216,6 +275,26 @@ def scratch_dir(prefix: str) -> Path:
     d = tempfile.mkdtemp(prefix=prefix)
     _SCRATCH.append(d)
     return Path(d)
+
+
+def reserve_scratch(prefix: str) -> Path:
+    """A name for a private directory under ``$TMPDIR`` that :func:`make_scratch` makes when it is
+    first needed (nothing is made now), removed when the process ends as :func:`scratch_dir`'s."""
+    import atexit
+    import secrets
+    import tempfile
+
+    if not _SCRATCH:
+        atexit.register(remove_scratch)
+    d = os.path.join(tempfile.gettempdir(), prefix + secrets.token_hex(8))
+    _SCRATCH.append(d)
+    return Path(d)
+
+
+def make_scratch(path: Path) -> None:
+    """Make the directory :func:`reserve_scratch` named (private: mode 0700; an existing one, made
+    by someone else, is refused: ``FileExistsError``)."""
+    os.mkdir(path, 0o700)
 
 
 def is_scratch(path: str | os.PathLike[str]) -> bool:

@@ -148,6 +148,7 @@ class Piece:
             import numpy as np
 
             sources.check(fi)
+            sources.ready(fi, base, base + count * isz)  # (a lazy spool's region: made now)
             arr = np.frombuffer(sources.map(fi), dtype=uint_dtype(isz), count=count, offset=base)
             arr = arr.reshape(shape)
         return cls(fi, base, shape, row_major_strides(shape), isz, count, arr)

@@ -37,6 +37,7 @@ import os
 import re
 import struct
 import zlib
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -55,6 +56,9 @@ __all__ = [
     "CHECKED_RECORDS",
     "ArchiveLayout",
     "ArchiveReader",
+    "HeldBytes",
+    "NotHeld",
+    "layout_of",
 ]
 
 #: Zip compression method "stored" (torch writes only this).
@@ -144,8 +148,38 @@ class TorchZip:
         return f"{self.path} (archive at byte {self.base})" if self.base else self.path
 
 
-def _pread(fd: int, n: int, off: int, path: str) -> bytes:
-    data = os.pread(fd, n, off)
+class NotHeld(Exception):
+    """A read of :class:`HeldBytes` asked for bytes not held."""
+
+
+class HeldBytes:
+    """The parts of an archive kept in memory, read by :func:`read_torch_zip` and
+    :func:`read_record` as a file is (a streamed archive: its local headers, small records and
+    central directory; its large record went elsewhere). Parts are added in increasing offset
+    order; a read of bytes not held raises :class:`NotHeld`.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._parts: list[bytes] = []
+
+    def add(self, at: int, data: bytes) -> None:
+        if data:
+            self._starts.append(at)
+            self._parts.append(data)
+
+    def pread(self, n: int, off: int) -> bytes:
+        k = bisect_right(self._starts, off) - 1
+        if k >= 0:
+            rel = off - self._starts[k]
+            part = self._parts[k]
+            if rel + n <= len(part):
+                return part[rel : rel + n]
+        raise NotHeld(off, n)
+
+
+def _pread(fd: int | HeldBytes, n: int, off: int, path: str) -> bytes:
+    data = fd.pread(n, off) if isinstance(fd, HeldBytes) else os.pread(fd, n, off)
     if len(data) != n:
         raise HeaderError(
             f"{path}: file ends at byte {off + len(data)}, expected {n} bytes at {off}; "
@@ -159,7 +193,7 @@ def _bad(where: str, path: str, what: str) -> HeaderError:
     return HeaderError(f"{where}: {what}; the file is damaged or not a torch.save archive", path=path)
 
 
-def _find_eocd(fd: int, path: str, where: str, base: int, length: int) -> tuple[int, bytes]:
+def _find_eocd(fd: int | HeldBytes, path: str, where: str, base: int, length: int) -> tuple[int, bytes]:
     """Archive-relative position and bytes of the end-of-central-directory record."""
     last = _pread(fd, _EOCD.size, base + length - _EOCD.size, path)
     if last[:4] == _EOCD_SIG and _EOCD.unpack(last)[7] == 0:  # torch writes no comment: one small read
@@ -175,7 +209,9 @@ def _find_eocd(fd: int, path: str, where: str, base: int, length: int) -> tuple[
     raise _bad(where, path, "no zip end-of-central-directory record")
 
 
-def _central_directory(fd: int, path: str, where: str, base: int, length: int) -> tuple[int, int, int]:
+def _central_directory(
+    fd: int | HeldBytes, path: str, where: str, base: int, length: int
+) -> tuple[int, int, int]:
     """``(entries, cd_offset, cd_size)``, from the zip64 record when the classic one overflows."""
     pos, rec = _find_eocd(fd, path, where, base, length)
     _, disk, cd_disk, _, entries, cd_size, cd_off, _ = _EOCD.unpack(rec)
@@ -220,7 +256,7 @@ def _zip64_extra(extra: bytes, sizes: list[int], where: str, path: str) -> None:
 
 
 def _entry(
-    cd: bytes, i: int, fd: int, path: str, where: str, base: int, length: int, cd_off: int
+    cd: bytes, i: int, fd: int | HeldBytes, path: str, where: str, base: int, length: int, cd_off: int
 ) -> tuple[ZipRecord, int]:
     """The central directory entry at ``cd[i:]``, located through its local header; and the next ``i``."""
     if i + _CDIR.size > len(cd):
@@ -257,11 +293,12 @@ def _entry(
     return ZipRecord(name, base + start, usize, csize, method, crc, hoff, cd_off + i, flags), nxt
 
 
-def read_torch_zip(fd: int, path: str, base: int = 0, length: int | None = None) -> TorchZip:
+def read_torch_zip(fd: int | HeldBytes, path: str, base: int = 0, length: int | None = None) -> TorchZip:
     """Parse the ``torch.save`` archive occupying ``[base, base + length)`` of an open file.
 
     Args:
-        fd: an open file descriptor (read with ``os.pread``; its position is not used).
+        fd: an open file descriptor (read with ``os.pread``; its position is not used), or the
+            :class:`HeldBytes` of a streamed archive (then ``length`` is given).
         path: the file's name, for messages.
         base: absolute offset of the archive's first byte.
         length: archive size in bytes; default: to the end of the file.
@@ -276,6 +313,7 @@ def read_torch_zip(fd: int, path: str, base: int = 0, length: int | None = None)
             its records do not share one top-level folder.
     """
     if length is None:
+        assert isinstance(fd, int), "a HeldBytes archive's length is given"
         length = os.fstat(fd).st_size - base
     where = f"{path} (archive at byte {base})" if base else path
     if length < _EOCD.size:
@@ -294,7 +332,7 @@ def read_torch_zip(fd: int, path: str, base: int = 0, length: int | None = None)
     return TorchZip(path, base, length, prefixes.pop(), records)
 
 
-def read_record(fd: int, tz: TorchZip, rec: ZipRecord, *, limit: int = MAX_SMALL_RECORD) -> bytes:
+def read_record(fd: int | HeldBytes, tz: TorchZip, rec: ZipRecord, *, limit: int = MAX_SMALL_RECORD) -> bytes:
     """The bytes of a small stored record, CRC-checked.
 
     Raises:
@@ -506,10 +544,7 @@ class ArchiveReader:
         self, tz: TorchZip, records: dict[str, ZipRecord], checked: dict[str, bytes]
     ) -> tuple[ArchiveLayout, tuple[bytes, ...]]:
         """A layout for this archive alone (records the expressions cannot describe)."""
-        varying = tuple(n for n in records if n.startswith(f"{tz.prefix}/data/"))
-        never = re.compile(rb"(?!)")
-        lay = ArchiveLayout(tz.length, tz.prefix, records, checked, varying, (0, 0), never, None, never)
-        return lay, tuple(tz.records[n].crc32.to_bytes(4, "little") for n in varying)
+        return _alone(tz, records, checked)
 
     def _release(self, upto: int) -> None:
         if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
@@ -525,6 +560,22 @@ class ArchiveReader:
             self._map = None
         self._released = 0
         self.fd = -1
+
+
+def layout_of(tz: TorchZip, checked: dict[str, bytes]) -> tuple[ArchiveLayout, tuple[bytes, ...]]:
+    """The layout of one parsed archive alone (matching no other) and its ``varying`` CRC32s, as
+    :meth:`ArchiveReader.read` gives them; ``checked``: its :data:`CHECKED_RECORDS`' bytes, read
+    with :func:`read_record`."""
+    return _alone(tz, {n: _relative(r, tz.base) for n, r in tz.records.items()}, checked)
+
+
+def _alone(
+    tz: TorchZip, records: dict[str, ZipRecord], checked: dict[str, bytes]
+) -> tuple[ArchiveLayout, tuple[bytes, ...]]:
+    varying = tuple(n for n in records if n.startswith(f"{tz.prefix}/data/"))
+    never = re.compile(rb"(?!)")
+    lay = ArchiveLayout(tz.length, tz.prefix, records, checked, varying, (0, 0), never, None, never)
+    return lay, tuple(tz.records[n].crc32.to_bytes(4, "little") for n in varying)
 
 
 def _relative(r: ZipRecord, base: int) -> ZipRecord:

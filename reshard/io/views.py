@@ -42,6 +42,7 @@ def open_piece(sources: SourceFiles, src: TensorSource, k: int, *, mapped: bool 
     if not mapped and all(a >= b for a, b in zip(walked, walked[1:])):
         return Piece(fi, base, shape, strides, isz, count, None)
     sources.check(fi)
+    sources.ready(fi, base, base + count * isz)  # (a lazy spool's region: made now)
     import numpy as np
 
     flat = np.frombuffer(sources.map(fi), dtype=uint_dtype(isz), count=count, offset=base)

@@ -232,8 +232,8 @@ def test_dcp_plan_reads_the_distcp_files(dcp_views: Path, target: list[str], tmp
     ],
 )
 def test_spool_copies_strided_tensors_tile_by_tile(tmp_path: Path, make: Any) -> None:
-    """``Spool.strided`` with tiles of 64 bytes gives ``.contiguous()``'s bytes."""
-    from reshard.io.spool import Spool, strided_span
+    """``LazySpool.write_strided`` with tiles of 64 bytes gives ``.contiguous()``'s bytes."""
+    from reshard.io.spool import LazySpool, strided_span
 
     x = make(torch.Generator().manual_seed(1))
     storage = x.untyped_storage()
@@ -242,12 +242,20 @@ def test_spool_copies_strided_tensors_tile_by_tile(tmp_path: Path, make: Any) ->
     src.write_bytes(b"\xee" * 13 + raw)
     isz = x.element_size()
     assert x.storage_offset() * isz + strided_span(x.shape, x.stride()) * isz <= len(raw)
-    sp = Spool("reshard-test-")
+    sp = LazySpool("reshard-test-")
     fd = os.open(src, os.O_RDONLY)
     try:
         first = 13 + x.storage_offset() * isz
-        at = sp.strided(fd, first, tuple(x.shape), tuple(x.stride()), isz, (0, first, 0), tile_bytes=64)
-        assert sp.path is not None
+        shape, stride = tuple(x.shape), tuple(x.stride())
+        sp.reserve(5, (0, 0, 5), lambda s, at: os.pwrite(s.open(), b"12345", at))  # a region before it
+
+        def fill(s: LazySpool, at: int) -> None:
+            s.write_strided(at, fd, first, shape, stride, isz, tile_bytes=64)
+
+        at = sp.reserve(x.numel() * isz, (0, first, 0), fill)
+        assert at == 64 and not sp.path.exists()  # reserved: nothing made
+        sp.ensure(at, at + 1)
+        assert sp.filled == 1 and sp.path.stat().st_size == sp.size == at + x.numel() * isz
         got = sp.path.read_bytes()[at : at + x.numel() * isz]
     finally:
         os.close(fd)

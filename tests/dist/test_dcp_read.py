@@ -243,19 +243,26 @@ def _refused(proc: subprocess.CompletedProcess[str], code: int = 2) -> str:
 
 @pytest.mark.dist
 def test_permuted_chunks_tile_by_tile(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Transposed/permuted chunks are rewritten row-major at open, in many small tiles here."""
+    """Transposed/permuted chunks are rewritten row-major when first read (not at open), in many
+    small tiles here."""
     import reshard.formats.dcp as dcp_mod
+    from reshard.io.pages import SourceFiles
 
     monkeypatch.setattr(dcp_mod, "_SPOOL_TILE", 256)
     ck = open_checkpoint(saved / "transposed")
     want = ref(saved, "transposed")
-    for name in ("t", "p"):
-        t = ck.tensors[name]
-        assert t.piece_files == (len(ck.files) - 1,), "a spooled copy"
-        assert t.piece_crc32 == (None,)
-        with open(ck.files[t.piece_files[0]], "rb") as f:
-            f.seek(t.piece_offsets[0])
-            assert f.read(len(raw(want[name]))) == raw(want[name]), name
+    assert not os.path.exists(ck.files[-1]), "the spool is made when first read"
+    sources = SourceFiles(ck.files, ck.file_sizes)
+    try:
+        for name in ("t", "p"):
+            t = ck.tensors[name]
+            assert t.piece_files == (len(ck.files) - 1,), "a spooled copy"
+            assert t.piece_crc32 == (None,)
+            buf = bytearray(len(raw(want[name])))
+            sources.pread(t.piece_files[0], memoryview(buf), t.piece_offsets[0])
+            assert bytes(buf) == raw(want[name]), name
+    finally:
+        sources.close()
     assert ck.tensors["col"].piece_files == (0,), "row-major already: read in place"
     assert not any(w.problem for w in ck.warnings)
 
@@ -412,7 +419,11 @@ def test_damaged_zstd_chunk(saved: Path, tmp_path: Path) -> None:
         b = f.read(4)
         f.seek(info.offset + 30)
         f.write(bytes(x ^ 0xFF for x in b))
+    assert run_cli("inspect", ck).returncode == 0  # reads no chunk: the spool is made when read
     err = _refused(run_cli("convert", ck, tmp_path / "out", "--consolidate"))
+    assert f"{info.relative_path} (bytes {info.offset}.." in err and "zstd stream is damaged" in err
+    assert 'tensor "model.w"' in err and not (tmp_path / "out").exists()  # found at copy time
+    err = _refused(run_cli("inspect", ck, "--check"))
     assert f"{info.relative_path} (bytes {info.offset}.." in err and "zstd stream is damaged" in err
 
 

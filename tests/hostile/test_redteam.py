@@ -270,7 +270,9 @@ def test_a_spool_that_cannot_grow_is_exit_3_not_sigbus(tmp_path: Path, kind: str
     Out of room there (a full tmpfs; here a file-size limit), a transposed chunk's spool,
     grown by ftruncate and filled through a map, was SIGBUS (exit 135, the spool directory
     left behind), a zstd one's short write was taken for the whole block (the chunk then read
-    as "damaged", exit 2). Now exit 3 naming the spool and TMPDIR, and the spool removed."""
+    as "damaged", exit 2). Now exit 3 naming the spool and TMPDIR, and the spool removed.
+    (The spool is made when the copy first reads it: the target is TP-4, files of 60 KB each,
+    so the output fits under the limit and the spool's 240 KB do not.)"""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._extension import ZStandard
@@ -288,8 +290,10 @@ def test_a_spool_that_cannot_grow_is_exit_3_not_sigbus(tmp_path: Path, kind: str
             dcp.save({"t": t}, storage_writer=writer, no_dist=True)
         else:
             dcp.save({"t": t.t()}, checkpoint_id=str(src), no_dist=True)
+    layout = tmp_path / "tp4.yaml"
+    layout.write_text('mesh: {tp: 4}\nplacements:\n  "*": {tp: S(0)}\n')
     r = subprocess.run(
-        [str(RESHARD), "convert", str(src), str(tmp_path / "out"), "--consolidate"],
+        [str(RESHARD), "convert", str(src), str(tmp_path / "out"), "--target-layout", str(layout)],
         capture_output=True,
         text=True,
         timeout=120,

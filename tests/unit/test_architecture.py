@@ -20,6 +20,7 @@ LAYERS = [
         "io",
         "io.header",
         "io.torchzip",
+        "io.zipstream",
         "io.torchsave",
         "io.unpickle",
         "io.pt_pickle",
