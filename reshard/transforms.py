@@ -173,6 +173,19 @@ class _Env:
             "or pass the model's config.json"
         )
 
+    def flag(self, key: str) -> bool:
+        """A yes/no value (``tie_word_embeddings``): the spec's ``config:`` or ``--set`` (an
+        expression, non-zero is yes), else config.json's (true/false, or an integer); a name
+        neither gives is no (transformers' Llama-family default)."""
+        if key in self.own:
+            return self.name(key) != 0
+        v = self.external.get(key)
+        if v is None or isinstance(v, bool):
+            return bool(v)
+        if isinstance(v, int):
+            return v != 0
+        raise ConfigError(f"{key} must be true or false in the model's config, got {v!r}")
+
     def eval(self, expr: Expr) -> int:
         key = (type(expr), expr)
         v = self._values.get(key)
@@ -1050,6 +1063,8 @@ class Tie(_Base):
     target: str
     optional: bool = False
     line: int = field(default=0, compare=False)
+    when: str | None = None
+    """A yes/no config name (``tie_word_embeddings``): the rule applies only when it is yes."""
     OP = "tie"
 
     def __post_init__(self) -> None:
@@ -1065,7 +1080,7 @@ class Tie(_Base):
     def inverse(self) -> Op:
         if not self.source.invertible:
             raise _not_invertible("tie pattern", self.source.text)
-        return Untie(NamePattern(self.target), self.source.text, self.optional, self.line)
+        return Untie(NamePattern(self.target), self.source.text, self.optional, self.line, self.when)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1076,6 +1091,8 @@ class Untie(_Base):
     same_as: str
     optional: bool = False
     line: int = field(default=0, compare=False)
+    when: str | None = None
+    """As :attr:`Tie.when`."""
     OP = "untie"
 
     def __post_init__(self) -> None:
@@ -1101,7 +1118,7 @@ class Untie(_Base):
     def inverse(self) -> Op:
         if not self.tensor.invertible:
             raise _not_invertible("untie pattern", self.tensor.text)
-        return Tie(NamePattern(self.same_as), self.tensor.text, self.optional, self.line)
+        return Tie(NamePattern(self.same_as), self.tensor.text, self.optional, self.line, self.when)
 
 
 Op: TypeAlias = (
@@ -1163,8 +1180,8 @@ _ATTRS: dict[str, tuple[str, ...]] = {  # op: its attributes, in YAML field orde
     "rope_permute": ("tensors", "heads", "to", "dim"),
     "pad": ("tensors", "dim", "multiple", "padded_size", "size"),
     "unpad": ("tensors", "dim", "size", "multiple", "padded_size"),
-    "tie": ("source", "target"),
-    "untie": ("tensor", "same_as"),
+    "tie": ("source", "target", "when"),
+    "untie": ("tensor", "same_as", "when"),
     "transpose": ("tensors", "dims"),
 }
 _YAML_KEY = {"sources": "from", "source": "from", "target": "to", "targets": "to"}
@@ -1321,6 +1338,9 @@ def apply(
     touched: set[str] = set()
     for i, op in enumerate(spec.ops):
         try:
+            when = getattr(op, "when", None)
+            if when is not None and not env.flag(when):
+                continue  # a rule for some models only (tied embeddings), this one not
             step = op.run(state, env)
             if not step.consumed and not step.outputs and not op.optional:
                 raise ConfigError(
@@ -1401,8 +1421,8 @@ _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # op: (required
     "rope_permute": (("tensors", "heads"), ("to", "dim", *_OPTIONAL)),
     "pad": (("tensors",), ("dim", "multiple", "padded_size", "size", *_OPTIONAL)),
     "unpad": (("tensors", "size"), ("dim", "multiple", "padded_size", *_OPTIONAL)),
-    "tie": (("from", "to"), _OPTIONAL),
-    "untie": (("tensor", "same_as"), _OPTIONAL),
+    "tie": (("from", "to"), ("when", *_OPTIONAL)),
+    "untie": (("tensor", "same_as"), ("when", *_OPTIONAL)),
     "transpose": (("tensors",), ("dims", *_OPTIONAL)),
 }
 _TOP = ("name", "description", "config", "transforms", "allow_unused", "mesh", "placements")
@@ -1456,6 +1476,15 @@ def _rename_pairs(f: Mapping[str, object]) -> tuple[tuple[NamePattern, str], ...
     )
 
 
+def _when(f: Mapping[str, Any]) -> str | None:
+    v = f.get("when")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.isidentifier():
+        raise ConfigError(f"when: must be a config name such as tie_word_embeddings, got {v!r}")
+    return v
+
+
 def _build(op: str, f: Mapping[str, Any], line: int) -> Op:
     """One operation from its YAML fields (already checked for unknown and missing keys)."""
     opt, dim = f.get("optional", False), _int(f.get("dim", 0), "dim:")
@@ -1479,9 +1508,10 @@ def _build(op: str, f: Mapping[str, Any], line: int) -> Op:
             src, _str(f["to"], "to:"), _str(f["index"], "index:"), dim, _opt_expr(f, "count"), opt, line
         )
     if op == "tie":
-        return Tie(NamePattern(_str(f["from"], "from:")), _str(f["to"], "to:"), opt, line)
+        return Tie(NamePattern(_str(f["from"], "from:")), _str(f["to"], "to:"), opt, line, _when(f))
     if op == "untie":
-        return Untie(NamePattern(_str(f["tensor"], "tensor:")), _str(f["same_as"], "same_as:"), opt, line)
+        tensor, same_as = NamePattern(_str(f["tensor"], "tensor:")), _str(f["same_as"], "same_as:")
+        return Untie(tensor, same_as, opt, line, _when(f))
     tensors = NamePattern(_str(f["tensors"], "tensors:"))
     if op == "rope_permute":
         return RopePermute(tensors, _expr(f["heads"]), _str(f.get("to", "hf"), "to:"), dim, opt, line)

@@ -100,6 +100,9 @@ def torch_apply(
     state = dict(tensors)
     for op in spec.ops:
         new = dict(state)
+        when = getattr(op, "when", None)  # a tie for tied models only: the config's yes/no
+        if when is not None and not env.flag(when):
+            continue
         if isinstance(op, tr.Rename):
             for name in sorted(state):
                 for pat, tpl in op.pairs:

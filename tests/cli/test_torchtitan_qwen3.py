@@ -20,13 +20,15 @@ from tests.unit.test_transform_profiles import torchtitan_qwen3_adapter
 transformers = pytest.importorskip("transformers", reason="the source is transformers' own save_pretrained")
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_qwen3_to_torchtitan_dcp_equals_torchtitans_from_hf(tmp_path: Path, moe: bool) -> None:
+@pytest.mark.parametrize(("moe", "tied"), [(False, False), (True, False), (False, True)])
+def test_qwen3_to_torchtitan_dcp_equals_torchtitans_from_hf(tmp_path: Path, moe: bool, tied: bool) -> None:
+    """Dense and MoE Qwen3, and a tied one (Qwen3-0.6B's tie_word_embeddings: no lm_head in the
+    saved files; torchtitan's from_hf with enable_weight_tying copies the embedding into it)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     common = dict(
         vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, tie_word_embeddings=False,
+        num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied,
     )  # fmt: skip
     if moe:  # layer 1 dense (mlp_only_layers), as Qwen3-MoE configs may have
         cfg = transformers.Qwen3MoeConfig(
@@ -43,8 +45,10 @@ def test_qwen3_to_torchtitan_dcp_equals_torchtitans_from_hf(tmp_path: Path, moe:
     model.save_pretrained(src)
     saved = load_file(str(src / "model.safetensors"))
     assert ("model.layers.0.mlp.experts.3.down_proj.weight" in saved) is moe
+    assert ("lm_head.weight" in saved) is not tied
     sizes = {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16, "num_hidden_layers": 2}
-    adapter = torchtitan_qwen3_adapter(sizes | ({"num_experts": 4} if moe else {}), dense_layers=(1,))
+    cfg = sizes | ({"num_experts": 4} if moe else {})
+    adapter = torchtitan_qwen3_adapter(cfg, dense_layers=(1,), tied=tied)
     want = adapter.from_hf(dict(saved))
 
     dcp = tmp_path / "titan"
@@ -59,7 +63,7 @@ def test_qwen3_to_torchtitan_dcp_equals_torchtitans_from_hf(tmp_path: Path, moe:
     back = tmp_path / "back"
     p = run(
         "convert", str(dcp), str(back), "--transforms", "hf-to-torchtitan-qwen3", "--inverse",
-        "--consolidate", "--config-from", str(src),
+        "--consolidate", "--config-from", str(src), "--model-config", str(src / "config.json"),
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     again = load_file(str(back / "model.safetensors"))

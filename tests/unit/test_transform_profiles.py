@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from reshard.errors import ConfigError
-from reshard.transforms import apply, inverse, list_profiles, load_transforms, resolve_profile
+from reshard.transforms import apply, inverse, list_profiles, load_transforms
 from tests.transform_ref import materialise, run_spec
 
 LLAMA = {
@@ -205,21 +205,30 @@ def test_hf_to_torchtitan_matches_torchtitan_from_hf_and_to_hf() -> None:
     assert_same(run_spec(inverse(spec), titan_np, LLAMA), adapter.to_hf(titan))
 
 
-def test_torchtitan_tied_embeddings_with_a_tie_rule(tmp_path: Path) -> None:
-    """enable_weight_tying: from_hf copies embed_tokens to lm_head; a tie rule does the same."""
-    adapter = torchtitan_llama3_adapter(LLAMA, tied=True)
-    text = resolve_profile("hf-to-torchtitan-llama").read_text(encoding="utf-8")
-    text += '  - tie: {from: "tok_embeddings.weight", to: "lm_head.weight"}\n'
-    (tmp_path / "tied.yaml").write_text(text, encoding="utf-8")
-    spec = load_transforms(tmp_path / "tied.yaml")
-    hf = llama_hf(tied=True)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_torchtitan_tied_embeddings_follow_tie_word_embeddings(family: str) -> None:
+    """tie_word_embeddings in the config (enable_weight_tying in torchtitan): from_hf copies
+    embed_tokens to lm_head, to_hf drops it; the profiles' conditional tie does the same, and
+    nothing when the config says false (or does not say)."""
+    cfg = {**(LLAMA if family == "llama" else QWEN3_MOE), "tie_word_embeddings": True}
+    if family == "llama":
+        adapter, hf = torchtitan_llama3_adapter(cfg, tied=True), llama_hf(tied=True)
+    else:
+        adapter = torchtitan_qwen3_adapter(cfg, dense_layers=(1,), tied=True)
+        hf = {n: t for n, t in qwen3_hf(cfg).items() if n != "lm_head.weight"}
+    spec = load_transforms(f"hf-to-torchtitan-{family}")
     titan = adapter.from_hf(dict(hf))
-    assert_same(run_spec(spec, numpy_of(hf), LLAMA), titan)
-    back = run_spec(inverse(spec), numpy_of({n: t.contiguous() for n, t in titan.items()}), LLAMA)
+    assert "lm_head.weight" in titan
+    assert_same(run_spec(spec, numpy_of(hf), cfg), titan)
+    back = run_spec(inverse(spec), numpy_of({n: t.contiguous() for n, t in titan.items()}), cfg)
     assert_same(back, adapter.to_hf(titan))  # to_hf drops the tied lm_head; untie does too
+    untied = run_spec(spec, numpy_of(hf), {**cfg, "tie_word_embeddings": False})
+    assert "lm_head.weight" not in untied
 
 
-def torchtitan_qwen3_adapter(cfg: dict[str, int], dense_layers: tuple[int, ...]) -> Any:
+def torchtitan_qwen3_adapter(
+    cfg: dict[str, int], dense_layers: tuple[int, ...], *, tied: bool = False
+) -> Any:
     """torchtitan's Qwen3StateDictAdapter and the MoEStateDictAdapter it extends, run from their
     installed source (their modules import torchtitan's model code and triton kernels): the
     imports of the model config and RoPE classes (an isinstance check, type hints) are
@@ -269,7 +278,7 @@ def torchtitan_qwen3_adapter(cfg: dict[str, int], dense_layers: tuple[int, ...])
         SimpleNamespace(attention=attention, moe=None if i in dense_layers else moe)
         for i in range(cfg["num_hidden_layers"])
     ]
-    model = SimpleNamespace(layers=layers, dim=cfg["hidden_size"], enable_weight_tying=False)
+    model = SimpleNamespace(layers=layers, dim=cfg["hidden_size"], enable_weight_tying=tied)
     return ns["Qwen3StateDictAdapter"](model, None)
 
 

@@ -430,3 +430,24 @@ def test_remembered_compositions_equal_composing_each_output(
     src = arange_sources(shapes)  # the torch reference pops each input once: concat x with x by hand
     got = run_spec(spec, src, None)
     assert got["doubled.1"].tobytes() == np.concatenate([src["twice.1"]] * 2).tobytes()
+
+
+def test_a_tie_when_a_config_value_says_so() -> None:
+    """``when: tie_word_embeddings``: the tie (and its inverse untie) applies only when the
+    config value is true; absent is false; the spec round-trips through JSON with it."""
+    spec = parse_transforms_text(
+        "transforms:\n  - rename: {from: emb, to: tok}\n"
+        "  - tie: {from: tok, to: head, when: tie_word_embeddings}\n"
+    )
+    shapes = {"emb": (4, 2)}
+    assert sorted(apply(spec, shapes, config={"tie_word_embeddings": True})) == ["head", "tok"]
+    assert sorted(apply(spec, shapes, config={"tie_word_embeddings": False})) == ["tok"]
+    assert sorted(apply(spec, shapes)) == ["tok"]  # not in the config: untied
+    assert sorted(apply(spec, shapes, config={"tie_word_embeddings": 1})) == ["head", "tok"]
+    back = inverse(spec)
+    assert sorted(apply(back, {"tok": (4, 2), "head": (4, 2)}, config={"tie_word_embeddings": True})) == ["emb"]
+    assert parse_transforms_text(json.dumps(spec.to_json())).ops == spec.ops
+    with pytest.raises(ConfigError, match="tie_word_embeddings must be true or false"):
+        apply(spec, shapes, config={"tie_word_embeddings": "yes"})
+    with pytest.raises(ConfigError, match="when: must be a config name"):
+        parse_transforms_text("transforms:\n  - tie: {from: a, to: b, when: 3}\n")
