@@ -445,7 +445,8 @@ def test_a_tie_when_a_config_value_says_so() -> None:
     assert sorted(apply(spec, shapes)) == ["tok"]  # not in the config: untied
     assert sorted(apply(spec, shapes, config={"tie_word_embeddings": 1})) == ["head", "tok"]
     back = inverse(spec)
-    assert sorted(apply(back, {"tok": (4, 2), "head": (4, 2)}, config={"tie_word_embeddings": True})) == ["emb"]
+    tied = {"tie_word_embeddings": True}
+    assert sorted(apply(back, {"tok": (4, 2), "head": (4, 2)}, config=tied)) == ["emb"]
     assert parse_transforms_text(json.dumps(spec.to_json())).ops == spec.ops
     with pytest.raises(ConfigError, match="tie_word_embeddings must be true or false"):
         apply(spec, shapes, config={"tie_word_embeddings": "yes"})
