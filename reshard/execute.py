@@ -1013,6 +1013,37 @@ def _split_columns(f: OutFile, parts: int) -> list[tuple[int, int, int]]:
     return [(lo, a, b) for lo, a, b in out]
 
 
+def _split_chunks(f: OutFile, parts: int) -> list[tuple[int, int, int]]:
+    """:func:`_split_items` of a file of chunk archives (a DCP file: items ``2i`` and ``2i + 1``
+    are archive ``i``'s prefix and data, its trailer written after the data): split at the
+    archive before which about ``k / parts`` of the entry bytes lie, so each run is whole
+    archives (:meth:`_Writer.chunk_steps`), found by a search."""
+    import numpy as np
+
+    _, _, _, _, sizes = f.layout.entries.columns()  # type: ignore[attr-defined]
+    starts = f.chunk_columns()[0]  # type: ignore[attr-defined]
+    sz = np.frombuffer(sizes, dtype=np.int64, count=len(sizes))
+    before = np.cumsum(sz) - sz
+    total = int(before[-1] + sz[-1]) if len(sz) else 0
+    out: list[list[int]] = [[0, 0, -1]]
+    for k in range(1, parts if total else 1):
+        m = int(np.searchsorted(before, total * k / parts, "left"))
+        if m < len(sz) and 2 * m > out[-1][1]:
+            out[-1][2] = 2 * m
+            out.append([starts[m], 2 * m, -1])
+    return [(lo, a, b) for lo, a, b in out]
+
+
+def _split_runs(f: OutFile, parts: int, geos: _GeometriesOf) -> list[tuple[int, int, int]]:
+    """``f``'s items in ``parts`` runs of about equal entry bytes (:func:`_split_items`): by its
+    columns, its chunk archives, or item by item."""
+    if geos.of(f) is not None:
+        return _split_columns(f, parts)
+    if geos.of_chunks(f) is not None:
+        return _split_chunks(f, parts)
+    return _split_items(_in_file_order(f), sum(e.nbytes for e in f.entries), parts)
+
+
 def _items_of(f: OutFile, first: int, stop: int) -> Iterator[tuple[int, bytes] | tuple[int, OutEntry]]:
     """Items ``first`` to ``stop`` (-1: the end) of :func:`_in_file_order`, made as consumed."""
     return itertools.islice(_in_file_order(f), first, None if stop < 0 else stop)
@@ -1092,13 +1123,17 @@ def _read_by_all(
     a part cuts every file's entries, so each thread's lockstep reads pieces for all of them and
     evicts the spans it will need again (2 GB HF -> TP-32: 4.41 GB read in parts, 3.16 in
     groups)."""
-    if len(files) > min(most, SPAN_SLOTS) or any(geos.of(f) is None for f in files):
+    if len(files) > min(most, SPAN_SLOTS):
         return False
+    of = [geos.of(f) or geos.of_chunks(f) for f in files]
+    if any(g is None for g in of):
+        return False
+    geometry = dict(zip(map(id, files), of))
     reads: collections.Counter[int] = collections.Counter()
     for g in groups:
         mine: set[int] = set()
         for f in g:
-            mine |= geos.of(f).sources(f.local_rank)  # type: ignore[union-attr]
+            mine |= geometry[id(f)].sources(f.local_rank)  # type: ignore[union-attr]
         reads.update(mine)
     return 2 * sum(1 for n in reads.values() if n > 1) > len(reads)
 
@@ -1123,24 +1158,27 @@ def _write_parts(
     try:
         for f in files:
             opened.append(TmpFile(dst, f.name, f.size))
-        splits = [_split_columns(f, parts) for f in files]
+        splits = [_split_runs(f, parts, geos) for f in files]
 
-        def run(k: int) -> list[tuple[int, dict[int, bytes], dict[int, int], int]]:
+        def run(k: int) -> list[tuple[int, dict[int, bytes], dict[int, int], int, _Begun]]:
             mine = [i for i, sp in enumerate(splits) if k < len(sp)]
             bufs = _Buffers(buffer_size, sources, window)
             writers = [_Writer(sources, opened[i].fd, bufs, progress, stop, splits[i][k][0]) for i in mine]
             _lockstep(writers, [files[i] for i in mine], [splits[i][k][1:] for i in mine], geos)
-            return [(i, w.sink.close(files[i].size), w.crc32s, w.bytes_read) for i, w in zip(mine, writers)]
+            closed = [(i, w.sink.close(files[i].size), w) for i, w in zip(mine, writers)]
+            return [(i, d, w.crc32s, w.bytes_read, w.sink.partial) for i, d, w in closed]
 
         digests: list[dict[int, bytes]] = [{} for _ in files]
         crc32s: list[dict[int, int]] = [{} for _ in files]
+        begun: list[_Begun] = [{} for _ in files]
         nread = [0] * len(files)
         for part in _run_all([functools.partial(run, k) for k in range(parts)], stop):
-            for i, d, c, n in part:
+            for i, d, c, n, b in part:
                 digests[i].update(d)
                 crc32s[i].update(c)
+                begun[i].update(b)
                 nread[i] += n
-        return [_finished(*parts) for parts in zip(files, opened, digests, crc32s, nread)]
+        return [_finished(*parts) for parts in zip(files, opened, digests, crc32s, nread, begun)]
     except BaseException:
         for tmp in opened:
             tmp.discard()
@@ -1173,14 +1211,20 @@ def _run_all(jobs: Sequence[Callable[[], T]], stop: threading.Event, workers: in
     return out
 
 
+_Begun = dict[int, tuple[Any, int]]
+"""Pieces a part's writer began and the next part ended: their hashers and where they stopped
+(:attr:`~reshard.io.writer.Sink.partial`)."""
+
+
 def _finished(
-    f: OutFile, tmp: TmpFile, digests: dict[int, bytes], crc32s: dict[int, int], nread: int
+    f: OutFile, tmp: TmpFile, digests: dict[int, bytes], crc32s: dict[int, int], nread: int, begun: _Begun
 ) -> FileResult:
     """A file written in parts by several threads, finished: the CRC32s its format writes before
-    the data patched in (their pieces' digests given again), then renamed into place."""
+    the data patched in (their pieces' digests given again), then renamed into place, reading
+    back of each piece a part began only what the next part wrote of it."""
     if f.needs_crc32 and _patches(f):
-        tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
-    return tmp.finish(digests, nread)
+        tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests, begun)
+    return tmp.finish(digests, nread, begun)
 
 
 def _write_split(
@@ -1197,26 +1241,25 @@ def _write_split(
     """Write one file with ``parts`` threads, each a consecutive run of its entries."""
     tmp = TmpFile(dst, f.name, f.size)
 
-    def run(lo: int, first: int, stop_at: int) -> tuple[dict[int, bytes], dict[int, int], int]:
-        """Write items ``first`` to ``stop_at``; returns their digests, CRC32s and bytes read (its
-        buffers are freed)."""
+    def run(lo: int, first: int, stop_at: int) -> tuple[dict[int, bytes], dict[int, int], int, _Begun]:
+        """Write items ``first`` to ``stop_at``; returns their digests, CRC32s, bytes read and the
+        piece begun and not ended (its buffers are freed)."""
         w = _Writer(sources, tmp.fd, _Buffers(buffer_size, sources, window), progress, stop, lo)
         for _ in _steps(w, f, geos, first, stop_at):
             pass
-        return w.sink.close(f.size), w.crc32s, w.bytes_read
+        return w.sink.close(f.size), w.crc32s, w.bytes_read, w.sink.partial
 
     try:
-        if geos.of(f) is not None:
-            runs = _split_columns(f, parts)
-        else:
-            runs = _split_items(_in_file_order(f), sum(e.nbytes for e in f.entries), parts)
+        runs = _split_runs(f, parts, geos)
         parts_done = _run_all([functools.partial(run, lo, a, b) for lo, a, b in runs], stop)
         digests: dict[int, bytes] = {}
         crc32s: dict[int, int] = {}
-        for d, c, _ in parts_done:
+        begun: _Begun = {}
+        for d, c, _, b in parts_done:
             digests.update(d)
             crc32s.update(c)
-        return _finished(f, tmp, digests, crc32s, sum(n for _, _, n in parts_done))
+            begun.update(b)
+        return _finished(f, tmp, digests, crc32s, sum(p[2] for p in parts_done), begun)
     except BaseException:
         tmp.discard()
         raise

@@ -38,16 +38,24 @@ def combine_pieces(digests: Sequence[bytes]) -> str:
     return CHECKSUM_PREFIX + xxhash.xxh3_128(b"".join(digests)).hexdigest()
 
 
-def piece_digest_of(path: str | os.PathLike[str], index: int, chunk: int = 8 * 1024 * 1024) -> bytes:
-    """Digest of piece ``index`` of a file, read back in chunks into one reused buffer."""
+def piece_digest_of(
+    path: str | os.PathLike[str],
+    index: int,
+    chunk: int = 8 * 1024 * 1024,
+    begun: tuple[Any, int] | None = None,
+) -> bytes:
+    """Digest of piece ``index`` of a file, read back in chunks into one reused buffer (from
+    ``begun``'s offset on, continuing its hasher, when given: a writer hashed the piece up to there)."""
     import xxhash
 
-    h = xxhash.xxh3_128()
+    h, at = begun if begun is not None else (xxhash.xxh3_128(), index * PIECE)
+    if not index * PIECE <= at <= (index + 1) * PIECE:
+        raise ValueError(f"piece {index} begun at {at}")
     buf = bytearray(min(chunk, PIECE))
     mv = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        f.seek(index * PIECE)
-        left = PIECE
+        f.seek(at)
+        left = (index + 1) * PIECE - at
         while left:
             n = f.readinto(mv[: min(len(mv), left)])
             if not n:
@@ -63,12 +71,25 @@ def file_checksum(path: str | os.PathLike[str], chunk: int = 8 * 1024 * 1024) ->
 
 
 def finish_checksum(
-    path: str | os.PathLike[str], size: int, digests: Mapping[int, bytes], chunk: int = 8 * 1024 * 1024
+    path: str | os.PathLike[str],
+    size: int,
+    digests: Mapping[int, bytes],
+    chunk: int = 8 * 1024 * 1024,
+    partial: Mapping[int, tuple[Any, int]] | None = None,
 ) -> str:
-    """The checksum of a file of ``size`` bytes, reading back only the pieces not in ``digests``."""
+    """The checksum of a file of ``size`` bytes, reading back only the pieces not in ``digests``;
+    of a piece in ``partial`` (a hasher fed its bytes up to an offset), only the rest."""
     pieces = max(1, -(-size // PIECE))
+    partial = partial or {}
     return combine_pieces(
-        [digests[i] if i in digests else piece_digest_of(path, i, chunk) for i in range(pieces)]
+        [
+            digests[i]
+            if i in digests
+            else piece_digest_of(path, i, chunk, partial[i])
+            if i in partial
+            else piece_digest_of(path, i, chunk)
+            for i in range(pieces)
+        ]
     )
 
 

@@ -134,6 +134,10 @@ class Sink:
         self._pending = bytearray()  # small pieces submitted back to back, not written yet
         self._pending_at = 0
         self._pending_end = 0
+        self.partial: dict[int, tuple[Any, int]] = {}
+        """After :meth:`close`: the piece this writer began at its first byte but did not end (the
+        next writer's range holds the rest), as its hasher and where it stopped:
+        :func:`~reshard.io.checksum.finish_checksum` reads back only the rest of it."""
 
     def _hash(self, mv: memoryview) -> None:
         import xxhash
@@ -207,8 +211,11 @@ class Sink:
         """Write what is gathered; digests of the pieces hashed on the way (the last, short piece
         included)."""
         self._write_pending()
-        if self._hashing and self._cur is not None and self.pos == file_size:
-            self.digests[self._cur_index] = bytes(self._cur.digest())
+        if self._hashing and self._cur is not None:
+            if self.pos == file_size:
+                self.digests[self._cur_index] = bytes(self._cur.digest())
+            else:
+                self.partial[self._cur_index] = (self._cur, self.pos)
         return self.digests
 
 
@@ -231,13 +238,20 @@ class TmpFile:
             self.discard()
             raise
 
-    def patch(self, patches: Sequence[tuple[int, bytes]], digests: dict[int, bytes]) -> None:
+    def patch(
+        self,
+        patches: Sequence[tuple[int, bytes]],
+        digests: dict[int, bytes],
+        partial: dict[int, tuple[Any, int]] | None = None,
+    ) -> None:
         """Write ``(offset, bytes)`` patches; the pieces they touch are read back when hashing."""
         for off, data in patches:
             os.pwrite(self.fd, data, off)
             piece = checksum.PIECE
             for i in range(off // piece, (off + max(1, len(data)) - 1) // piece + 1):
                 digests.pop(i, None)
+                if partial is not None:
+                    partial.pop(i, None)
 
     def close(self) -> None:
         if self._open:
@@ -248,10 +262,13 @@ class TmpFile:
         self.close()
         self.path.unlink(missing_ok=True)
 
-    def finish(self, digests: dict[int, bytes], bytes_read: int) -> FileResult:
-        """Checksum the closed file (reading back only unhashed pieces) and rename it into place."""
+    def finish(
+        self, digests: dict[int, bytes], bytes_read: int, partial: dict[int, tuple[Any, int]] | None = None
+    ) -> FileResult:
+        """Checksum the closed file (reading back only unhashed pieces, and the rest of the pieces
+        ``partial`` began: :attr:`Sink.partial`) and rename it into place."""
         self.close()
-        checksum = finish_checksum(self.path, self.size, digests)
+        checksum = finish_checksum(self.path, self.size, digests, partial=partial)
         os.replace(self.path, self.path.with_name(self.name))
         return FileResult(self.name, self.size, checksum, bytes_read)
 

@@ -87,6 +87,37 @@ def test_lockstep_reads_each_row_once_and_writes_the_same_bytes(
         assert torch.equal(got["q"], full["q"].chunk(8, 0)[r])
 
 
+def test_dcp_ranks_written_in_parts_by_two_workers_read_each_row_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF -> DCP TP-8 with two workers: each writes a part of every rank's archives, the 8 files
+    in lockstep, as for per-rank files (two groups of 4 files read the rows of "o" twice, and
+    each group's reads ran half a tensor ahead of the other's, so a source's recorded hashes
+    held 400 MB of a 2 GB Llama aside); the archives are the same bytes."""
+    monkeypatch.setattr(ex, "_STRIDED_MAX", 0)
+    monkeypatch.setattr(ex, "_WINDOW", 0)
+    monkeypatch.setattr(ex, "_SPAN", 0)
+    monkeypatch.setattr(ex, "_RUNS", {})
+    gen = torch.Generator().manual_seed(3)
+    full = {f"l{i}.o": torch.randn(64, 256, generator=gen).to(torch.bfloat16) for i in range(4)}
+    full |= {f"l{i}.q": torch.randn(64, 32, generator=gen) for i in range(4)}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    (tmp_path / "l.yaml").write_text('mesh: {tp: 8}\nplacements:\n  "*.o": {tp: S(1)}\n  "*.q": {tp: S(0)}\n')
+    ck = open_source(SourceSpec(str(tmp_path / "model.safetensors")))
+    plan = build_plan(ck, resolve_target(ck, TargetSpec(layout=str(tmp_path / "l.yaml"), to="dcp")))
+    o_bytes = sum(t.numel() * 2 for n, t in full.items() if n.endswith(".o"))
+    q_bytes = sum(t.numel() * 4 for n, t in full.items() if n.endswith(".q"))
+    calls: list[int] = []
+    real = ex._write_parts
+    monkeypatch.setattr(ex, "_write_parts", lambda *a: calls.append(1) or real(*a))
+    one = _run(plan, tmp_path / "one", monkeypatch, group=8, workers=1)
+    two = _run(plan, tmp_path / "two", monkeypatch, group=8, workers=2)
+    assert calls == [1]  # the two workers wrote the files in parts
+    assert one == two == o_bytes + q_bytes
+    for f in plan.files:
+        assert (tmp_path / "two" / f.name).read_bytes() == (tmp_path / "one" / f.name).read_bytes()
+
+
 def test_64_ranks_in_lockstep_read_each_column_sharded_row_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -55,3 +55,34 @@ def test_small_pieces_are_gathered_and_written_as_given(
     assert crcs == [(zlib.crc32(d), d[:8]) for _, d in pieces]  # CRC32s as each piece went by
     # the pieces hashed on the way (before the gap) give the file's checksum with the rest read back
     assert finish_checksum(path, size, digests) == file_checksum(path)
+
+
+def test_a_piece_two_writers_share_is_read_back_from_where_the_first_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file written in parts: the piece straddling two writers' ranges is hashed by the first up
+    to its end and only the rest is read back (it was read back whole: HF -> TP-8 of a 2 GB Llama,
+    each of 8 files split between two workers, read 0.5 GB of its own output again)."""
+    from reshard.io import checksum
+
+    monkeypatch.setattr(checksum, "PIECE", 4096)
+    rng = random.Random(3)
+    data = rng.randbytes(5 * 4096 + 700)
+    cut = 2 * 4096 + 1000  # the second writer's range starts inside piece 2
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, len(data))
+    first, second = Sink(fd), Sink(fd, cut)
+    for at in range(0, cut, 600):
+        first.submit(data[at : min(cut, at + 600)], at)
+    second.submit(data[cut:], cut)
+    digests = {**first.close(len(data)), **second.close(len(data))}
+    os.close(fd)
+    assert sorted(digests) == [0, 1, 3, 4, 5] and sorted(first.partial) == [2]
+    assert first.partial[2][1] == cut and second.partial == {}
+    want = file_checksum(path)
+    with open(path, "r+b") as f:  # the bytes the first writer hashed, changed: not read again
+        f.seek(2 * 4096)
+        f.write(bytes(cut - 2 * 4096))
+    assert finish_checksum(path, len(data), digests, partial=first.partial) == want
+    assert finish_checksum(path, len(data), digests) != want  # read back whole, it would differ
