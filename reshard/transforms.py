@@ -129,15 +129,18 @@ def _parse_expr(expr: Expr) -> ast.expr:
                 isinstance(sub, ast.Call)
                 and (
                     not isinstance(sub.func, ast.Name)
-                    or sub.func.id not in _CALLS
+                    or sub.func.id not in (*_CALLS, "get")
                     or sub.keywords
                     or not sub.args
+                    or (
+                        sub.func.id == "get" and (len(sub.args) != 2 or not isinstance(sub.args[0], ast.Name))
+                    )
                 )
             )
         ):
             raise ConfigError(
                 f"size expression {expr!r} may only use integers, config names, + - * / // %, "
-                "min(..) and max(..)"
+                "min(..) and max(..), and get(KEY, DEFAULT)"
             )
     return node
 
@@ -201,8 +204,19 @@ class _Env:
             return self.name(n.id)
         if isinstance(n, ast.UnaryOp):
             return -self._node(n.operand, expr)
-        if isinstance(n, ast.Call):  # min(..) / max(..), checked by _parse_expr
+        if isinstance(n, ast.Call):  # min(..) / max(..) / get(KEY, DEFAULT), checked by _parse_expr
             assert isinstance(n.func, ast.Name)
+            if n.func.id == "get":  # KEY (head_dim) when given, else DEFAULT (a config may lack it)
+                key = n.args[0]
+                assert isinstance(key, ast.Name)
+                if key.id in self.own and key.id not in self.stack:
+                    return self.name(key.id)  # a --set value, or another entry of the spec
+                v = self.external.get(key.id)
+                if v is None:
+                    return self._node(n.args[1], expr)
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ConfigError(f"{key.id} must be an integer in the model's config, got {v!r}")
+                return v
             return _CALLS[n.func.id](self._node(a, expr) for a in n.args)
         assert isinstance(n, ast.BinOp)
         a, b = self._node(n.left, expr), self._node(n.right, expr)
