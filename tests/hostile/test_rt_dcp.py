@@ -102,3 +102,63 @@ def test_a_swap_killed_over_a_rank_local_checkpoint_is_no_checkpoint_to_torch(tm
     assert (dst / ".metadata").is_file(), os.listdir(dst)
     got = torch_load(dst, full)
     assert torch.equal(got["w"], full["w"])
+
+
+def object_state() -> dict[str, Any]:
+    """A tensor, a plain hyper-parameter and a tuple holding a tensor (a BYTE_IO item: DCP's
+    flattening walks dicts and lists, not tuples)."""
+    return {"w": torch.arange(3.0), "lr": 0.1, "pair": (torch.arange(4, dtype=torch.int16), "x")}
+
+
+def test_a_zstd_compressed_object_holding_a_tensor_is_not_dropped(tmp_path: Path) -> None:
+    """Stored uncompressed, the tuple's tensor converts as ``pair.0``; compressed with zstd the
+    item was listed as a non-tensor of unknown kind and its tensor dropped, exit 0. Now convert
+    refuses it unless excluded (its plain hyper-parameters still convert)."""
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    plain, zstd = tmp_path / "plain", tmp_path / "zstd"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(object_state(), checkpoint_id=str(plain), no_dist=True)
+        dcp.save(
+            object_state(),
+            storage_writer=FileSystemWriter(str(zstd), _extensions=[ZStandard()]),
+            no_dist=True,
+        )
+    r = run_cli("convert", plain, tmp_path / "hf-plain", "--consolidate", "-q")
+    assert r.returncode == 0, r.stderr
+    got = st.load_file(str(tmp_path / "hf-plain" / "model.safetensors"))
+    assert sorted(got) == ["pair.0", "w"] and torch.equal(got["pair.0"], torch.arange(4, dtype=torch.int16))
+    r = run_cli("convert", zstd, tmp_path / "hf", "--consolidate", "-q")
+    assert r.returncode == 2, r.stderr
+    assert 'item "pair"' in r.stderr and "zstd" in r.stderr and "--exclude 'pair'" in r.stderr
+    assert not (tmp_path / "hf").exists()
+    r = run_cli("inspect", zstd)
+    assert r.returncode == 0 and "pair (object holding tensors" in r.stdout + r.stderr
+    r = run_cli("convert", zstd, tmp_path / "hf", "--consolidate", "-q", "--exclude", "pair")
+    assert r.returncode == 0, r.stderr
+    assert sorted(st.load_file(str(tmp_path / "hf" / "model.safetensors"))) == ["w"]
+
+
+def test_a_damaged_object_item_is_not_taken_for_a_plain_object(tmp_path: Path) -> None:
+    """One byte of a BYTE_IO item's zip directory changed (a record name): the item read as a
+    plain object, so its tensor was dropped, exit 0, and ``inspect --check`` said ok."""
+    ck = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(object_state(), checkpoint_id=str(ck), no_dist=True)
+    md = dcp.FileSystemReader(str(ck)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "pair")
+    data = bytearray((ck / info.relative_path).read_bytes())
+    item = bytes(data[info.offset : info.offset + info.length])
+    at = info.offset + item.rindex(b"PK\x01\x02") + 46  # the last central-directory entry's name
+    data[at] ^= 0x10
+    (ck / info.relative_path).write_bytes(data)
+    r = run_cli("inspect", ck, "--check")
+    assert r.returncode == 1, r.stderr
+    assert 'item "pair" cannot be read' in r.stderr
+    r = run_cli("convert", ck, tmp_path / "hf", "--consolidate", "-q")
+    assert r.returncode == 2, r.stderr
+    assert "--exclude 'pair'" in r.stderr and not (tmp_path / "hf").exists()
