@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fnmatch
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -609,6 +610,8 @@ def _owned(name: str) -> bool:
         for pattern in w.owns:
             if name == pattern or (pattern.startswith(".") and name.endswith(pattern)):
                 return True
+            if "*" in pattern and fnmatch.fnmatchcase(name, pattern):
+                return True
     return False
 
 
@@ -765,7 +768,7 @@ class _Run:
         """Main process: refuse links/directories under output names, finish an interrupted
         swap, make the staging directory and start (or check) the resume journal."""
         names = [f.name for f in self.plan.files] + [MANIFEST]
-        names += [n for n in self.writer.owns if not n.startswith(".")]
+        names += [n for n in self.writer.owns if not n.startswith(".") and "*" not in n]
         refuse_non_files(self.dst, names)
         self.stage.recover(_owned, is_journal)
         self.staged = True

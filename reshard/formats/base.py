@@ -124,8 +124,10 @@ class Writer:
         consolidated: one consolidated checkpoint: every tensor whole (``--consolidate``).
         lockstep: the files are sibling ranks holding the same tensors cut differently;
             a worker then writes up to 8 of them slab by slab, sharing source reads.
-        owns: file names (exact) or name suffixes (starting with ``.``) this format
-            writes; ``--overwrite`` and failure cleanup remove them.
+        owns: file names (exact), name suffixes (starting with ``.``) or shell patterns
+            (with ``*``) of the files this format writes, or that a checkpoint of its
+            format holds (DCP's rank-local ``__0.metadata``); ``--overwrite`` and failure
+            cleanup remove them.
         marks: files ``complete`` writes (before ``reshard.json``) whose presence tells
             other tools the checkpoint is finished (DCP's ``.metadata``): removed before
             any output file is written (``--resume`` too) and on failure, so an

@@ -114,6 +114,7 @@ from ..io.torchzip import (
     STORED,
     ArchiveLayout,
     ArchiveReader,
+    HeldBytes,
     NotHeld,
     crc32_range,
     layout_of,
@@ -155,14 +156,49 @@ ZSTD_DESCRIPTOR = "stream.zstd/1"
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def _object_kind(fd: int, path: str, start: int, length: int) -> str:
+def _object_kind(fd: int | HeldBytes, path: str, start: int, length: int) -> str:
     """``"object"``, or :data:`HOLDS_TENSORS` when the item's ``torch.save`` archive has tensor
-    data records (read from its zip directory; nothing is unpickled)."""
-    try:
-        tz = read_torch_zip(fd, path, start, length)
-    except HeaderError:
-        return "object"
+    data records (read from its zip directory; nothing is unpickled).
+
+    Raises:
+        HeaderError: the archive is damaged (it may hold tensors: never taken for an object).
+    """
+    tz = read_torch_zip(fd, path, start, length)
     return HOLDS_TENSORS if tz.get("data/0") is not None else "object"
+
+
+#: Largest decompressed non-tensor item read to see whether it holds tensors; a bigger one is
+#: taken to (optimizer hyper-parameters and step counters are a few KiB).
+_MAX_COMPRESSED_OBJECT = 4 << 20
+
+
+def _compressed_kind(fd: int, path: str, start: int, length: int, where: str, fqn: str) -> str:
+    """:func:`_object_kind` of a zstd-compressed non-tensor item, decompressed in memory (at
+    most :data:`_MAX_COMPRESSED_OBJECT` bytes; over it: :data:`HOLDS_TENSORS`); ``"bytes"``
+    when it is not a zip.
+
+    Raises:
+        HeaderError: the stream or the archive in it is damaged.
+        UsageError: no zstd module.
+    """
+    z, errors = _zstd_reader(io.BufferedReader(_Range(fd, start, length)), where)
+    try:
+        with z:
+            data = z.read(_MAX_COMPRESSED_OBJECT + 1)
+    except ReshardError:
+        raise
+    except errors as e:
+        raise HeaderError(f'{where}: item "{fqn}": zstd stream is damaged ({e})', path=path) from None
+    if len(data) > _MAX_COMPRESSED_OBJECT:
+        return HOLDS_TENSORS
+    if data[:4] != _ZIP_MAGIC:
+        return "bytes"
+    held = HeldBytes()
+    held.add(0, data)
+    try:
+        return _object_kind(held, f"{where}, decompressed", 0, len(data))
+    except NotHeld:
+        raise HeaderError(f"{where}, decompressed: not a whole zip archive", path=path) from None
 
 
 _SPOOL_TILE = 8 << 20
@@ -1032,13 +1068,8 @@ class _Reader:
                 )
             if type(m) is not TensorMeta:
                 if fqn not in self.non_tensors:
-                    kind = ""  # compressed: unknown without decompressing
-                    if i not in transforms:
-                        zipped = os.pread(files.fd(fi), 4, start) == _ZIP_MAGIC
-                        kind = "bytes"
-                        if zipped:
-                            kind = _object_kind(files.fd(fi), str(files.paths[fi]), start, length)
-                    if kind != HOLDS_TENSORS or not self._object(fqn, fi, start, length):
+                    kind, readable = self._item_kind(fqn, fi, start, length, transforms.get(i, ()))
+                    if kind != HOLDS_TENSORS or not readable or not self._object(fqn, fi, start, length):
                         self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind)
                     reader_fi = -1
                 continue
@@ -1131,6 +1162,34 @@ class _Reader:
                 + " has no storage entry, so its data is missing"
             )
             self.warnings.append(CheckpointWarning(msg, True, str(mpath), fqn))
+
+    def _item_kind(self, fqn: str, fi: int, start: int, length: int, tds: Sequence[str]) -> tuple[str, bool]:
+        """What the non-tensor item ``fqn`` is (``"bytes"``, ``"object"``, or :data:`HOLDS_TENSORS`)
+        and whether its tensors can be taken (:meth:`_object`); when not, a warning says why:
+        compressed (read only from a stored archive), or a damaged archive (it may hold tensors;
+        a problem for ``--check``). ``convert`` refuses both unless excluded: no tensor is dropped
+        unsaid."""
+        fd, path, where = self.files.fd(fi), str(self.files.paths[fi]), self._where(fi, start, length)
+        try:
+            if tds:
+                if tuple(tds) != (ZSTD_DESCRIPTOR,):
+                    raise HeaderError(f"stored through transforms {list(tds)}", path=path)
+                kind = _compressed_kind(fd, path, start, length, where, fqn)
+                if kind == HOLDS_TENSORS:
+                    msg = (
+                        f'{where}: item "{fqn}" is a pickled object holding tensors (or over '
+                        f"{_MAX_COMPRESSED_OBJECT >> 20} MiB) compressed with zstd; reshard reads the "
+                        "tensors of such an object only when it is stored uncompressed"
+                    )
+                    self.warnings.append(CheckpointWarning(msg, False, path, fqn))
+                return kind, False
+            if os.pread(fd, 4, start) != _ZIP_MAGIC:
+                return "bytes", False
+            return _object_kind(fd, path, start, length), True
+        except HeaderError as e:
+            msg = f'{where}: item "{fqn}" cannot be read ({e}); it may hold tensors'
+            self.warnings.append(CheckpointWarning(msg, True, path, fqn))
+            return HOLDS_TENSORS, False
 
     def _where(self, fi: int, start: int, length: int) -> str:
         return f"{self.files.paths[fi]} (bytes {start}..{start + length})"

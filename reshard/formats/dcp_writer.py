@@ -386,6 +386,8 @@ WRITER = Writer(
     files=_files,
     complete=_complete,
     lockstep=True,
-    owns=(".distcp",),
+    # torch's rank-local metadata (use_collectives=False): its loader reads them when .metadata
+    # is missing, so one left beside new data files would describe them as its own checkpoint
+    owns=(".distcp", "__[0-9]*.metadata"),
     marks=(METADATA,),
 )
