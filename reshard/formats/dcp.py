@@ -167,37 +167,56 @@ def _object_kind(fd: int | HeldBytes, path: str, start: int, length: int) -> str
     return HOLDS_TENSORS if tz.get("data/0") is not None else "object"
 
 
-#: Largest decompressed non-tensor item read to see whether it holds tensors; a bigger one is
-#: taken to (optimizer hyper-parameters and step counters are a few KiB).
+#: Of a decompressed non-tensor archive larger than this, only its end (and its first
+#: :data:`_OBJECT_HEAD` bytes) is kept to read its directory (optimizer hyper-parameters and step
+#: counters are a few KiB; a data loader's state may be MiBs).
 _MAX_COMPRESSED_OBJECT = 4 << 20
+_OBJECT_HEAD = 64 << 10
 
 
 def _compressed_kind(fd: int, path: str, start: int, length: int, where: str, fqn: str) -> str:
-    """:func:`_object_kind` of a zstd-compressed non-tensor item, decompressed in memory (at
-    most :data:`_MAX_COMPRESSED_OBJECT` bytes; over it: :data:`HOLDS_TENSORS`); ``"bytes"``
-    when it is not a zip.
+    """:func:`_object_kind` of a zstd-compressed non-tensor item, decompressed as a stream;
+    ``"bytes"`` when it is not a zip. Of an archive over :data:`_MAX_COMPRESSED_OBJECT` bytes
+    (a ``torch.save``d BytesIO: a data loader's state) only its first 64 KiB and its last
+    :data:`_MAX_COMPRESSED_OBJECT` bytes are kept: its directory, and the local headers of
+    the records after a large ``data.pkl``; a record read elsewhere makes it
+    :data:`HOLDS_TENSORS` (not known not to).
 
     Raises:
         HeaderError: the stream or the archive in it is damaged.
         UsageError: no zstd module.
     """
     z, errors = _zstd_reader(io.BufferedReader(_Range(fd, start, length)), where)
+    head = b""
+    tail = bytearray()
+    total = 0
     try:
         with z:
-            data = z.read(_MAX_COMPRESSED_OBJECT + 1)
+            while True:
+                chunk = z.read(1 << 20)
+                if not chunk:
+                    break
+                if total == 0 and chunk[: len(_ZIP_MAGIC)] != _ZIP_MAGIC:
+                    return "bytes"  # a BytesIO item's raw bytes
+                if len(head) < _OBJECT_HEAD:
+                    head += chunk[: _OBJECT_HEAD - len(head)]
+                total += len(chunk)
+                tail += chunk
+                if len(tail) > 2 * _MAX_COMPRESSED_OBJECT:
+                    del tail[: len(tail) - _MAX_COMPRESSED_OBJECT]
     except ReshardError:
         raise
     except errors as e:
         raise HeaderError(f'{where}: item "{fqn}": zstd stream is damaged ({e})', path=path) from None
-    if len(data) > _MAX_COMPRESSED_OBJECT:
-        return HOLDS_TENSORS
-    if data[:4] != _ZIP_MAGIC:
-        return "bytes"
     held = HeldBytes()
-    held.add(0, data)
+    if total > len(tail):
+        held.add(0, head)
+    held.add(total - len(tail), bytes(tail))
     try:
-        return _object_kind(held, f"{where}, decompressed", 0, len(data))
+        return _object_kind(held, f"{where}, decompressed", 0, total)
     except NotHeld:
+        if total > len(tail):
+            return HOLDS_TENSORS
         raise HeaderError(f"{where}, decompressed: not a whole zip archive", path=path) from None
 
 
@@ -1177,9 +1196,10 @@ class _Reader:
                 kind = _compressed_kind(fd, path, start, length, where, fqn)
                 if kind == HOLDS_TENSORS:
                     msg = (
-                        f'{where}: item "{fqn}" is a pickled object holding tensors (or over '
-                        f"{_MAX_COMPRESSED_OBJECT >> 20} MiB) compressed with zstd; reshard reads the "
-                        "tensors of such an object only when it is stored uncompressed"
+                        f'{where}: item "{fqn}" is a pickled object holding tensors (or one over '
+                        f"{_MAX_COMPRESSED_OBJECT >> 20} MiB whose records could not all be seen) "
+                        "compressed with zstd; reshard reads the tensors of such an object only when "
+                        "it is stored uncompressed"
                     )
                     self.warnings.append(CheckpointWarning(msg, False, path, fqn))
                 return kind, False

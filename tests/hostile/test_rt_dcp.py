@@ -142,6 +142,32 @@ def test_a_zstd_compressed_object_holding_a_tensor_is_not_dropped(tmp_path: Path
     assert sorted(st.load_file(str(tmp_path / "hf" / "model.safetensors"))) == ["w"]
 
 
+def test_a_large_zstd_compressed_bytes_item_is_listed_not_refused(tmp_path: Path) -> None:
+    """A BytesIO item (a data loader's state) compressed with zstd and larger than the 4 MiB an
+    object is decompressed up to is raw bytes, not an object that may hold tensors: the
+    checkpoint converts, the item listed."""
+    pytest.importorskip("zstandard")
+    import io
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    blob = os.urandom(5 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"w": torch.arange(3.0), "dataloader": io.BytesIO(blob)},
+            storage_writer=FileSystemWriter(str(tmp_path / "zstd"), _extensions=[ZStandard()]),
+            no_dist=True,
+        )
+    r = run_cli("convert", tmp_path / "zstd", tmp_path / "hf", "--consolidate", "-q")
+    assert r.returncode == 0, r.stderr
+    assert sorted(st.load_file(str(tmp_path / "hf" / "model.safetensors"))) == ["w"]
+    r = run_cli("inspect", tmp_path / "zstd")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "dataloader (object, 5." in out and "holding tensors" not in out
+
+
 def test_a_damaged_object_item_is_not_taken_for_a_plain_object(tmp_path: Path) -> None:
     """One byte of a BYTE_IO item's zip directory changed (a record name): the item read as a
     plain object, so its tensor was dropped, exit 0, and ``inspect --check`` said ok."""
@@ -162,3 +188,23 @@ def test_a_damaged_object_item_is_not_taken_for_a_plain_object(tmp_path: Path) -
     r = run_cli("convert", ck, tmp_path / "hf", "--consolidate", "-q")
     assert r.returncode == 2, r.stderr
     assert "--exclude 'pair'" in r.stderr and not (tmp_path / "hf").exists()
+
+
+def test_a_large_zstd_compressed_object_holding_a_tensor_is_still_refused(tmp_path: Path) -> None:
+    """Over the 4 MiB kept whole, an object's directory is still read (from its end): a tuple
+    holding a 5 MiB tensor is refused as the small one is, not listed as an object."""
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"w": torch.arange(3.0), "pair": (torch.randn(1 << 20, dtype=torch.float32) * 0 + 1, "x")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(str(tmp_path / "zstd"), _extensions=[ZStandard()]),
+            no_dist=True,
+        )
+    r = run_cli("convert", tmp_path / "zstd", tmp_path / "hf", "--consolidate", "-q")
+    assert r.returncode == 2 and 'item "pair"' in r.stderr, r.stderr
+    assert not (tmp_path / "hf").exists()
