@@ -81,12 +81,14 @@ def test_fused_qkv_profiles_take_head_dim_from_the_config(tmp_path: Path, family
     assert sorted(again) == sorted(hf) and all(torch.equal(again[n], t) for n, t in hf.items())
 
     meg = tmp_path / "megatron"
-    args = ["--transforms", "hf-to-megatron-gpt", "--consolidate"]
-    if family == "qwen3":  # Megatron's q/k layernorms: no names for them in the profile
-        args.append("--allow-unused")
-    p = run("convert", str(src), str(meg), *args)
-    assert p.returncode == 0, p.stderr
+    p = run("convert", str(src), str(meg), "--transforms", "hf-to-megatron-gpt", "--consolidate")
+    assert p.returncode == 0, p.stderr  # Qwen3's q_norm/k_norm: Megatron's q/k layernorms
     got = load_file(str(meg / "model.safetensors"))
+    if family == "qwen3":
+        for i in range(2):
+            for x in "qk":
+                want = hf[f"model.layers.{i}.self_attn.{x}_norm.weight"]
+                assert torch.equal(got[f"decoder.layers.{i}.self_attention.{x}_layernorm.weight"], want)
     for i in range(2):
         at = f"model.layers.{i}.self_attn."
         q, k, v = (hf[f"{at}{x}_proj.weight"] for x in "qkv")
