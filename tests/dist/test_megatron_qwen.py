@@ -1,6 +1,6 @@
-"""``hf-to-megatron-gpt`` on Qwen2 (q/k/v biases) and Qwen3 (q/k norms), judged by megatron-core itself.
+"""``hf-to-megatron-gpt`` on Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms), judged by megatron-core itself.
 
-Tiny random Qwen2 and Qwen3 models (hidden 64, 2 layers, 4 heads over 2 KV groups, vocab 100 so
+Tiny random Llama, Qwen2 and Qwen3 models (hidden 64, 2 layers, 4 heads over 2 KV groups, vocab 100 so
 the embedding is padded to 128) are saved by transformers' ``save_pretrained`` and converted by the
 ``reshard`` CLI. Oracles: the fused bias is ``torch.cat`` per query group of the saved biases
 (Megatron-Bridge ``merge_qkv_bias``), the q/k layernorms are the saved ``q_norm``/``k_norm``; and
@@ -34,7 +34,7 @@ COMMON = dict(
     vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
-FAMILIES = {"qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {"head_dim": 32})}
+FAMILIES = {"llama": ("LlamaConfig", {}), "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {"head_dim": 32})}
 PROFILE = ("--transforms", "hf-to-megatron-gpt")
 
 
