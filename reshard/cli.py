@@ -767,6 +767,9 @@ def verify(
         ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or (), matched)
         for w in unmatched:
             console().print(f"warning: {w}")
+        family = tf.family_note() if tf is not None else None
+        if family is not None:  # model_type and paths come from files: printed verbatim
+            _say("warning: ", family)
         doc = with_replicas(verify_checkpoints(ca, cb), ca, cb)
         if tf is not None:  # the copies a split reads once (vLLM's replicated KV heads), as replicas
             selected = include or exclude

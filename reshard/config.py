@@ -123,7 +123,7 @@ _KINDS = ("positional", "named", "all")
 _TOP_KEYS = ("mesh", "placements", "optional", "name", "description")
 # A layout's transforms section: read by reshard.transform_plan.layout_transforms (a target layout's
 # is applied by convert, a source layout's refused), skipped here
-_TRANSFORM_KEYS = ("config", "transforms", "allow_unused")
+_TRANSFORM_KEYS = ("model_types", "config", "transforms", "allow_unused")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint, Signature, TensorSource
+from .checkpoint import Checkpoint, CheckpointWarning, Signature, TensorSource
 from .config import resolve_preset
 from .dtypes import DTYPE_SIZES
 from .errors import PlanError, UsageError
@@ -46,6 +46,7 @@ from .transforms import (
     Untie,
     apply,
     config_values,
+    family_warning,
     load_hf_config,
     load_transforms,
     parse_transforms_text,
@@ -447,6 +448,12 @@ class Transforms:
             where.append(self.config_path)
         return heads_from(values, " over ".join(where))
 
+    def family_note(self) -> str | None:
+        """A warning naming the model config when its ``model_type`` is not one the spec's
+        ``model_types`` lists (:func:`~reshard.transforms.family_warning`), else None."""
+        note = family_warning(self.spec, self.config, self.origin)
+        return None if note is None else f"{self.config_path}: {note}"
+
     def record(self) -> dict[str, Any]:
         """What ``reshard.json`` says about them (``inspect`` shows it)."""
         return {
@@ -493,7 +500,8 @@ def transforms_for(
 
     The model config is ``model_config``, else the source directory's ``config.json``
     when there is one. ``sets`` (``--set KEY=VALUE``) override its values and the spec's
-    own ``config:`` entries of those names.
+    own ``config:`` entries of those names. A config whose ``model_type`` the spec's
+    ``model_types`` does not list adds a warning to ``source.warnings`` (the exit code is unchanged).
 
     Raises:
         UsageError: both ``--transforms`` and a layout section, transform-only options alone,
@@ -527,7 +535,13 @@ def transforms_for(
         candidate = (src if src.is_dir() else src.parent) / "config.json"
         path = str(candidate) if candidate.is_file() else None
     config = load_hf_config(path) if path is not None else None
-    return Transforms(spec, origin, inverse, config, path, overrides)
+    tf = Transforms(spec, origin, inverse, config, path, overrides)
+    note = tf.family_note()
+    if note is not None:  # a model of a family the profile does not list: said, not refused
+        w = CheckpointWarning(note, path=path)
+        if w not in source.warnings:
+            source.warnings.append(w)
+    return tf
 
 
 _SET = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?[0-9]{1,18})\s*")

@@ -1153,12 +1153,15 @@ class TransformSpec:
         allow_unused: let tensors no operation touches pass through unchanged
             (otherwise they are an error: a profile that misses a tensor is wrong).
         source: the file, for messages.
+        model_types: the config.json ``model_type`` values (model families) the spec is made
+            for; a model of another family is a warning (:func:`family_warning`). Empty: any.
     """
 
     ops: tuple[Op, ...]
     config: tuple[tuple[str, Expr], ...] = ()
     allow_unused: bool = False
     source: str = "<transforms>"
+    model_types: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The spec as plain data in the YAML's shape (``yaml.safe_dump`` it to get a profile back).
@@ -1166,6 +1169,8 @@ class TransformSpec:
         Used to record the transforms a conversion applied, and to show an inverse spec.
         """
         out: dict[str, Any] = {}
+        if self.model_types:
+            out["model_types"] = list(self.model_types)
         if self.config:
             out["config"] = dict(self.config)
         out["transforms"] = [_op_json(op) for op in self.ops]
@@ -1419,7 +1424,34 @@ def inverse(spec: TransformSpec) -> TransformSpec:
             raise ConfigError(spec.where(i) + e.message, path=spec.source) from None
         if op is not None:
             ops.append(op)
-    return TransformSpec(tuple(ops), spec.config, spec.allow_unused, f"inverse of {spec.source}")
+    return TransformSpec(
+        tuple(ops), spec.config, spec.allow_unused, f"inverse of {spec.source}", spec.model_types
+    )
+
+
+def family_warning(spec: TransformSpec, config: Mapping[str, Any] | None, profile: str) -> str | None:
+    """A warning when the model's config.json names a ``model_type`` the spec does not list.
+
+    A profile's renames and fusions may fit a family they were not made for and still be wrong for
+    it (Gemma's RMSNorm scales by ``1 + w`` and its embeddings by ``sqrt(hidden_size)``: a Llama
+    profile converts it with exit 0). None when the spec lists no families, there is no config,
+    it has no ``model_type``, or the family is listed.
+
+    >>> spec = TransformSpec((), model_types=("llama", "mistral"))
+    >>> family_warning(spec, {"model_type": "gemma"}, "hf-to-torchtitan-llama")[:74]
+    'profile hf-to-torchtitan-llama is made for model_type llama, mistral; the '
+    >>> family_warning(spec, {"model_type": "llama"}, "p") is None
+    True
+    """
+    kind = config.get("model_type") if config is not None else None
+    if not spec.model_types or not isinstance(kind, str) or kind in spec.model_types:
+        return None
+    return (
+        f"profile {profile} is made for model_type {', '.join(spec.model_types)}; the model config says "
+        f"model_type {kind!r}: the tensors convert by name, but the target framework may expect "
+        "transforms this profile does not make (norm offsets, scaled embeddings, another RoPE layout); "
+        "check the result before using it"
+    )
 
 
 # -- YAML ------------------------------------------------------------------------
@@ -1439,7 +1471,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # op: (required
     "untie": (("tensor", "same_as"), ("when", *_OPTIONAL)),
     "transpose": (("tensors",), ("dims", *_OPTIONAL)),
 }
-_TOP = ("name", "description", "config", "transforms", "allow_unused", "mesh", "placements")
+_TOP = ("name", "description", "model_types", "config", "transforms", "allow_unused", "mesh", "placements")
 
 
 def _str(v: object, what: str) -> str:
@@ -1578,7 +1610,16 @@ class _TransformParser(_Parser):
         allow = self.value(top["allow_unused"][1]) if "allow_unused" in top else False
         if not isinstance(allow, bool):
             raise self.error(top["allow_unused"][1], "allow_unused: must be true or false")
-        return TransformSpec(self.ops(top["transforms"][1]), tuple(config), allow, self.source)
+        kinds: tuple[str, ...] = ()
+        if "model_types" in top:
+            node = top["model_types"][1]
+            value = self.value(node)
+            if not isinstance(value, list) or not value or not all(isinstance(x, str) and x for x in value):
+                raise self.error(
+                    node, "model_types: must be a list of config.json model_type values, e.g. [llama, qwen2]"
+                )
+            kinds = tuple(value)
+        return TransformSpec(self.ops(top["transforms"][1]), tuple(config), allow, self.source, kinds)
 
     def ops(self, node: yaml.Node) -> tuple[Op, ...]:
         if not isinstance(node, yaml.SequenceNode):

@@ -81,12 +81,14 @@ def test_fused_qkv_profiles_take_head_dim_from_the_config(tmp_path: Path, family
     assert sorted(again) == sorted(hf) and all(torch.equal(again[n], t) for n, t in hf.items())
 
     meg = tmp_path / "megatron"
-    args = ["--transforms", "hf-to-megatron-gpt", "--consolidate"]
-    if family == "qwen3":  # Megatron's q/k layernorms: no names for them in the profile
-        args.append("--allow-unused")
-    p = run("convert", str(src), str(meg), *args)
-    assert p.returncode == 0, p.stderr
+    p = run("convert", str(src), str(meg), "--transforms", "hf-to-megatron-gpt", "--consolidate")
+    assert p.returncode == 0, p.stderr  # Qwen3's q_norm/k_norm: Megatron's q/k layernorms
     got = load_file(str(meg / "model.safetensors"))
+    if family == "qwen3":
+        for i in range(2):
+            for x in "qk":
+                want = hf[f"model.layers.{i}.self_attn.{x}_norm.weight"]
+                assert torch.equal(got[f"decoder.layers.{i}.self_attention.{x}_layernorm.weight"], want)
     for i in range(2):
         at = f"model.layers.{i}.self_attn."
         q, k, v = (hf[f"{at}{x}_proj.weight"] for x in "qkv")
@@ -120,3 +122,36 @@ def test_get_reads_a_key_when_given_else_its_default() -> None:
             apply(parse_transforms_text(text.replace(spec.config[0][1], bad)), shapes, config=cfg)
     with pytest.raises(ConfigError, match="head_dim must be an integer"):
         apply(spec, shapes, config={**cfg, "head_dim": "8"})
+
+
+def test_a_profile_warns_for_a_model_type_it_does_not_list(tmp_path: Path) -> None:
+    """hf-to-torchtitan-llama converts a Gemma (RMSNorm by 1 + w, embeddings scaled: not what
+    torchtitan's llama3 computes) with exit 0, as before, but now says so on stderr naming the
+    profile, the model_type and the listed ones; a Llama gets no such warning. verify, plan and
+    --inverse (config from --model-config) say it too."""
+    gemma, _ = saved(tmp_path, "GemmaConfig", head_dim=16)
+    llama, _ = saved(tmp_path, "LlamaConfig")
+    assert json.loads((gemma / "config.json").read_text())["model_type"] == "gemma"
+    profile = ("--transforms", "hf-to-torchtitan-llama")
+    warning = "profile hf-to-torchtitan-llama is made for model_type llama; the model config says "
+    warning += "model_type 'gemma'"
+
+    p = run("convert", str(gemma), str(tmp_path / "tt"), *profile, "--consolidate")
+    assert p.returncode == 0, p.stderr
+    assert f"warning: {gemma / 'config.json'}: {warning}" in p.stderr
+    assert p.stderr.count("made for model_type") == 1
+    p = run("verify", str(gemma), str(tmp_path / "tt"), *profile)
+    assert p.returncode == 0 and warning in p.stderr, p.stderr
+    p = run("plan", str(gemma), *profile, "--consolidate")
+    assert p.returncode == 0 and warning in p.stderr, p.stderr
+    back = ("--inverse", "--model-config", str(gemma / "config.json"), "--consolidate")
+    p = run("convert", str(tmp_path / "tt"), str(tmp_path / "back"), *profile, *back)
+    assert p.returncode == 0 and warning in p.stderr, p.stderr
+    p = run("convert", str(gemma), str(tmp_path / "tt2"), *profile, "--consolidate", "--json")
+    assert p.returncode == 0 and any(warning in w for w in json.loads(p.stdout)["warnings"]), p.stdout
+
+    for cmd in (("convert", str(llama), str(tmp_path / "tt-llama"), *profile, "--consolidate"),
+                ("verify", str(llama), str(tmp_path / "tt-llama"), *profile)):  # fmt: skip
+        p = run(*cmd)
+        assert p.returncode == 0, p.stderr
+        assert "made for model_type" not in p.stderr and "warning" not in p.stderr, p.stderr

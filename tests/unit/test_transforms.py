@@ -362,8 +362,47 @@ def test_to_json_dumps_back_to_the_same_spec(profile: str) -> None:
     for spec in (load_transforms(profile), inverse(load_transforms(profile))):
         again = parse_transforms_text(yaml.safe_dump(spec.to_json(), sort_keys=False), "dumped.yaml")
         assert (again.ops, again.config, again.allow_unused) == (spec.ops, spec.config, spec.allow_unused)
+        assert again.model_types == spec.model_types and spec.model_types
     text = yaml.safe_dump(inverse(load_transforms("hf-to-megatron-gpt")).to_json(), sort_keys=False)
     assert "split:" in text and "unpad:" in text
+
+
+def test_every_profile_lists_the_model_types_it_is_made_for() -> None:
+    """Each shipped profile names the config.json model_type values its tests and oracles cover;
+    the inverse keeps them (its model config is the same HF config.json)."""
+    from reshard.transforms import list_profiles
+
+    for name in list_profiles():
+        spec = load_transforms(name)
+        assert spec.model_types and all(k == k.lower() and " " not in k for k in spec.model_types), name
+        assert inverse(spec).model_types == spec.model_types, name
+    assert load_transforms("hf-to-torchtitan-llama").model_types == ("llama",)
+    assert "gemma" not in load_transforms("hf-to-megatron-gpt").model_types
+
+
+def test_model_types_a_mismatch_is_a_warning_and_bad_values_are_refused(tmp_path: Path) -> None:
+    """model_types: [..] is checked against config.json's model_type: another family gives a
+    warning naming the profile, the model_type and the listed ones; absent keys warn nothing."""
+    from reshard.config import parse_layout_text
+    from reshard.transforms import family_warning
+
+    spec = spec_of("""
+        model_types: [llama, mistral]
+        transforms: [{drop: {tensors: x}}]
+        """)
+    assert spec.model_types == ("llama", "mistral")
+    note = family_warning(spec, {"model_type": "gemma"}, "mine.yaml")
+    assert note is not None and "profile mine.yaml is made for model_type llama, mistral" in note
+    assert "model_type 'gemma'" in note
+    for config in ({"model_type": "mistral"}, {}, None, {"model_type": 3}):
+        assert family_warning(spec, config, "mine.yaml") is None
+    assert family_warning(spec_of("transforms: [{drop: {tensors: x}}]"), {"model_type": "gemma"}, "p") is None
+    for bad in ("[]", "llama", "[llama, 3]", "['']", "{a: b}"):
+        with pytest.raises(ConfigError, match=r"spec.yaml:1:.*model_types: must be a list"):
+            spec_of(f"model_types: {bad}\ntransforms: [{{drop: {{tensors: x}}}}]\n")
+    text = "mesh: {tp: 2}\nplacements: {'*': R}\nmodel_types: [llama]\ntransforms: [{drop: {tensors: x}}]\n"
+    assert parse_layout_text(text, "l.yaml").mesh.size == 2  # a layout with a transforms section
+    assert parse_transforms_text(text, "l.yaml").model_types == ("llama",)
 
 
 def test_concat_shards_repeat_chunks_and_split_reads_the_first_copy() -> None:
