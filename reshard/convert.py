@@ -377,10 +377,15 @@ def _added_dims(mesh: Mesh, sizes: dict[str, int] | None, rules: str) -> list[Ch
     return out
 
 
+VERL_HF_DIR = "huggingface"
+"""veRL's checkpoint directory keeps the model's config and tokenizer in this sub-directory."""
+
+
 def model_files_for(source: Checkpoint, target: Target, config_from: str | None) -> list[Path]:
     """The non-weight files an hf output gets, scanned before anything is written.
 
-    From ``--config-from DIR``, else from the source directory when it has a ``config.json``.
+    From ``--config-from DIR``, else from the source directory when it has a ``config.json``,
+    else from its ``huggingface/`` sub-directory when that has one (veRL's checkpoints).
     Files left out, and an hf output that will hold weights only, are warnings on ``source``.
 
     Raises:
@@ -393,6 +398,10 @@ def model_files_for(source: Checkpoint, target: Target, config_from: str | None)
         return []
     src = Path(source.path)
     root = Path(config_from) if config_from is not None else (src if src.is_dir() else src.parent)
+    if config_from is None and not (root / "config.json").is_file() and (root / VERL_HF_DIR).is_dir():
+        # veRL's checkpoint directory keeps the model's config and tokenizer in huggingface/
+        # (fsdp_checkpoint_manager.py), where its own model merger takes them from
+        root = root / VERL_HF_DIR
     if config_from is None and not (root / "config.json").is_file():
         source.warnings.append(
             CheckpointWarning(
