@@ -52,6 +52,8 @@ CONSOLIDATED = "hf"
 """The writer ``--consolidate`` means, and the default for a one-rank target."""
 SHARDED = "per-rank"
 """The default writer for a multi-rank target."""
+SHARDED_STATE = "sharded-state"
+"""vLLM/SGLang ``model-rank-{rank}-part-{part}``: their rank is the tensor-parallel rank."""
 
 DTYPES = {
     "bf16": "BF16",
@@ -312,6 +314,15 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
             "ranks (MAX_TARGET_RANKS): reshard writes a file for every target rank and plans each one "
             "(32,768 ranks: ~25 s and ~360 MiB to plan a 21-tensor model), so a mesh this size is "
             "almost surely a typo; check --target-mesh and the layout's mesh"
+        )
+    if w.name == SHARDED_STATE and sum(n > 1 for n in mesh.shape) > 1:
+        source.warnings.append(
+            CheckpointWarning(
+                f"{SHARDED_STATE} output on mesh {mesh}: vLLM and SGLang number these files by "
+                "tensor-parallel rank only (model-rank-{tp_rank}-part-*), so they load only a "
+                "one-dim (tp) mesh's files; these are numbered by global rank (reshard reads them "
+                "back through reshard.json)"
+            )
         )
     return Target(w, mesh, rules, dtype, options, tf)
 
