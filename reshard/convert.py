@@ -52,6 +52,8 @@ CONSOLIDATED = "hf"
 """The writer ``--consolidate`` means, and the default for a one-rank target."""
 SHARDED = "per-rank"
 """The default writer for a multi-rank target."""
+SHARDED_STATE = "sharded-state"
+"""vLLM/SGLang ``model-rank-{rank}-part-{part}``: their rank is the tensor-parallel rank."""
 
 DTYPES = {
     "bf16": "BF16",
@@ -313,6 +315,15 @@ def resolve_target(source: Checkpoint, spec: TargetSpec) -> Target:
             "(32,768 ranks: ~25 s and ~360 MiB to plan a 21-tensor model), so a mesh this size is "
             "almost surely a typo; check --target-mesh and the layout's mesh"
         )
+    if w.name == SHARDED_STATE and sum(n > 1 for n in mesh.shape) > 1:
+        source.warnings.append(
+            CheckpointWarning(
+                f"{SHARDED_STATE} output on mesh {mesh}: vLLM and SGLang number these files by "
+                "tensor-parallel rank only (model-rank-{tp_rank}-part-*), so they load only a "
+                "one-dim (tp) mesh's files; these are numbered by global rank (reshard reads them "
+                "back through reshard.json)"
+            )
+        )
     return Target(w, mesh, rules, dtype, options, tf)
 
 
@@ -377,10 +388,15 @@ def _added_dims(mesh: Mesh, sizes: dict[str, int] | None, rules: str) -> list[Ch
     return out
 
 
+VERL_HF_DIR = "huggingface"
+"""veRL's checkpoint directory keeps the model's config and tokenizer in this sub-directory."""
+
+
 def model_files_for(source: Checkpoint, target: Target, config_from: str | None) -> list[Path]:
     """The non-weight files an hf output gets, scanned before anything is written.
 
-    From ``--config-from DIR``, else from the source directory when it has a ``config.json``.
+    From ``--config-from DIR``, else from the source directory when it has a ``config.json``,
+    else from its ``huggingface/`` sub-directory when that has one (veRL's checkpoints).
     Files left out, and an hf output that will hold weights only, are warnings on ``source``.
 
     Raises:
@@ -393,6 +409,10 @@ def model_files_for(source: Checkpoint, target: Target, config_from: str | None)
         return []
     src = Path(source.path)
     root = Path(config_from) if config_from is not None else (src if src.is_dir() else src.parent)
+    if config_from is None and not (root / "config.json").is_file() and (root / VERL_HF_DIR).is_dir():
+        # veRL's checkpoint directory keeps the model's config and tokenizer in huggingface/
+        # (fsdp_checkpoint_manager.py), where its own model merger takes them from
+        root = root / VERL_HF_DIR
     if config_from is None and not (root / "config.json").is_file():
         source.warnings.append(
             CheckpointWarning(
