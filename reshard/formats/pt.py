@@ -55,21 +55,28 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, Spooled
 from ..dtypes import DTYPE_SIZES
-from ..errors import HeaderError, LayoutError, SourceChangedError, TensorNotFoundError, UsageError
+from ..errors import (
+    HeaderError,
+    LayoutError,
+    ReshardError,
+    SourceChangedError,
+    TensorNotFoundError,
+    UsageError,
+)
 from ..io.header import Header, TensorEntry
 from ..io.spool import LazySpool, SpoolCheckError, strided_span
 from ..io.torchsave import geometry_of, leaves, locate, stored_record
 from ..io.torchzip import TorchZip, crc32_range, read_record, read_torch_zip
 from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, load_torch_save
 from ..mesh import Mesh
-from ..placements import Placement
+from ..placements import Placement, Shard, StridedShard, parse_placement
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions
 from .hf import duplicates
 from .hf_extras import read_weight_index
 from .per_rank import RankFiles, exact_rules, layout_describe, rank_checkpoint, source_layout
 
 if TYPE_CHECKING:
-    pass
+    from ..config import LayoutConfig
 
 __all__ = ["READER", "BIN_SINGLE", "BIN_INDEX", "pt_files", "rank_of", "read_pt", "open_bin_shards"]
 
@@ -470,6 +477,7 @@ def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None 
             path=str(directory),
         )
     plain = [n for n in files[0].header.names if n not in described]
+    overridden = _overridden(cfg, described) if cfg is not None else []
     by_layout = layout_describe(cfg.placements_for, mesh, paths[0], cfg.source) if cfg is not None else None
 
     def describe(
@@ -513,8 +521,48 @@ def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None 
                 tensor=plain[0],
             )
         )
+    if overridden:
+        name, said, ruled = overridden[0]
+        more = f" (and {len(overridden) - 1} more)" if len(overridden) > 1 else ""
+        ckpt.warnings.append(
+            CheckpointWarning(
+                f'{paths[0].parent}: DTensor "{name}" says it is {said}, but the layout gives it '
+                f"{ruled}{more}; a DTensor's own placements are used (the layout's rules are for the "
+                "plain tensors): check that the layout is the one these files were saved with",
+                path=str(paths[0]),
+                tensor=name,
+            )
+        )
     ckpt.layout = cfg if cfg is not None else exact_rules(ckpt)
     return ckpt
+
+
+def _overridden(cfg: LayoutConfig, described: _Described) -> list[tuple[str, str, str]]:
+    """DTensors whose own placements differ from what a rule of ``cfg`` gives their name (a rule
+    that does not fit, or no rule, is not a difference): ``(name, theirs, the rule's)``."""
+    out: list[tuple[str, str, str]] = []
+    seen: dict[tuple[int, tuple[str, ...], int], bool] = {}
+    for name, (shape, said) in described.items():
+        try:
+            ruled = cfg.placements_for(name)
+        except ReshardError:
+            continue
+        key = (id(ruled), tuple(said), len(shape))
+        same = seen.get(key)
+        if same is None:
+            try:
+                a = [_normal(parse_placement(p), len(shape)) for p in said]
+                b = [_normal(p, len(shape)) for p in ruled]
+            except ReshardError:
+                continue
+            same = seen[key] = a == b
+        if not same:
+            out.append((name, "[" + ", ".join(map(str, said)) + "]", "[" + ", ".join(map(str, ruled)) + "]"))
+    return out
+
+
+def _normal(p: Placement, ndim: int) -> Placement:
+    return p.normalized(ndim) if isinstance(p, (Shard, StridedShard)) else p
 
 
 def open_bin_shards(directory: Path, options: ReadOptions) -> Checkpoint:

@@ -246,3 +246,19 @@ def test_check_verifies_the_zip_crc32s(world: Path, tmp_path: Path) -> None:
     f.write_bytes(bytes(data))
     res = reshard("inspect", bad, "--check", code=1)
     assert 'rank_2.pt: tensor "w"' in res.stdout + res.stderr and "CRC32" in res.stdout + res.stderr
+
+
+def test_a_layout_that_contradicts_a_dtensor_is_a_warning(world: Path, tmp_path: Path) -> None:
+    """veRL's DTensors say ``S(0)`` on ``fsdp``; a --source-layout giving them ``S(1)`` was silently
+    ignored (the DTensors' own placements win, rightly). Now a warning names the tensor and both;
+    a layout that agrees (``Shard(-2)`` of a 2-d weight is its ``S(0)``) or has no rule for it
+    (``0.*``) says nothing, and the output is torch's either way."""
+    wrong, right = tmp_path / "wrong.yaml", tmp_path / "right.yaml"
+    wrong.write_text('mesh: {fsdp: 4}\nplacements:\n  "*.weight": S(1)\n  "*": R\n')
+    right.write_text('mesh: {fsdp: 4}\nplacements:\n  "1.weight": Shard(-2)\n  "scale": R\n')
+    res = reshard("convert", world / "verl", tmp_path / "a", "--source-layout", wrong, "--consolidate")
+    assert 'DTensor "0.weight" says it is [S(0)], but the layout gives it [S(1)] (and 2 more)' in res.stderr
+    assert_same_as_torch(tmp_path / "a", world / "verl.safetensors")
+    res = reshard("convert", world / "verl", tmp_path / "b", "--source-layout", right, "--consolidate")
+    assert "says it is" not in res.stderr
+    assert_same_as_torch(tmp_path / "b", world / "verl.safetensors")
