@@ -129,6 +129,7 @@ PROFILES = {
     "hf-to-torchtitan-llama": (llama_hf, LLAMA),
     "hf-to-torchtitan-qwen3": (qwen3_hf, QWEN3_MOE),
     "hf-to-megatron-gpt": (llama_hf, LLAMA),
+    "hf-to-megatron-torch-dist": (lambda: qwen3_hf(LLAMA), LLAMA),  # dense Qwen3: q/k layernorms stacked too
     "hf-to-vllm": (llama_hf, LLAMA),
     "mixtral-experts-stack": (mixtral_hf, MIXTRAL),
     # transformers' own loading is their oracle: tests/cli/test_transformers_experts.py
@@ -325,6 +326,26 @@ def test_hf_to_megatron_matches_bridge_layout() -> None:
     want["output_layer.weight"] = pad(hf["lm_head.weight"], (0, 0, 0, 128 - 50))
     want["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     assert_same(got, want)
+
+
+def test_hf_to_megatron_torch_dist_is_the_per_layer_profile_stacked() -> None:
+    """hf-to-megatron-torch-dist = hf-to-megatron-gpt, then torch.stack of each per-layer tensor over
+    the layers (TransformerBlock's prepended axis); its real-checkpoint oracle is megatron-core's
+    own save, tests/dist/test_megatron_torch_dist.py."""
+    hf = numpy_of(qwen3_hf(LLAMA))
+    per_layer = run_spec(load_transforms("hf-to-megatron-gpt"), hf, LLAMA)
+    want: dict[str, torch.Tensor] = {}
+    for name, a in per_layer.items():
+        if not name.startswith("decoder.layers.0."):
+            if not name.startswith("decoder.layers."):
+                want[name] = torch.from_numpy(a)
+            continue
+        rest = name.removeprefix("decoder.layers.0.")
+        want["decoder.layers." + rest] = torch.stack(
+            [torch.from_numpy(per_layer[f"decoder.layers.{i}.{rest}"]) for i in range(2)]
+        )
+    assert "decoder.layers.self_attention.q_layernorm.weight" in want
+    assert_same(run_spec(load_transforms("hf-to-megatron-torch-dist"), hf, LLAMA), want)
 
 
 def test_hf_to_vllm_matches_fused_layout() -> None:

@@ -40,23 +40,17 @@ def local_name(name: str) -> str:
     return name
 
 
-def compare(hf_dir: Path, meg_dir: Path) -> dict[str, Any]:
+def build_model(c: Any, padded_vocab: int, bias: bool, qk_norm: bool, tp: int = 1) -> Any:
+    """Megatron-Core's GPTModel (local spec, fp32, CPU) for the HF config ``c``, at tensor-parallel
+    degree ``tp`` (the model-parallel state must be initialised for it)."""
     import torch
-    import transformers
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from safetensors.torch import load_file
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
-    c = hf.config
-    names = set(hf.state_dict())
-    bias = "model.layers.0.self_attn.q_proj.bias" in names
-    qk_norm = "model.layers.0.self_attn.q_norm.weight" in names
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rope = getattr(c, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-    state = {local_name(k): v for k, v in load_file(str(meg_dir / "model.safetensors")).items()}
     cfg = TransformerConfig(
         num_layers=c.num_hidden_layers,
         hidden_size=c.hidden_size,
@@ -78,16 +72,31 @@ def compare(hf_dir: Path, meg_dir: Path) -> dict[str, Any]:
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
+        tensor_model_parallel_size=tp,
     )
-    model = GPTModel(
+    return GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
-        vocab_size=state["embedding.word_embeddings.weight"].shape[0],  # padded
+        vocab_size=padded_vocab,
         max_sequence_length=c.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(theta),
         share_embeddings_and_output_weights=False,
     ).eval()
+
+
+def compare(hf_dir: Path, meg_dir: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    c = hf.config
+    names = set(hf.state_dict())
+    bias = "model.layers.0.self_attn.q_proj.bias" in names
+    qk_norm = "model.layers.0.self_attn.q_norm.weight" in names
+    state = {local_name(k): v for k, v in load_file(str(meg_dir / "model.safetensors")).items()}
+    model = build_model(c, state["embedding.word_embeddings.weight"].shape[0], bias, qk_norm)  # padded vocab
     missing, unexpected = model.load_state_dict(state, strict=False)  # shapes are checked here
     missing = [k for k in missing if not k.endswith("._extra_state")]
     g = torch.Generator().manual_seed(0)
