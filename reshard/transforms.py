@@ -1033,9 +1033,15 @@ class Unpad(_InPlace):
             mult = None if self.multiple is None else env.eval(self.multiple)
             want = _padded(keep, mult, None if self.padded_size is None else env.eval(self.padded_size), name)
             if want != n:
-                raise ConfigError(
-                    f'"{name}" has {n} along dim {d}, but size {keep} pads to {want}', tensor=name
-                )
+                msg = f'"{name}" has {n} along dim {d}, but size {keep} pads to {want}'
+                if mult is not None:
+                    msg += f" (a multiple of {mult})"
+                    fits = [m for m in (2**k for k in range(31)) if m <= n and -(-keep // m) * m == n]
+                    if fits and isinstance(self.multiple, str) and self.multiple.isidentifier():
+                        # Megatron pads to make_vocab_size_divisible_by x TP: say which multiple fits
+                        m = fits[-1]
+                        msg += f"; {n} is {keep} padded to a multiple of {m}: give --set {self.multiple}={m}"
+                raise ConfigError(msg, tensor=name)
         out = _with_dim(shape, d, keep)
         return out, ((_remap(shape, d, (Seg(0, 0, keep),), name),) if 0 not in out else ())
 

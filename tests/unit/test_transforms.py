@@ -141,6 +141,26 @@ def test_pad_unpad_vocab() -> None:
     check(spec_of("transforms: [{unpad: {tensors: w, size: 2, dim: 1}}]"), {"w": (3, 5)})
 
 
+def test_an_unpad_whose_multiple_does_not_fit_says_which_does() -> None:
+    """Megatron pads the vocab to make_vocab_size_divisible_by x TP: a 100-row vocab saved at 256
+    rows, read with the profile's 128, names the multiple that fits and the --set to give."""
+    spec = spec_of("""
+        config: {vocab: 100, vocab_multiple: 128}
+        transforms:
+          - unpad: {tensors: emb, dim: 0, multiple: vocab_multiple, size: vocab}
+    """)
+    with pytest.raises(ConfigError) as e:
+        apply(spec, {"emb": (256, 4)})
+    assert "has 256 along dim 0, but size 100 pads to 128 (a multiple of 128)" in str(e.value)
+    assert "give --set vocab_multiple=256" in str(e.value)
+    fixed = spec_of("""
+        config: {vocab: 100, vocab_multiple: 256}
+        transforms:
+          - unpad: {tensors: emb, dim: 0, multiple: vocab_multiple, size: vocab}
+    """)
+    assert apply(fixed, {"emb": (256, 4)})["emb"].shape == (100, 4)
+
+
 def test_tie_untie_rename_transpose_drop() -> None:
     spec = spec_of("""
         transforms:
