@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.hostile.test_redteam2 import KILL_AT_FIRST_MOVE  # the swap's first move into DST: SIGKILL
+
 RESHARD = Path(sys.executable).with_name("reshard")
 
 torch = pytest.importorskip("torch")
@@ -42,20 +44,6 @@ def rank_local_dcp(dst: Path) -> None:
         sd = {"w": torch.arange(6.0).reshape(2, 3)}
         dcp.save(sd, checkpoint_id=str(dst), no_dist=True, use_collectives=False)
     assert (dst / "__0.metadata").is_file() and not (dst / ".metadata").exists()
-
-
-KILL_AT_FIRST_MOVE = """\
-import os, signal, sys
-real, dst = os.replace, os.path.abspath(sys.argv[1])
-def replace(a, b):
-    real(a, b)
-    if os.path.dirname(os.path.abspath(b)) == dst:  # the swap's first move into DST
-        os.kill(os.getpid(), signal.SIGKILL)
-os.replace = replace
-sys.argv = ["reshard", *sys.argv[2:]]
-from reshard.cli import main
-main()
-"""
 
 
 @pytest.mark.parametrize("to", ["dcp", "hf"])
