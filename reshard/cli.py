@@ -150,8 +150,8 @@ TransformsOpt = Annotated[
         help="Rename, fuse/split, stack, permute or pad tensors on the way: a transforms YAML or a "
         "bundled profile (hf-to-torchtitan-llama, hf-to-torchtitan-qwen3, hf-to-megatron-gpt, "
         "hf-to-megatron-torch-dist, "
-        "hf-to-vllm, mixtral-experts-stack, ...). A --target-layout may carry a transforms: section "
-        "instead.",
+        "hf-to-vllm, phi3-to-llama, mixtral-experts-stack, ...). A --target-layout may carry a "
+        "transforms: section instead.",
         metavar="FILE|PROFILE",
     ),
 ]

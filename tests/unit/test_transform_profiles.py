@@ -114,6 +114,17 @@ def qwen3_hf(
     return dict(sorted(sd.items()))
 
 
+def phi3_hf() -> dict[str, torch.Tensor]:
+    """Phi-3's saved names: llama_hf's q/k/v fused into ``qkv_proj`` = [q; k; v] and gate/up into
+    ``gate_up_proj`` = [gate; up] (Phi3Attention's slices, Phi3MLP's chunk(2))."""
+    sd = llama_hf()
+    for i in range(LLAMA["num_hidden_layers"]):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        sd[a + "qkv_proj.weight"] = torch.cat([sd.pop(a + f"{x}_proj.weight") for x in "qkv"])
+        sd[m + "gate_up_proj.weight"] = torch.cat([sd.pop(m + f"{x}_proj.weight") for x in ("gate", "up")])
+    return dict(sorted(sd.items()))
+
+
 def numpy_of(sd: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {n: t.numpy() for n, t in sd.items()}
 
@@ -132,6 +143,7 @@ PROFILES = {
     "hf-to-megatron-torch-dist": (lambda: qwen3_hf(LLAMA), LLAMA),  # dense Qwen3: q/k layernorms stacked too
     "hf-to-vllm": (llama_hf, LLAMA),
     "mixtral-experts-stack": (mixtral_hf, MIXTRAL),
+    "phi3-to-llama": (phi3_hf, LLAMA),  # transformers' models are its oracle: tests/cli/test_phi3_profile.py
     # transformers' own loading is their oracle: tests/cli/test_transformers_experts.py
     "mixtral-to-transformers-experts": (mixtral_hf, MIXTRAL),
     "qwen3-moe-to-transformers-experts": (qwen3_moe_hf, QWEN3_MOE),
@@ -151,6 +163,11 @@ def test_profile_round_trip_is_byte_identical(name: str) -> None:
     assert sorted(there) != sorted(src)  # the names did change
     back = run_spec(inverse(spec), there, cfg)
     assert_same(back, {n: torch.from_numpy(a) for n, a in src.items()})
+
+
+def test_phi3_to_llama_splits_into_llamas_tensors() -> None:
+    """The split gives back the q/k/v and gate/up tensors phi3_hf fused with torch.cat, by Llama's names."""
+    assert_same(run_spec(load_transforms("phi3-to-llama"), numpy_of(phi3_hf()), LLAMA), llama_hf())
 
 
 # -- torchtitan's own adapter --------------------------------------------------------
