@@ -727,7 +727,7 @@ def _stream_zstd(
     def out(view: memoryview, pos: int) -> None:  # record bytes [pos, pos + len): the chunk's part
         lo, hi = max(pos, first), min(pos + len(view), first + nbytes)
         if lo < hi:
-            _pwrite_all(spool, sfd, view[lo - pos : hi - pos], at + lo - first)
+            spool.pwrite_all(sfd, view[lo - pos : hi - pos], at + lo - first)
 
     while (rec := zs.next()) is not None:
         if st is not None and rec.name == want and data is None:
@@ -781,21 +781,6 @@ def _stream_zstd(
         raise _crc_failed(where, path, fqn)
 
 
-def _pwrite_all(spool: LazySpool, fd: int, view: memoryview, at: int) -> None:
-    """Write ``view`` at byte ``at`` of the spool (open as ``fd``).
-
-    Raises:
-        WriteError: no room under ``$TMPDIR``.
-    """
-    while view:  # a short write (a file system filling up) writes the rest next
-        try:
-            k = os.pwrite(fd, view, at)
-        except OSError as e:
-            raise spool.full(e) from None
-        at += k
-        view = view[k:]
-
-
 def _write_all(spool: LazySpool, src: BinaryIO, fd: int) -> int:
     """Write what ``src`` reads to the start of file ``fd``; the bytes written.
 
@@ -804,14 +789,8 @@ def _write_all(spool: LazySpool, src: BinaryIO, fd: int) -> int:
     """
     pos = 0
     while block := src.read(1 << 20):
-        view = memoryview(block)
-        while view:  # a short write (a file system filling up) writes the rest next
-            try:
-                k = os.pwrite(fd, view, pos)
-            except OSError as e:
-                raise spool.full(e) from None
-            pos += k
-            view = view[k:]
+        spool.pwrite_all(fd, memoryview(block), pos)
+        pos += len(block)
     return pos
 
 
@@ -864,14 +843,8 @@ def _place(
         if not block:
             raise HeaderError(f'{inner}: tensor "{fqn}": the chunk ends early', path=path, tensor=fqn)
         got_crc = zlib.crc32(block, got_crc)
-        view = memoryview(block)
-        while view:
-            try:
-                k = os.pwrite(sfd, view, at + pos)
-            except OSError as e:
-                raise spool.full(e) from None
-            pos += k
-            view = view[k:]
+        spool.pwrite_all(sfd, memoryview(block), at + pos)
+        pos += len(block)
     if crc is not None and got_crc != crc:
         raise _crc_failed(where, path, fqn)
 

@@ -263,15 +263,24 @@ class LazySpool:
         sfd = self.open()
         pos, end = at, at + nbytes
         while pos < end and (block := src.read(min(_BLOCK, end - pos))):
-            view = memoryview(block)
-            while view:  # a short write (a file system filling up) writes the rest next
-                try:
-                    n = os.pwrite(sfd, view, pos)
-                except OSError as e:
-                    raise self.full(e) from None
-                pos += n
-                view = view[n:]
+            self.pwrite_all(sfd, memoryview(block), pos)
+            pos += len(block)
         return pos - at
+
+    def pwrite_all(self, fd: int, view: memoryview, at: int) -> None:
+        """Write all of ``view`` at byte ``at`` of file ``fd`` (the spool, or a fill's temporary
+        beside it).
+
+        Raises:
+            WriteError: no room under ``$TMPDIR``.
+        """
+        while view:  # a short write (a file system filling up) writes the rest next
+            try:
+                n = os.pwrite(fd, view, at)
+            except OSError as e:
+                raise self.full(e) from None
+            at += n
+            view = view[n:]
 
     def write_strided(
         self,
