@@ -994,43 +994,40 @@ def _steps(w: _Writer, f: OutFile, geos: _GeometriesOf, first: int = 0, stop: in
 
 
 def _split_columns(f: OutFile, parts: int) -> list[tuple[int, int, int]]:
-    """:func:`_split_items` of a file written by columns (its fixed bytes all first): split where
-    the entries before hold about ``k / parts`` of its entry bytes, found by a search."""
+    """:func:`_split_items` of a file written by columns (its fixed bytes all first)."""
+    _, _, base, starts, _ = f.layout.entries.columns()  # type: ignore[attr-defined]
+    fixed = len(f.layout.fixed)
+    return _split_at_entries(f, parts, lambda m: (base + starts[m], fixed + m))
+
+
+def _split_chunks(f: OutFile, parts: int) -> list[tuple[int, int, int]]:
+    """:func:`_split_items` of a file of chunk archives (a DCP file: items ``2i`` and ``2i + 1``
+    are archive ``i``'s prefix and data, its trailer written after the data): each run is whole
+    archives (:meth:`_Writer.chunk_steps`)."""
+    arcs = f.chunk_columns()[0]  # type: ignore[attr-defined]
+    return _split_at_entries(f, parts, lambda m: (arcs[m], 2 * m))
+
+
+def _split_at_entries(
+    f: OutFile, parts: int, place: Callable[[int], tuple[int, int]]
+) -> list[tuple[int, int, int]]:
+    """``f``'s items in runs split where the entries before hold about ``k / parts`` of its entry
+    bytes (found by a search over its columns), a run starting at ``place(m)``: the byte offset and
+    item position where entry ``m``'s run begins."""
     import numpy as np
 
-    lay = f.layout
-    _, _, base, starts, sizes = lay.entries.columns()  # type: ignore[attr-defined]
+    sizes = f.layout.entries.columns()[4]  # type: ignore[attr-defined]
     sz = np.frombuffer(sizes, dtype=np.int64, count=len(sizes))
     before = np.cumsum(sz) - sz  # entry bytes before each entry
     total = int(before[-1] + sz[-1]) if len(sz) else 0
     out: list[list[int]] = [[0, 0, -1]]
     for k in range(1, parts if total else 1):
         m = int(np.searchsorted(before, total * k / parts, "left"))
-        at = len(lay.fixed) + m
-        if m < len(sz) and at > out[-1][1]:
-            out[-1][2] = at
-            out.append([base + starts[m], at, -1])
-    return [(lo, a, b) for lo, a, b in out]
-
-
-def _split_chunks(f: OutFile, parts: int) -> list[tuple[int, int, int]]:
-    """:func:`_split_items` of a file of chunk archives (a DCP file: items ``2i`` and ``2i + 1``
-    are archive ``i``'s prefix and data, its trailer written after the data): split at the
-    archive before which about ``k / parts`` of the entry bytes lie, so each run is whole
-    archives (:meth:`_Writer.chunk_steps`), found by a search."""
-    import numpy as np
-
-    _, _, _, _, sizes = f.layout.entries.columns()  # type: ignore[attr-defined]
-    starts = f.chunk_columns()[0]  # type: ignore[attr-defined]
-    sz = np.frombuffer(sizes, dtype=np.int64, count=len(sizes))
-    before = np.cumsum(sz) - sz
-    total = int(before[-1] + sz[-1]) if len(sz) else 0
-    out: list[list[int]] = [[0, 0, -1]]
-    for k in range(1, parts if total else 1):
-        m = int(np.searchsorted(before, total * k / parts, "left"))
-        if m < len(sz) and 2 * m > out[-1][1]:
-            out[-1][2] = 2 * m
-            out.append([starts[m], 2 * m, -1])
+        if m < len(sz):
+            lo, at = place(m)
+            if at > out[-1][1]:
+                out[-1][2] = at
+                out.append([lo, at, -1])
     return [(lo, a, b) for lo, a, b in out]
 
 
@@ -1075,12 +1072,7 @@ def _write_group(
         _lockstep(writers, files, [(0, -1)] * len(files), geos)
         done = [(w.sink.close(f.size), w.crc32s, w.bytes_read) for w, f in zip(writers, files)]
         del writers, bufs  # free the buffers before reading back unhashed pieces
-        results = []
-        for f, tmp, (digests, crc32s, bytes_read) in zip(files, opened, done):
-            if f.needs_crc32 and _patches(f):
-                tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests)
-            results.append(tmp.finish(digests, bytes_read))
-        return results
+        return [_finished(f, tmp, *d, {}) for f, tmp, d in zip(files, opened, done)]
     except BaseException:
         for tmp in opened:
             tmp.discard()
@@ -1231,9 +1223,9 @@ _Begun = dict[int, tuple[Any, int]]
 def _finished(
     f: OutFile, tmp: TmpFile, digests: dict[int, bytes], crc32s: dict[int, int], nread: int, begun: _Begun
 ) -> FileResult:
-    """A file written in parts by several threads, finished: the CRC32s its format writes before
-    the data patched in (their pieces' digests given again), then renamed into place, reading
-    back of each piece a part began only what the next part wrote of it."""
+    """A file written (in one part, or in parts by several threads), finished: the CRC32s its
+    format writes before the data patched in (their pieces' digests given again), then renamed
+    into place, reading back of each piece a part began only what the next part wrote of it."""
     if f.needs_crc32 and _patches(f):
         tmp.patch(f.finish([crc32s[i] for i in range(len(f.entries))]), digests, begun)
     return tmp.finish(digests, nread, begun)
