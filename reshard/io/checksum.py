@@ -80,16 +80,9 @@ def finish_checksum(
     """The checksum of a file of ``size`` bytes, reading back only the pieces not in ``digests``;
     of a piece in ``partial`` (a hasher fed its bytes up to an offset), only the rest."""
     pieces = max(1, -(-size // PIECE))
-    partial = partial or {}
+    begun = partial or {}
     return combine_pieces(
-        [
-            digests[i]
-            if i in digests
-            else piece_digest_of(path, i, chunk, partial[i])
-            if i in partial
-            else piece_digest_of(path, i, chunk)
-            for i in range(pieces)
-        ]
+        [digests[i] if i in digests else piece_digest_of(path, i, chunk, begun.get(i)) for i in range(pieces)]
     )
 
 
