@@ -767,7 +767,7 @@ def verify(
             ca = tf.checkpoint(ca)
         ca, cb, unmatched = select_pair(ca, cb, include or (), exclude or (), matched)
         for w in unmatched:
-            console().print(f"warning: {w}")
+            _say("warning: ", w)  # the patterns are the user's: printed verbatim
         family = tf.family_note() if tf is not None else None
         if family is not None:  # model_type and paths come from files: printed verbatim
             _say("warning: ", family)

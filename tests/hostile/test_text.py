@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -81,3 +84,22 @@ def test_trailing_backslashes_show_as_written_before_a_tag_or_text(name: str) ->
     assert render(f"[bold]{markup_safe(name)}[/bold]") == name
     assert render(f"{markup_safe(name)}: ok") == f"{name}: ok"
     assert render(markup_safe(name)) == name
+
+
+def test_a_verify_pattern_matching_nothing_is_warned_of_verbatim(tmp_path: Path) -> None:
+    """``verify --include '[red]zz'`` warned 'matches nothing' with the pattern parsed as rich
+    markup ("zz" shown, the tag eaten); it is the user's text, shown as given."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    f = tmp_path / "a.safetensors"
+    save_file({"a": np.zeros(2, dtype=np.float32), "b": np.ones(2, dtype=np.float32)}, str(f))
+    reshard = Path(sys.executable).with_name("reshard")
+    r = subprocess.run(
+        [str(reshard), "verify", str(f), str(f), "--include", "a", "--include", "[red]zz"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert '--include "[red]zz" matches nothing' in r.stderr
