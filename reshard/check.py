@@ -665,7 +665,18 @@ def source_hashes(ckpt: Checkpoint, hold: int) -> ReadHashes:
             regions.append(starts[i], cols[1][i], cols[2][i], cols[3][i], cols[4][i])
         del cols[:], order
         files[fi] = (ckpt.files[fi], regions, None)
-    return ReadHashes(files, hold)
+    return ReadHashes(files, hold, _first_pieces(ckpt, set(files) - set(crcs)))
+
+
+def _first_pieces(ckpt: Checkpoint, files: set[int]) -> dict[int, int]:
+    """Where the first piece of each of ``files`` starts: the copy reads nothing before it."""
+    first: dict[int, int] = {}
+    if files:
+        for t in ckpt.tensors.values():
+            for fi, start in zip(t.piece_files, t.piece_offsets):
+                if fi in files and start < first.get(fi, start + 1):
+                    first[fi] = start
+    return first
 
 
 def check_checkpoint(ckpt: Checkpoint, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Problem]:

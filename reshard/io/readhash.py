@@ -47,9 +47,13 @@ that large is a fresh mapping under the CLI's mmap threshold, and memory touched
 first time costs more here than the copy into it (``MACHINE-NOTES``: HF -> TP-8 of 2 GB
 with two workers held ~500 MiB that way and spent 0.6 s of system time on it)."""
 _GAP = 2 << 20
-"""A span at most this far ahead of a region's cursor is joined to it by reading the bytes
-between (padding, a tensor read later or never); so is a region's first span. A span
-further ahead is held aside, within the budget, else read back after the copy."""
+"""A span at most this far ahead of a region's cursor, and at most a 64th of the region, is
+joined to it by reading the bytes between (padding, a tensor read later or never). A span
+further ahead is held aside, within the budget, else read back after the copy. Bytes the
+copy never reads (a file's header, before its first piece) do not count: they are read
+either way. The 64th keeps a small file's joins small whichever thread reads first: with
+2 MiB, two workers consolidating 6 MiB files read up to 1.5 MiB of a file again when the
+second worker got to its part before the first had read up to it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +150,11 @@ class _State:
 class _File:
     """One file's regions, their states and results."""
 
-    def __init__(self, path: str, regions: Sequence[Region] | CrcRegions, checksum: str | None) -> None:
+    def __init__(
+        self, path: str, regions: Sequence[Region] | CrcRegions, checksum: str | None, unread: int
+    ) -> None:
         self.path = path
+        self.unread = unread  # the copy reads nothing before this offset (the file's header)
         self.regions: Sequence[Region] | CrcRegions
         self.starts: Sequence[int]
         self.stops: Sequence[int]
@@ -187,12 +194,18 @@ class ReadHashes:
             ``xxh3_128-64MiB`` checksum (regions: :func:`xxh3_regions`) or None (regions
             carry CRC32s).
         hold: bytes of spans read ahead of a region's cursor that may be kept aside.
+        unread: per file index, the offset before which the copy reads nothing (where its
+            first piece starts: a header is read back whole, never waited for).
     """
 
     def __init__(
-        self, files: dict[int, tuple[str, Sequence[Region] | CrcRegions, str | None]], hold: int
+        self,
+        files: dict[int, tuple[str, Sequence[Region] | CrcRegions, str | None]],
+        hold: int,
+        unread: dict[int, int] | None = None,
     ) -> None:
-        self._files = {fi: _File(p, regs, cs) for fi, (p, regs, cs) in files.items() if regs}
+        skip = unread or {}
+        self._files = {fi: _File(p, regs, cs, skip.get(fi, 0)) for fi, (p, regs, cs) in files.items() if regs}
         self._hold = hold
         self._held = 0
         self._lock = threading.Lock()
@@ -235,7 +248,8 @@ class ReadHashes:
             # a span far ahead of the cursor is held for when the cursor gets there (another
             # thread's or a sibling's reads fill the bytes between); a span near it, or one the
             # budget cannot hold, is joined to it by reading the bytes between here
-            if lo - st.cursor > _GAP and self._keep(st, lo, data):
+            gap = lo - max(st.cursor, min(f.unread, lo))
+            if gap > min(_GAP, (f.stops[i] - f.starts[i]) >> 6) and self._keep(st, lo, data):
                 return
             st.busy = True
             at_cursor = lo == st.cursor and not st.held

@@ -82,6 +82,37 @@ def test_full_coverage_in_order_reads_nothing_back(tmp_path: Path, small_pieces:
     assert h.problems() == [] and h.read_back == 0
 
 
+def test_a_second_reader_ahead_in_a_small_file_is_held_not_joined(tmp_path: Path) -> None:
+    """Two workers consolidating a 6 MiB file: a span read before the one just behind it, or
+    1.5 MiB ahead of the bytes hashed so far, is held, not joined by reading the bytes between
+    again (with a fixed 2 MiB join distance, how much was read twice depended on which thread
+    got there first). Only the header, which the copy never reads, is read back."""
+    header, step = 1000, 256 << 10
+    data = os.urandom(header + 24 * step)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), file_checksum(p))}, 64 << 20, {0: header})
+    order = list(range(header, len(data), step))
+    for a in [order[6], order[1], order[0], *order[2:6], *order[7:]]:
+        h.feed(0, a, memoryview(data)[a : a + step])
+    assert h.read_back == header and h._held == 0  # finished during the copy, nothing held
+    assert h.problems() == [] and h.read_back == header
+
+
+def test_a_header_the_copy_never_reads_is_read_at_once(tmp_path: Path, small_pieces: int) -> None:
+    """The first span after a long header (a 100k-tensor file's) is joined to the region's
+    start straight away, not held with every span after it while the cursor waits at 0."""
+    header = small_pieces // 3
+    data = os.urandom(2 * small_pieces)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    h = ReadHashes({0: (str(p), xxh3_regions(len(data)), file_checksum(p))}, 1 << 20, {0: header})
+    for a in range(header, len(data), 5000):
+        h.feed(0, a, memoryview(data)[a : a + 5000])
+        assert h._held == 0
+    assert h.read_back == header and h.problems() == [] and h.read_back == header
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_piece_crc32s_named_by_tensor(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
