@@ -32,6 +32,7 @@ __all__ = [
     "ColumnSlice",
     "Crc32Slice",
     "NonTensor",
+    "stored_objects",
     "CheckpointWarning",
     "Spooled",
     "Checkpoint",
@@ -346,12 +347,25 @@ class NonTensor:
         file: index of the file holding it in :attr:`Checkpoint.files`, or None
             (kept in the checkpoint's metadata).
         kind: what it is, for people (``"bytes"``, ``"object"``).
+        offset: where its stored bytes start in that file, when they are one run a writer
+            can copy as they are (a DCP ``BYTE_IO`` item: ``--to dcp`` carries it over);
+            None for a leaf inside a pickle.
+        transforms: the ``transform_descriptors`` its bytes are stored through (zstd), kept
+            with them when copied.
     """
 
     name: str
     size: int
     file: int | None = None
     kind: str = ""
+    offset: int | None = None
+    transforms: tuple[str, ...] = ()
+
+
+def stored_objects(ckpt: Checkpoint) -> list[NonTensor]:
+    """``ckpt``'s non-tensor items that are each one stored run of bytes, which a writer can copy
+    as they are (a DCP source's ``BYTE_IO`` items; a leaf inside a pickle is not)."""
+    return [n for n in ckpt.non_tensors if n.offset is not None and n.file is not None]
 
 
 @dataclass(frozen=True, slots=True)

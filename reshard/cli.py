@@ -526,9 +526,11 @@ def _report_convert(result: dict[str, Any], json_: bool, quiet: bool) -> None:
         _emit({"ok": checked["equal"] if checked else True, "command": "convert", **result})
     elif not quiet:
         d = result["destination"]
+        items = result.get("copied_items") or ()
+        copied = f" and {len(items)} non-tensor item(s) as they were" if items else ""
         _say(
             f"wrote {len(result['files'])} {d['format']} file(s), "
-            f"{result['tensors']} tensors, {_human(result['bytes_written'])} to ",
+            f"{result['tensors']} tensors{copied}, {_human(result['bytes_written'])} to ",
             d["path"],
         )
     if checked and not json_ and (not quiet or not checked["equal"]):

@@ -15,7 +15,7 @@ from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
 from .check import check_metadata, source_hashes
-from .checkpoint import HOLDS_TENSORS, Checkpoint, CheckpointWarning, TensorSource
+from .checkpoint import HOLDS_TENSORS, Checkpoint, CheckpointWarning, NonTensor, TensorSource, stored_objects
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
 from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, UsageError, WriteError
@@ -235,16 +235,21 @@ def _verified(hashes: ReadHashes) -> None:
         )
 
 
-def _not_converted(ckpt: Checkpoint) -> None:
+def _carried(ckpt: Checkpoint, writer: Writer) -> tuple[list[NonTensor], list[NonTensor]]:
+    """The source's non-tensor items the writer copies as they are (``--to dcp``: its ``BYTE_IO``
+    items), and the rest, left out."""
+    carried = stored_objects(ckpt) if writer.objects else []
+    names = {n.name for n in carried}
+    return carried, [n for n in ckpt.non_tensors if n.name not in names]
+
+
+def _not_converted(ckpt: Checkpoint, left: Sequence[NonTensor]) -> None:
     """Warn that non-tensor items are left out (``inspect`` lists them itself, so only convert warns)."""
-    if ckpt.non_tensors:
-        names = ", ".join(n.name for n in ckpt.non_tensors[:3]) + (
-            " ..." if len(ckpt.non_tensors) > 3 else ""
-        )
+    if left:
+        names = ", ".join(n.name for n in left[:3]) + (" ..." if len(left) > 3 else "")
+        how = "" if ckpt.format != "dcp" else " (--to dcp carries them over)"
         ckpt.warnings.append(
-            CheckpointWarning(
-                f"{ckpt.path}: {len(ckpt.non_tensors)} non-tensor item(s) ({names}) are not converted"
-            )
+            CheckpointWarning(f"{ckpt.path}: {len(left)} non-tensor item(s) ({names}) are not converted{how}")
         )
 
 
@@ -697,8 +702,9 @@ def convert(
     with _claimed(dst_path, coordinator().is_main):
         check_destination(src_path, dst_path, overwrite=overwrite, resume=resume)
         ckpt = open_source(source)
-        _not_converted(ckpt)
         tgt = resolve_target(ckpt, target)
+        carried, left = _carried(ckpt, tgt.writer)
+        _not_converted(ckpt, left)
         plan = build_plan(ckpt, tgt)
         extras = model_files_for(ckpt, tgt, target.config_from)
         if on_plan is not None:
@@ -732,8 +738,10 @@ def convert(
         "resumed_files": kept,
         "model_files": [p.name for p in extras],
         "warnings": [str(w) for w in ckpt.warnings],
-        # items that cannot go into safetensors (DCP BYTE_IO): listed, not copied
-        "not_converted": [{"name": n.name, "size": n.size, "kind": n.kind} for n in ckpt.non_tensors],
+        # items that cannot go into safetensors (DCP BYTE_IO): listed, not copied; --to dcp
+        # copies them as they are
+        "not_converted": [{"name": n.name, "size": n.size, "kind": n.kind} for n in left],
+        "copied_items": [{"name": n.name, "size": n.size, "kind": n.kind} for n in carried],
     }
 
 

@@ -78,6 +78,7 @@ def inspect_report(ck: Checkpoint, *, lazy: bool = False) -> dict[str, Any]:
                 "size": n.size,
                 "kind": n.kind,
                 "file": os.path.basename(ck.files[n.file]) if n.file is not None else None,
+                "copied_by_dcp": n.file is not None and n.offset is not None,  # (--to dcp)
             }
             for n in ck.non_tensors
         ]
@@ -464,7 +465,8 @@ def render_inspect(doc: dict[str, Any], console: Any, *, group: bool = True) -> 
         console.print(Text(shown(doc["note"])), soft_wrap=True)
     for n in doc.get("non_tensors", ()):
         where = f" in {n['file']}" if n["file"] else ""
-        text = f"not a tensor (not converted): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
+        how = "copied as it is by --to dcp only" if n.get("copied_by_dcp") else "not converted"
+        text = f"not a tensor ({how}): {n['name']} ({n['kind'] or 'item'}, {human(n['size'])}{where})"
         console.print(Text(shown(text)), soft_wrap=True)
     for w in doc["warnings"]:
         console.print(Text("warning: " + shown(w)), soft_wrap=True)

@@ -132,6 +132,10 @@ class Writer:
             other tools the checkpoint is finished (DCP's ``.metadata``): removed before
             any output file is written (``--resume`` too) and on failure, so an
             interrupted directory never looks finished.
+        objects: ``complete`` carries over the source's non-tensor items that are one stored
+            run (:attr:`~reshard.checkpoint.NonTensor.offset`), as they are (DCP's ``BYTE_IO``
+            items: optimizer hyper-parameters, a step counter); other writers list them as
+            not converted.
     """
 
     name: str
@@ -142,3 +146,4 @@ class Writer:
     lockstep: bool = False
     owns: tuple[str, ...] = ()
     marks: tuple[str, ...] = ()
+    objects: bool = False

@@ -1062,7 +1062,7 @@ class _Reader:
                 if fqn not in self.non_tensors:
                     kind, readable = self._item_kind(fqn, fi, start, length, transforms.get(i, ()))
                     if kind != HOLDS_TENSORS or not readable or not self._object(fqn, fi, start, length):
-                        self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind)
+                        self.non_tensors[fqn] = NonTensor(fqn, length, fi, kind, start, transforms.get(i, ()))
                     reader_fi = -1
                 continue
             chunk = chunks.get((id(m), off))

@@ -10,6 +10,11 @@ data's CRC32 and first 8 bytes and are written as soon as the data is
 A rank's files are split at ``--max-shard-size`` (``__{rank}_1.distcp`` ...), as torch
 names the files of one rank.
 
+The source's non-tensor items stored as one run each (a DCP's ``BYTE_IO`` items: optimizer
+hyper-parameters, a step counter) are copied as they are into one more file of rank 0 and
+recorded as torch records them, so ``dcp.load`` of a full training state needs no
+``allow_partial_load``.
+
 Committing works like DCP's: ``.metadata`` (:mod:`reshard.io.dcp_metadata`) is written
 last through a temporary name, fsynced and renamed, then ``reshard.json``. A directory
 without ``.metadata`` is not a checkpoint to torch, and one without ``reshard.json`` is
@@ -20,6 +25,7 @@ so an interrupted write never looks finished to either.
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,9 +33,12 @@ from itertools import repeat
 from pathlib import Path
 from typing import TypeVar, overload
 
+from ..checkpoint import NonTensor, stored_objects
 from ..dtypes import DTYPE_SIZES
+from ..errors import SourceChangedError, UsageError
 from ..intervals import Box
-from ..io.dcp_metadata import StorageRecord, TensorRecord, natural_key, write_metadata
+from ..io.checksum import file_checksum
+from ..io.dcp_metadata import ObjectRecord, StorageRecord, TensorRecord, natural_key, write_metadata
 from ..io.header import no_gc
 from ..io.torchzip_write import ChunkArchive, chunk_archive
 from ..io.writer import FileResult, write_atomic_with
@@ -39,7 +48,14 @@ from .base import Writer
 from .dcp_boxes import rank_chunks
 from .manifest import complete_self_described
 
-__all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes", "write_metadata_to"]
+__all__ = [
+    "METADATA",
+    "WRITER",
+    "DcpFile",
+    "dcp_file_name",
+    "metadata_bytes",
+    "write_metadata_to",
+]
 
 METADATA = ".metadata"
 
@@ -355,15 +371,18 @@ def _save_id(results: Sequence[FileResult]) -> str:
 
 
 def write_metadata_to(
-    write: Callable[[bytes], object], files: Sequence[OutFile], results: Sequence[FileResult]
+    write: Callable[[bytes], object],
+    files: Sequence[OutFile],
+    results: Sequence[FileResult],
+    objects: Sequence[ObjectRecord] = (),
 ) -> None:
     """``.metadata`` of these files, handed to ``write`` a MiB at a time: tensors in order of
-    first appearance, chunks in file order."""
+    first appearance, chunks in file order; then the non-tensor ``objects``."""
     dcp = [f for f in files if isinstance(f, DcpFile)]
     assert len(dcp) == len(files)
     with no_gc():
         tensors, storage = _records(dcp)
-        write_metadata(write, tensors, storage, save_id=_save_id(results))
+        write_metadata(write, tensors, storage, save_id=_save_id(results), objects=objects)
 
 
 def metadata_bytes(files: Sequence[OutFile], results: Sequence[FileResult]) -> bytes:
@@ -373,9 +392,67 @@ def metadata_bytes(files: Sequence[OutFile], results: Sequence[FileResult]) -> b
     return b"".join(out)
 
 
+def _write_objects(
+    dst: Path, plan: Plan, items: Sequence[NonTensor]
+) -> tuple[list[ObjectRecord], FileResult]:
+    """Copy ``items``' stored bytes, as they are, back to back into one more file of rank 0
+    (``__0_{k}.distcp``, after its data files), as torch puts a rank's ``BYTE_IO`` items in
+    its own file; their records for ``.metadata``.
+
+    Raises:
+        UsageError: an item has the name of a tensor (``.metadata`` keys are one namespace).
+        SourceChangedError: a source file ends before an item's bytes.
+    """
+    names = {t.name for t in plan.tensors}
+    clash = next((n.name for n in items if n.name in names), None)
+    if clash is not None:
+        raise UsageError(
+            f'non-tensor item "{clash}" of {plan.source.path} has the name of a tensor of the output; '
+            f"--exclude '{clash}' or rename the tensor",
+            tensor=clash,
+        )
+    name = dcp_file_name(0, sum(1 for f in plan.files if f.local_rank == 0 and f.name.startswith("__0_")))
+    records: list[ObjectRecord] = []
+
+    def fill(write: Callable[[bytes], object]) -> None:
+        at = 0
+        for n in items:
+            assert n.file is not None and n.offset is not None
+            path = plan.source.files[n.file]
+            with open(path, "rb") as f:
+                left, pos = n.size, n.offset
+                while left:
+                    block = os.pread(f.fileno(), min(left, 1 << 20), pos)
+                    if not block:
+                        raise SourceChangedError(
+                            f'{path}: the file ends before the bytes of item "{n.name}" '
+                            f"({n.offset}..{n.offset + n.size}); it changed while being read",
+                            path=path,
+                            tensor=n.name,
+                        )
+                    write(block)
+                    left -= len(block)
+                    pos += len(block)
+            records.append((n.name, name, at, n.size, n.transforms))
+            at += n.size
+
+    write_atomic_with(dst / name, fill)
+    size = (dst / name).stat().st_size
+    return records, FileResult(name, size, file_checksum(dst / name), size)
+
+
 def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
-    """``.metadata`` (what makes a checkpoint to torch: durable before the rename), then ``reshard.json``."""
-    write_atomic_with(dst / METADATA, lambda write: write_metadata_to(write, plan.files, results), fsync=True)
+    """The source's non-tensor items (:func:`~reshard.checkpoint.stored_objects`), then
+    ``.metadata`` (what makes a checkpoint to torch: durable before the rename), then
+    ``reshard.json``."""
+    items = stored_objects(plan.source)
+    records: list[ObjectRecord] = []
+    if items:
+        records, done = _write_objects(dst, plan, items)
+        results = [*results, done]
+    write_atomic_with(
+        dst / METADATA, lambda write: write_metadata_to(write, plan.files, results, records), fsync=True
+    )
     complete_self_described(dst, plan, results)  # .metadata describes every tensor
 
 
@@ -390,4 +467,5 @@ WRITER = Writer(
     # is missing, so one left beside new data files would describe them as its own checkpoint
     owns=(".distcp", "__[0-9]*.metadata"),
     marks=(METADATA,),
+    objects=True,
 )

@@ -8,6 +8,9 @@ exactly the classes torch itself writes: ``Metadata``, ``TensorStorageMetadata``
 object is ``NEWOBJ`` + ``BUILD`` with the ``__dict__`` torch's own pickle carries, so
 ``pickle.load`` under torch rebuilds instances equal to the ones ``dcp.save`` makes.
 ``planner_data`` maps each key to ``(key,)``: a flat state dict, keys as they are.
+Non-tensor items copied from a source (``BYTE_IO``: optimizer hyper-parameters) are
+``BytesStorageMetadata`` entries after the tensors, their storage items
+``MetadataIndex(fqn)`` (no offset) -> ``_StorageInfo`` with their ``transform_descriptors``.
 
 The opcodes and memo numbering are those of :class:`~reshard.io.pickle_emit.PickleEmitter`
 on the tree of values torch pickles (``tests/dcp_metadata_ref.py`` keeps that encoder;
@@ -37,6 +40,7 @@ from ..dtypes import TORCH_NAMES
 __all__ = [
     "DCP_VERSION",
     "ChunkEntry",
+    "ObjectRecord",
     "StorageRecord",
     "TensorEntry",
     "TensorRecord",
@@ -101,7 +105,12 @@ StorageRecord = tuple[str, int, tuple[int, ...], str, int, int]
 """``(fqn, index, offsets, relative_path, offset, length)``: one ``storage_data`` item,
 ``MetadataIndex(fqn, offsets, index)`` -> ``_StorageInfo(relative_path, offset, length)``."""
 
+ObjectRecord = tuple[str, str, int, int, tuple[str, ...]]
+"""``(fqn, relative_path, offset, length, transform_descriptors)``: a non-tensor item,
+``BytesStorageMetadata`` in ``state_dict_metadata`` and its bytes' place in ``storage_data``."""
+
 _SIZE = ("torch", "Size")
+_BYTES = (_MD, "BytesStorageMetadata")
 _CHUNK = (_MD, "ChunkStorageMetadata")
 _TENSOR = (_MD, "TensorStorageMetadata")
 _PROPS = (_MD, "TensorProperties")
@@ -399,6 +408,33 @@ def _storage_item(p: _Pickle, item: StorageRecord) -> None:
     p.out += b"ub"
 
 
+def _object_item(p: _Pickle, item: ObjectRecord) -> None:
+    """An object's storage item: ``MetadataIndex(fqn)`` (index None and no offset, as torch
+    builds it for a bytes item) -> ``_StorageInfo``, with its descriptors when it has any."""
+    fqn, path, offset, length, descriptors = item
+    p.new(_INDEX)
+    p.text("fqn")
+    p.text(fqn)
+    p.text("index")
+    p.out += b"Nub"
+    p.new(_INFO)
+    p.text("relative_path")
+    p.text(path)
+    p.text("offset")
+    p.integer(offset)
+    p.text("length")
+    p.integer(length)
+    if descriptors:
+        p.text("transform_descriptors")
+        p.out += b"]"
+        p.put()
+        p.out += b"("
+        for d in descriptors:
+            p.text(d)
+        p.out += b"e"
+    p.out += b"ub"
+
+
 def _storage_meta(p: _Pickle, checkpoint_id: str | None, save_id: str) -> None:
     p.new((_MD, "StorageMeta"))
     p.text("checkpoint_id")
@@ -435,6 +471,7 @@ def write_metadata(
     *,
     checkpoint_id: str | None = None,
     save_id: str,
+    objects: Sequence[ObjectRecord] = (),
 ) -> None:
     """Write the bytes of ``.metadata`` through ``write``, about a MiB at a time, as they are made.
 
@@ -447,6 +484,7 @@ def write_metadata(
             then offset); ``index`` is its position among its tensor's chunks.
         checkpoint_id: ``StorageMeta.checkpoint_id`` (a ``PosixPath``); None leaves it unset.
         save_id: ``StorageMeta.save_id``.
+        objects: non-tensor items, recorded after the tensors (keys unique, none a tensor's).
     """
     p = _Pickle(write)
     p.new((_MD, "Metadata"))
@@ -457,6 +495,13 @@ def write_metadata(
             fqns.append(fqn)
             p.text(fqn)
             _tensor_md(p, dtype, shape, chunks)
+    for objs in p.batches(objects, b"s", b"u"):  # (more SETITEMS into the same dict)
+        for obj in objs:
+            fqns.append(obj[0])
+            p.text(obj[0])
+            p.glob(_BYTES)
+            p.out += b")\x81"
+            p.put()
     p.dict_field("planner_data")
     for names in p.batches(fqns, b"s", b"u"):
         for fqn in names:
@@ -469,6 +514,9 @@ def write_metadata(
     for items in p.batches(storage, b"s", b"u"):
         for item in items:
             p.storage_item(item)
+    for objs in p.batches(objects, b"s", b"u"):
+        for obj in objs:
+            _object_item(p, obj)
     p.text("storage_meta")
     _storage_meta(p, checkpoint_id, save_id)
     p.text("version")

@@ -170,7 +170,12 @@ def test_target_mesh(saved: Path, tmp_path: Path, to: str) -> None:
     proc = run_cli(*args, "--to", to, "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert detect_format(out) == to
-    assert len(open_checkpoint(out).files) == 4
+    got = open_checkpoint(out)
+    # the four ranks' files; to dcp, one more with Megatron's byte items, copied as they are
+    assert len(got.files) == 4 + (to == "dcp")
+    if to == "dcp":
+        src = open_checkpoint(saved / "fully_parallel")
+        assert {n.name for n in got.non_tensors} == {n.name for n in src.non_tensors} != set()
     proc = run_cli("verify", saved / "plain", out)  # another writer's checkpoint of the same tensors
     assert proc.returncode == 0, proc.stderr
     if to == "dcp":  # torch reads reshard's output back to Megatron's tensors
@@ -179,7 +184,13 @@ def test_target_mesh(saved: Path, tmp_path: Path, to: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp_to_torch_save(out, tmp_path / "back.pt")
-        assert_same(torch.load(tmp_path / "back.pt", weights_only=True), megatron_load(saved, "plain"))
+        # (the test's own file; its byte items are Megatron's objects, loaded by torch as such)
+        back = torch.load(tmp_path / "back.pt", weights_only=False)
+        assert {k for k, v in back.items() if not isinstance(v, torch.Tensor)} == {
+            n.name for n in got.non_tensors
+        }
+        tensors = {k: v for k, v in back.items() if isinstance(v, torch.Tensor)}
+        assert_same(tensors, megatron_load(saved, "plain"))
 
 
 @pytest.mark.dist

@@ -275,3 +275,33 @@ def test_written_as_made_in_pieces() -> None:
         for i in range(n)
     ]
     assert b"".join(pieces) == encode_metadata(entries, save_id="s")
+
+
+def test_non_tensor_items_are_what_torch_builds(tmp_path: Path) -> None:
+    """Items ``--to dcp`` carries over: ``BytesStorageMetadata`` after the tensors, and each
+    ``MetadataIndex(fqn)`` -> ``_StorageInfo`` with its transform descriptors (none, or zstd),
+    as torch's own pickle of the objects it builds gives them."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    tensors = entries()[1:2]
+    objects = [
+        ("optimizer.param_groups.0.lr", "__0_1.distcp", 0, 1261, ()),
+        ("train.tag", "__0_1.distcp", 1261, 463, ("stream.zstd/1",)),
+    ]
+    out: list[bytes] = []
+    storage: list[StorageRecord] = [("f8", 0, (0,), "__0_0.distcp", 1577, 1641)]
+    tensor_records: list[TensorRecord] = [("f8", "F8_E4M3", (3,), [((0,), (3,))])]
+    write_metadata(out.append, tensor_records, storage, save_id="s", objects=objects)
+    got = pickle.loads(b"".join(out))
+    want = expected(tensors, None, "s")
+    for fqn, path, offset, length, tds in objects:
+        want.state_dict_metadata[fqn] = BytesStorageMetadata()
+        want.planner_data[fqn] = (fqn,)
+        want.storage_data[MetadataIndex(fqn)] = _StorageInfo(path, offset, length, list(tds) or None)
+    want = pickle.loads(pickle.dumps(want))
+    assert got == want and state(got) == state(want)
+    assert list(got.state_dict_metadata) == ["f8", *(o[0] for o in objects)]
+    (tmp_path / ".metadata").write_bytes(b"".join(out))
+    read = FileSystemReader(str(tmp_path)).read_metadata()
+    assert read.storage_data[MetadataIndex("train.tag")].transform_descriptors == ["stream.zstd/1"]
+    assert read.storage_data[MetadataIndex("optimizer.param_groups.0.lr")].transform_descriptors is None

@@ -215,9 +215,8 @@ def test_piece_crc32s_are_checked_and_non_tensors_listed(tmp_path: Path) -> None
         ck = open_source(SourceSpec(str(tmp_path / "npy")))
         assert ck.format == "npy-crc" and check_checkpoint(ck) == []
         doc = inspect_report(ck)
-        assert doc["non_tensors"] == [
-            {"name": "optimizer.step", "size": 6, "kind": "bytes", "file": "extra.bin"}
-        ]
+        item = {"name": "optimizer.step", "size": 6, "kind": "bytes", "file": "extra.bin"}
+        assert doc["non_tensors"] == [{**item, "copied_by_dcp": False}]  # (no offset: not one run)
         out = convert(SourceSpec(str(tmp_path / "npy")), tmp_path / "hf", TargetSpec(consolidate=True))
         assert any("optimizer.step" in w and "not converted" in w for w in out["warnings"])
         assert set(load_file(str(tmp_path / "hf" / "model.safetensors"))) == set(full)
