@@ -40,6 +40,7 @@ from ..intervals import Box
 from ..io.checksum import file_checksum
 from ..io.dcp_metadata import ObjectRecord, StorageRecord, TensorRecord, natural_key, write_metadata
 from ..io.header import no_gc
+from ..io.safe import open_regular
 from ..io.torchzip_write import ChunkArchive, chunk_archive
 from ..io.writer import FileResult, write_atomic_with
 from ..mesh import Mesh
@@ -419,7 +420,8 @@ def _write_objects(
         for n in items:
             assert n.file is not None and n.offset is not None
             path = plan.source.files[n.file]
-            with open(path, "rb") as f:
+            fd, _ = open_regular(path, what="source file", error=SourceChangedError)
+            with os.fdopen(fd, "rb") as f:
                 left, pos = n.size, n.offset
                 while left:
                     block = os.pread(f.fileno(), min(left, 1 << 20), pos)

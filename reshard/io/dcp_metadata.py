@@ -398,25 +398,12 @@ def _storage_item(p: _Pickle, item: StorageRecord) -> None:
     p.text("offset")
     p.size(offsets)
     p.out += b"ub"
-    p.new(_INFO)
-    p.text("relative_path")
-    p.text(path)
-    p.text("offset")
-    p.integer(offset)
-    p.text("length")
-    p.integer(length)
-    p.out += b"ub"
+    _storage_info(p, path, offset, length)
 
 
-def _object_item(p: _Pickle, item: ObjectRecord) -> None:
-    """An object's storage item: ``MetadataIndex(fqn)`` (index None and no offset, as torch
-    builds it for a bytes item) -> ``_StorageInfo``, with its descriptors when it has any."""
-    fqn, path, offset, length, descriptors = item
-    p.new(_INDEX)
-    p.text("fqn")
-    p.text(fqn)
-    p.text("index")
-    p.out += b"Nub"
+def _storage_info(p: _Pickle, path: str, offset: int, length: int, descriptors: Sequence[str] = ()) -> None:
+    """``_StorageInfo(relative_path, offset, length)``, with ``transform_descriptors`` only when
+    there are some (torch's ``__getstate__`` drops None)."""
     p.new(_INFO)
     p.text("relative_path")
     p.text(path)
@@ -433,6 +420,18 @@ def _object_item(p: _Pickle, item: ObjectRecord) -> None:
             p.text(d)
         p.out += b"e"
     p.out += b"ub"
+
+
+def _object_item(p: _Pickle, item: ObjectRecord) -> None:
+    """An object's storage item: ``MetadataIndex(fqn)`` (index None and no offset, as torch
+    builds it for a bytes item) -> ``_StorageInfo``, with its descriptors when it has any."""
+    fqn, path, offset, length, descriptors = item
+    p.new(_INDEX)
+    p.text("fqn")
+    p.text(fqn)
+    p.text("index")
+    p.out += b"Nub"
+    _storage_info(p, path, offset, length, descriptors)
 
 
 def _storage_meta(p: _Pickle, checkpoint_id: str | None, save_id: str) -> None:
