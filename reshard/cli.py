@@ -150,9 +150,10 @@ TransformsOpt = Annotated[
         help="Rename, fuse/split, stack, permute or pad tensors on the way: a transforms YAML or a "
         "bundled profile (hf-to-torchtitan-llama, hf-to-torchtitan-qwen3, hf-to-megatron-gpt, "
         "hf-to-megatron-torch-dist, "
-        "hf-to-vllm, phi3-to-llama, mixtral-experts-stack, ...). A --target-layout may carry a "
-        "transforms: section instead.",
-        metavar="FILE|PROFILE",
+        "hf-to-vllm, phi3-to-llama, mixtral-experts-stack, ...); A,B applies A then B in one pass "
+        "(phi3-to-llama,hf-to-torchtitan-llama). A --target-layout may carry a transforms: section "
+        "instead.",
+        metavar="FILE|PROFILE[,...]",
     ),
 ]
 InverseOpt = Annotated[
@@ -716,9 +717,9 @@ def verify(
         str | None,
         typer.Option(
             "--transforms",
-            help="Compare A seen through these transforms (file or profile) with B: across names "
-            "and fused forms.",
-            metavar="FILE|PROFILE",
+            help="Compare A seen through these transforms (file or profile; A,B chains them) with B: "
+            "across names and fused forms.",
+            metavar="FILE|PROFILE[,...]",
         ),
     ] = None,
     inverse: InverseOpt = False,

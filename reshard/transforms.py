@@ -73,6 +73,7 @@ __all__ = [
     "inverse",
     "parse_transforms_text",
     "load_transforms",
+    "chained",
     "load_hf_config",
     "resolve_profile",
     "list_profiles",
@@ -1700,9 +1701,44 @@ def _read(path: str | os.PathLike[str], what: str) -> str:
 
 
 def load_transforms(path: str | os.PathLike[str]) -> TransformSpec:
-    """Read a transforms file or profile (a path, or a bundled profile name: :func:`resolve_profile`)."""
-    p = resolve_profile(os.fspath(path))
+    """Read a transforms file or profile (a path, or a bundled profile name: :func:`resolve_profile`);
+    ``A,B`` (no file of that name) is ``A`` then ``B``, composed (:func:`chained`)."""
+    text = os.fspath(path)
+    if "," in text and not Path(text).exists():
+        return chained([load_transforms(part.strip()) for part in text.split(",")])
+    p = resolve_profile(text)
     return parse_transforms_text(_read(p, "transforms file"), os.fspath(p))
+
+
+def chained(specs: Sequence[TransformSpec]) -> TransformSpec:
+    """One spec doing each of ``specs`` in turn (``--transforms phi3-to-llama,hf-to-torchtitan-llama``:
+    Phi-3's fused projections split, then torchtitan's permutation and names, in one pass).
+
+    Operations run in order over the tensors the earlier ones made, so the chain is their
+    concatenation. A tensor no operation touches is unused unless every spec allows that; the
+    model families are the first spec's (the source's); config names shared by two specs must
+    say the same.
+
+    Raises:
+        ConfigError: two specs give one config name different values.
+    """
+    config: dict[str, Expr] = {}
+    for spec in specs:
+        for key, value in spec.config:
+            if key in config and config[key] != value:
+                raise ConfigError(
+                    f"{spec.source}: config {key}: {value} differs from {config[key]} in an earlier "
+                    "profile of the chain; give one value with --set",
+                    path=spec.source,
+                )
+            config.setdefault(key, value)
+    return TransformSpec(
+        tuple(op for spec in specs for op in spec.ops),
+        tuple(config.items()),
+        all(spec.allow_unused for spec in specs),
+        " then ".join(spec.source for spec in specs),
+        specs[0].model_types if specs else (),
+    )
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -162,3 +162,47 @@ def test_phi3_to_llama_tp2_in_one_pass_and_back(tmp_path: Path) -> None:
     p = run("convert", str(tp2), str(back), *inv, "--model-config", str(src / "config.json"))
     assert p.returncode == 0, p.stderr
     assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_phi3_to_torchtitan_in_one_pass_equals_two_and_inverts(tmp_path: Path) -> None:
+    """``--transforms phi3-to-llama,hf-to-torchtitan-llama`` chains the profiles in one pass: the
+    same tensors as the two passes (phi3-to-llama, then hf-to-torchtitan-llama, each checked by
+    its own oracle: transformers' logits, torchtitan's adapter), at TP-2 as consolidated; its
+    ``--inverse`` gives the saved Phi-3 file back byte for byte."""
+    phi, src = phi3(tmp_path, 2, None)
+    chain = "phi3-to-llama,hf-to-torchtitan-llama"
+    one = tmp_path / "one"
+    p = run("convert", str(src), str(one), "--transforms", chain, "--consolidate")
+    assert p.returncode == 0, p.stderr
+    assert "warning" not in p.stderr  # phi3, the chain's source family
+    mid, two = tmp_path / "llama", tmp_path / "two"
+    p = run("convert", str(src), str(mid), "--transforms", "phi3-to-llama", "--consolidate")
+    assert p.returncode == 0, p.stderr
+    p = run("convert", str(mid), str(two), "--transforms", "hf-to-torchtitan-llama", "--consolidate")
+    assert p.returncode == 0, p.stderr
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    assert sorted(a) == sorted(b) and "layers.0.attention.qkv_linear.wq.weight" in a
+    for name, t in b.items():
+        assert a[name].dtype == t.dtype and torch.equal(a[name].view(torch.uint8), t.view(torch.uint8)), name
+    # the torchtitan-named files back to Phi-3 in one pass (their config.json names the sizes)
+    back = tmp_path / "back"
+    p = run("convert", str(one), str(back), "--transforms", chain, "--inverse", "--consolidate")
+    assert p.returncode == 0, p.stderr
+    assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    # sharded in the same pass: each rank of the chain at TP-2 is torch.chunk of the one-pass tensor
+    layout = tmp_path / "tt-tp.yaml"
+    layout.write_text('mesh: {tp: 2}\nplacements:\n  "*.wq.weight": {tp: S(0)}\n  "*": {tp: R}\n')
+    tp = tmp_path / "tp2"
+    p = run("convert", str(src), str(tp), "--transforms", chain, "--target-layout", str(layout))
+    assert p.returncode == 0, p.stderr
+    for r in range(2):
+        got = load_file(str(tp / f"rank-0000{r}-of-00002.safetensors"))
+        want = a["layers.1.attention.qkv_linear.wq.weight"].chunk(2)[r]
+        assert torch.equal(got["layers.1.attention.qkv_linear.wq.weight"], want)
+    # profiles that give one size name different values are refused, naming it
+    other = tmp_path / "other.yaml"
+    other.write_text("config:\n  heads: 3\ntransforms:\n  - drop: {tensors: nothing, optional: true}\n")
+    no = tmp_path / "no"
+    p = run("convert", str(src), str(no), "--transforms", f"phi3-to-llama,{other}", "--consolidate")
+    assert p.returncode == 2 and "config heads" in p.stderr and "--set" in p.stderr, p.stderr
+    assert not no.exists()
