@@ -1705,7 +1705,14 @@ def load_transforms(path: str | os.PathLike[str]) -> TransformSpec:
     ``A,B`` (no file of that name) is ``A`` then ``B``, composed (:func:`chained`)."""
     text = os.fspath(path)
     if "," in text and not Path(text).exists():
-        return chained([load_transforms(part.strip()) for part in text.split(",")])
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):
+            raise ConfigError(
+                f"--transforms {text}: a chain names a profile or file between each comma "
+                "(e.g. phi3-to-llama,hf-to-torchtitan-llama)",
+                path=text,
+            )
+        return chained([load_transforms(part) for part in parts])
     p = resolve_profile(text)
     return parse_transforms_text(_read(p, "transforms file"), os.fspath(p))
 

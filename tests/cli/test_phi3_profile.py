@@ -205,4 +205,6 @@ def test_phi3_to_torchtitan_in_one_pass_equals_two_and_inverts(tmp_path: Path) -
     no = tmp_path / "no"
     p = run("convert", str(src), str(no), "--transforms", f"phi3-to-llama,{other}", "--consolidate")
     assert p.returncode == 2 and "config heads" in p.stderr and "--set" in p.stderr, p.stderr
+    p = run("convert", str(src), str(no), "--transforms", "phi3-to-llama,", "--consolidate")
+    assert p.returncode == 2 and "between each comma" in p.stderr, p.stderr
     assert not no.exists()
