@@ -133,7 +133,7 @@ def test_a_profile_warns_for_a_model_type_it_does_not_list(tmp_path: Path) -> No
     llama, _ = saved(tmp_path, "LlamaConfig")
     assert json.loads((gemma / "config.json").read_text())["model_type"] == "gemma"
     profile = ("--transforms", "hf-to-torchtitan-llama")
-    warning = "profile hf-to-torchtitan-llama is made for model_type llama; the model config says "
+    warning = "profile hf-to-torchtitan-llama is made for model_type llama, mistral; the model config says "
     warning += "model_type 'gemma'"
 
     p = run("convert", str(gemma), str(tmp_path / "tt"), *profile, "--consolidate")

@@ -396,7 +396,7 @@ def test_every_profile_lists_the_model_types_it_is_made_for() -> None:
         spec = load_transforms(name)
         assert spec.model_types and all(k == k.lower() and " " not in k for k in spec.model_types), name
         assert inverse(spec).model_types == spec.model_types, name
-    assert load_transforms("hf-to-torchtitan-llama").model_types == ("llama",)
+    assert load_transforms("hf-to-torchtitan-llama").model_types == ("llama", "mistral")
     assert "gemma" not in load_transforms("hf-to-megatron-gpt").model_types
 
 
