@@ -361,11 +361,16 @@ class NonTensor:
     offset: int | None = None
     transforms: tuple[str, ...] = ()
 
+    @property
+    def stored(self) -> bool:
+        """Whether it is one stored run of bytes, which a writer can copy as it is (a DCP source's
+        ``BYTE_IO`` item; a leaf inside a pickle is not)."""
+        return self.file is not None and self.offset is not None
+
 
 def stored_objects(ckpt: Checkpoint) -> list[NonTensor]:
-    """``ckpt``'s non-tensor items that are each one stored run of bytes, which a writer can copy
-    as they are (a DCP source's ``BYTE_IO`` items; a leaf inside a pickle is not)."""
-    return [n for n in ckpt.non_tensors if n.offset is not None and n.file is not None]
+    """``ckpt``'s non-tensor items that are each one stored run of bytes (:attr:`NonTensor.stored`)."""
+    return [n for n in ckpt.non_tensors if n.stored]
 
 
 @dataclass(frozen=True, slots=True)

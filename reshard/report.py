@@ -78,7 +78,7 @@ def inspect_report(ck: Checkpoint, *, lazy: bool = False) -> dict[str, Any]:
                 "size": n.size,
                 "kind": n.kind,
                 "file": os.path.basename(ck.files[n.file]) if n.file is not None else None,
-                "copied_by_dcp": n.file is not None and n.offset is not None,  # (--to dcp)
+                "copied_by_dcp": n.stored,  # (--to dcp)
             }
             for n in ck.non_tensors
         ]

@@ -49,14 +49,7 @@ from .base import Writer
 from .dcp_boxes import rank_chunks
 from .manifest import complete_self_described
 
-__all__ = [
-    "METADATA",
-    "WRITER",
-    "DcpFile",
-    "dcp_file_name",
-    "metadata_bytes",
-    "write_metadata_to",
-]
+__all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes", "write_metadata_to"]
 
 METADATA = ".metadata"
 
@@ -412,7 +405,7 @@ def _write_objects(
             f"--exclude '{clash}' or rename the tensor",
             tensor=clash,
         )
-    name = dcp_file_name(0, sum(1 for f in plan.files if f.local_rank == 0 and f.name.startswith("__0_")))
+    name = dcp_file_name(0, sum(1 for f in plan.files if f.local_rank == 0))  # after rank 0's files
     records: list[ObjectRecord] = []
 
     def fill(write: Callable[[bytes], object]) -> None:
