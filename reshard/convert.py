@@ -247,7 +247,7 @@ def _not_converted(ckpt: Checkpoint, left: Sequence[NonTensor]) -> None:
     """Warn that non-tensor items are left out (``inspect`` lists them itself, so only convert warns)."""
     if left:
         names = ", ".join(n.name for n in left[:3]) + (" ..." if len(left) > 3 else "")
-        how = "" if ckpt.format != "dcp" else " (--to dcp carries them over)"
+        how = " (--to dcp carries them over)" if all(n.stored for n in left) else ""
         ckpt.warnings.append(
             CheckpointWarning(f"{ckpt.path}: {len(left)} non-tensor item(s) ({names}) are not converted{how}")
         )

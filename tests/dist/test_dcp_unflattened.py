@@ -42,7 +42,9 @@ def save_unflattened(state: dict[str, Any], path: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save(state, checkpoint_id=str(path), no_dist=True, planner=DefaultSavePlanner(flatten_state_dict=False))
+        dcp.save(
+            state, checkpoint_id=str(path), no_dist=True, planner=DefaultSavePlanner(flatten_state_dict=False)
+        )
 
 
 def torch_flat(path: Path, tmp: Path) -> dict[str, Any]:
@@ -91,6 +93,21 @@ def test_tensors_inside_objects_convert_as_torch_reads_them(tmp_path: Path, case
         assert same_bits(got[name], t), name
     reshard("verify", src, out)
     reshard("plan", src, "--consolidate", "--quiet")
+
+
+def test_leaves_inside_an_object_are_not_offered_to_dcp(tmp_path: Path) -> None:
+    """The non-tensor leaves of a pickled object (the optimizer's param_groups) are not stored
+    runs: the warning does not say ``--to dcp`` carries them, and ``--to dcp`` copies only the
+    item that is one (``step``, an item of its own)."""
+    src = tmp_path / "dcp"
+    save_unflattened(cases()["train"], src)
+    doc = json.loads(reshard("convert", src, tmp_path / "hf", "--consolidate", "--json").stdout)
+    left = [w for w in doc["warnings"] if "not converted" in w]
+    assert doc["not_converted"] and left and not any("--to dcp" in w for w in left), doc["warnings"]
+    doc = json.loads(reshard("convert", src, tmp_path / "out", "--to", "dcp", "--json").stdout)
+    assert [n["name"] for n in doc["copied_items"]] == ["step"], doc
+    left = doc["not_converted"]
+    assert left and all(n["name"].startswith("optim.param_groups.") for n in left), left
 
 
 def test_the_object_read_path_imports_no_torch(tmp_path: Path) -> None:

@@ -219,6 +219,7 @@ def test_piece_crc32s_are_checked_and_non_tensors_listed(tmp_path: Path) -> None
         assert doc["non_tensors"] == [{**item, "copied_by_dcp": False}]  # (no offset: not one run)
         out = convert(SourceSpec(str(tmp_path / "npy")), tmp_path / "hf", TargetSpec(consolidate=True))
         assert any("optimizer.step" in w and "not converted" in w for w in out["warnings"])
+        assert not any("--to dcp" in w for w in out["warnings"])  # no stored run: --to dcp drops it too
         assert set(load_file(str(tmp_path / "hf" / "model.safetensors"))) == set(full)
 
         p = tmp_path / "npy" / "t1.npy"  # model.layers.0.w
