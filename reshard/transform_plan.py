@@ -520,7 +520,7 @@ def transforms_for(
             )
         return None
     overrides = parse_sets(sets)
-    spec = load_transforms(transforms) if transforms is not None else in_layout
+    spec = load_transforms(transforms, overrides) if transforms is not None else in_layout
     assert spec is not None
     origin = transforms if transforms is not None else str(layout)
     if inverse:

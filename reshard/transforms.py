@@ -37,7 +37,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -1700,9 +1700,10 @@ def _read(path: str | os.PathLike[str], what: str) -> str:
         ) from None
 
 
-def load_transforms(path: str | os.PathLike[str]) -> TransformSpec:
+def load_transforms(path: str | os.PathLike[str], given: Collection[str] = ()) -> TransformSpec:
     """Read a transforms file or profile (a path, or a bundled profile name: :func:`resolve_profile`);
-    ``A,B`` (no file of that name) is ``A`` then ``B``, composed (:func:`chained`)."""
+    ``A,B`` (no file of that name) is ``A`` then ``B``, composed (:func:`chained`; ``given``: the
+    size names ``--set`` gives, which the chained profiles may disagree on)."""
     text = os.fspath(path)
     if "," in text and not Path(text).exists():
         parts = [part.strip() for part in text.split(",")]
@@ -1712,19 +1713,19 @@ def load_transforms(path: str | os.PathLike[str]) -> TransformSpec:
                 "(e.g. phi3-to-llama,hf-to-torchtitan-llama)",
                 path=text,
             )
-        return chained([load_transforms(part) for part in parts])
+        return chained([load_transforms(part) for part in parts], given)
     p = resolve_profile(text)
     return parse_transforms_text(_read(p, "transforms file"), os.fspath(p))
 
 
-def chained(specs: Sequence[TransformSpec]) -> TransformSpec:
+def chained(specs: Sequence[TransformSpec], given: Collection[str] = ()) -> TransformSpec:
     """One spec doing each of ``specs`` in turn (``--transforms phi3-to-llama,hf-to-torchtitan-llama``:
     Phi-3's fused projections split, then torchtitan's permutation and names, in one pass).
 
     Operations run in order over the tensors the earlier ones made, so the chain is their
     concatenation. A tensor no operation touches is unused unless every spec allows that; the
     model families are the first spec's (the source's); config names shared by two specs must
-    say the same.
+    say the same, unless ``given`` (``--set``, which then overrides them all) names them.
 
     Raises:
         ConfigError: two specs give one config name different values.
@@ -1732,7 +1733,7 @@ def chained(specs: Sequence[TransformSpec]) -> TransformSpec:
     config: dict[str, Expr] = {}
     for spec in specs:
         for key, value in spec.config:
-            if key in config and config[key] != value:
+            if key in config and config[key] != value and key not in given:
                 raise ConfigError(
                     f"{spec.source}: config {key}: {value} differs from {config[key]} in an earlier "
                     "profile of the chain; give one value with --set",

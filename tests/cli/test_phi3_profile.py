@@ -10,6 +10,7 @@ back byte for byte, and a TP-2 ``llama-tp`` target in the same pass must hold on
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -201,10 +202,19 @@ def test_phi3_to_torchtitan_in_one_pass_equals_two_and_inverts(tmp_path: Path) -
         assert torch.equal(got["layers.1.attention.qkv_linear.wq.weight"], want)
     # profiles that give one size name different values are refused, naming it
     other = tmp_path / "other.yaml"
-    other.write_text("config:\n  heads: 3\ntransforms:\n  - drop: {tensors: nothing, optional: true}\n")
+    other.write_text(
+        "config:\n  heads: 3\ntransforms:\n  - drop: {tensors: nothing, optional: true}\nallow_unused: true\n"
+    )
     no = tmp_path / "no"
-    p = run("convert", str(src), str(no), "--transforms", f"phi3-to-llama,{other}", "--consolidate")
+    chain2 = ("--transforms", f"phi3-to-llama,{other}", "--consolidate")
+    p = run("convert", str(src), str(no), *chain2)
     assert p.returncode == 2 and "config heads" in p.stderr and "--set" in p.stderr, p.stderr
+    # ... and, as it says, --set gives the one value (here the model's 4 heads)
+    p = run("convert", str(src), str(no), *chain2, "--set", "heads=4")
+    assert p.returncode == 0, p.stderr
+    split = split_saved(load_file(str(src / "model.safetensors")), phi)
+    assert load_file(str(no / "model.safetensors")).keys() == split.keys()
+    shutil.rmtree(no)
     p = run("convert", str(src), str(no), "--transforms", "phi3-to-llama,", "--consolidate")
     assert p.returncode == 2 and "between each comma" in p.stderr, p.stderr
     assert not no.exists()
