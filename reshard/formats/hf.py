@@ -17,7 +17,7 @@ from ..plan import OutFile, Plan, TargetTensor, WriteOptions, local_nbytes
 from .base import MAYBE, NO, YES, Probe, Reader, Writer
 from .hf_extras import INDEX, SINGLE, hf_weight_files
 from .manifest import complete_self_described
-from .safetensors import SafetensorsFile, header_order, split_parts
+from .safetensors import SafetensorsFile, file_order, split_parts
 
 __all__ = ["INDEX", "SINGLE", "READER", "WRITER", "open_hf", "duplicates"]
 
@@ -199,7 +199,7 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
         SafetensorsFile(
             SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors",
             None,
-            header_order(group),
+            file_order(group, options),
             '{"format":"pt"}',
         )
         for i, group in enumerate(groups)

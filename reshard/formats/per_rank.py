@@ -25,7 +25,7 @@ from ..placements import Placement, Shard, StridedShard, parse_placement
 from ..plan import OutFile, TargetTensor, WriteOptions, distinct_layouts
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, complete_self_described, read_manifest
-from .safetensors import SafetensorsFile, header_order, metadata_text
+from .safetensors import SafetensorsFile, file_order, metadata_text
 
 if TYPE_CHECKING:
     from ..config import LayoutConfig
@@ -1236,7 +1236,7 @@ def rank_metadata(mesh: Mesh, rank: int, tensors: tuple[int, str]) -> dict[str, 
 
 
 def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -> list[OutFile]:
-    ordered = header_order(tensors)
+    ordered = file_order(tensors, options)
     layouts = [t.layout for t in ordered]
     if any(lay.assigned for lay in distinct_layouts(layouts)):
         return _owned_files(ordered, mesh, options.file_names or {})

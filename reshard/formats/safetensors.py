@@ -21,9 +21,9 @@ from ..dtypes import DTYPE_RANK, DTYPE_SIZES
 from ..intervals import block_shape
 from ..io.header import entry_head, joined_entries, prefix_parts
 from ..layout import TensorLayout
-from ..plan import FileLayout, LazySequence, OutEntry, OutFile, TargetTensor, local_nbytes
+from ..plan import FileLayout, LazySequence, OutEntry, OutFile, TargetTensor, WriteOptions, local_nbytes
 
-__all__ = ["SafetensorsFile", "header_order", "metadata_text", "split_parts"]
+__all__ = ["SafetensorsFile", "header_order", "file_order", "metadata_text", "split_parts"]
 
 
 class SafetensorsFile(OutFile):
@@ -172,6 +172,12 @@ def header_order(tensors: Sequence[TargetTensor]) -> list[TargetTensor]:
     for dtype in sorted(by_dtype, key=DTYPE_RANK.__getitem__, reverse=True):
         out.extend(sorted(by_dtype[dtype], key=attrgetter("name")))
     return out
+
+
+def file_order(tensors: Sequence[TargetTensor], options: WriteOptions) -> list[TargetTensor]:
+    """The order of a file's entries: the plan's with ``options.read_order`` (the order of
+    their bytes in the source, for transformed tensors), else :func:`header_order`."""
+    return list(tensors) if options.read_order else header_order(tensors)
 
 
 def split_parts(tensors: Sequence[TargetTensor], rank: int, max_size: int) -> list[list[TargetTensor]]:

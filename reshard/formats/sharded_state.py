@@ -31,7 +31,7 @@ from ..plan import OutFile, TargetTensor, WriteOptions
 from .base import NO, YES, Probe, Reader, ReadOptions, Writer
 from .manifest import MANIFEST, complete_with_manifest, read_manifest
 from .per_rank import Describe, RankFiles, layout_describe, manifest_layout, rank_checkpoint, source_layout
-from .safetensors import SafetensorsFile, header_order, split_parts
+from .safetensors import SafetensorsFile, file_order, split_parts
 
 if TYPE_CHECKING:
     from ..config import LayoutConfig
@@ -150,7 +150,9 @@ def _files(tensors: Sequence[TargetTensor], mesh: Mesh, options: WriteOptions) -
     for part in range(max(len(p) for p in per_rank)):
         for rank, parts in enumerate(per_rank):
             if part < len(parts):
-                out.append(SafetensorsFile(part_file_name(rank, part), rank, header_order(parts[part]), None))
+                out.append(
+                    SafetensorsFile(part_file_name(rank, part), rank, file_order(parts[part], options), None)
+                )
     return out
 
 

@@ -59,9 +59,10 @@ def test_chunks_are_held_as_columns(saved: dict[int, Path]) -> None:
     held2, peak2 = _held(saved[2])
     held16, peak16 = _held(saved[16])
     chunks = (N // 3) * 2 * 14  # chunks more at TP-16 than at TP-2
-    # as tuples: 76 bytes more per chunk held, 230 at the peak; as columns: 14 and 96
+    # as tuples: 76 bytes more per chunk held, 230 at the peak; as columns: 14 and 96 (121 in a
+    # worker process that ran other tests first: the peak is the noisier figure)
     assert (held16 - held2) / chunks < 40, (held2, held16)
-    assert (peak16 - peak2) / chunks < 120, (peak2, peak16)
+    assert (peak16 - peak2) / chunks < 170, (peak2, peak16)
     t = open_dcp(saved[16]).tensors["layers.0.w"]
     assert isinstance(t.piece_offsets, ColumnSlice) and isinstance(t.piece_crc32, Crc32Slice)
     assert len(t.piece_offsets) == 16 and None not in t.piece_crc32
