@@ -1162,6 +1162,9 @@ class TransformSpec:
         source: the file, for messages.
         model_types: the config.json ``model_type`` values (model families) the spec is made
             for; a model of another family is a warning (:func:`family_warning`). Empty: any.
+        megatron_torch_dist: its names are Megatron-Core's ``torch_dist`` ones: ``--to dcp``
+            also writes the two files that make the directory a checkpoint Megatron's
+            ``dist_checkpointing.load`` opens (``metadata.json``, ``common.pt``). Not inverted.
     """
 
     ops: tuple[Op, ...]
@@ -1169,6 +1172,7 @@ class TransformSpec:
     allow_unused: bool = False
     source: str = "<transforms>"
     model_types: tuple[str, ...] = ()
+    megatron_torch_dist: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The spec as plain data in the YAML's shape (``yaml.safe_dump`` it to get a profile back).
@@ -1183,6 +1187,8 @@ class TransformSpec:
         out["transforms"] = [_op_json(op) for op in self.ops]
         if self.allow_unused:
             out["allow_unused"] = True
+        if self.megatron_torch_dist:
+            out["megatron_torch_dist"] = True
         return out
 
     def with_values(self, values: Mapping[str, int]) -> TransformSpec:
@@ -1478,7 +1484,10 @@ _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # op: (required
     "untie": (("tensor", "same_as"), ("when", *_OPTIONAL)),
     "transpose": (("tensors",), ("dims", *_OPTIONAL)),
 }
-_TOP = ("name", "description", "model_types", "config", "transforms", "allow_unused", "mesh", "placements")
+_TOP = (
+    "name", "description", "model_types", "config", "transforms", "allow_unused", "megatron_torch_dist",
+    "mesh", "placements",
+)  # fmt: skip
 
 
 def _str(v: object, what: str) -> str:
@@ -1626,7 +1635,12 @@ class _TransformParser(_Parser):
                     node, "model_types: must be a list of config.json model_type values, e.g. [llama, qwen2]"
                 )
             kinds = tuple(value)
-        return TransformSpec(self.ops(top["transforms"][1]), tuple(config), allow, self.source, kinds)
+        megatron = self.value(top["megatron_torch_dist"][1]) if "megatron_torch_dist" in top else False
+        if not isinstance(megatron, bool):
+            raise self.error(top["megatron_torch_dist"][1], "megatron_torch_dist: must be true or false")
+        return TransformSpec(
+            self.ops(top["transforms"][1]), tuple(config), allow, self.source, kinds, megatron
+        )
 
     def ops(self, node: yaml.Node) -> tuple[Op, ...]:
         if not isinstance(node, yaml.SequenceNode):
@@ -1746,6 +1760,7 @@ def chained(specs: Sequence[TransformSpec], given: Collection[str] = ()) -> Tran
         all(spec.allow_unused for spec in specs),
         " then ".join(spec.source for spec in specs),
         specs[0].model_types if specs else (),
+        specs[-1].megatron_torch_dist if specs else False,  # the names the chain ends with
     )
 
 

@@ -136,6 +136,7 @@ from ..io.unpickle import (
 from ..io.zipstream import NotStreamable, ZipStream
 from .base import NO, YES, Probe, Reader, ReadOptions
 from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning
+from .torch_dist import COMMON, CONFIG
 
 __all__ = [
     "METADATA",
@@ -1491,13 +1492,14 @@ def _megatron_common(root: Path) -> list[CheckpointWarning]:
     """Megatron-Core ``torch_dist`` keeps its non-sharded state beside the DCP files, in
     ``common.pt`` (``args``, ``iteration``, plain tensors not wrapped in a ShardedTensor); it is
     not part of the DCP checkpoint: said, not read."""
-    common = root / "common.pt"
-    if not common.is_file() or not (root / "metadata.json").is_file():
+    common = root / COMMON
+    if not common.is_file() or not (root / CONFIG).is_file():
         return []
     return [
         CheckpointWarning(
             f"{common}: Megatron-Core's common (non-sharded) state is not converted; the tensors "
-            f"are the sharded ones of {METADATA}",
+            f"are the sharded ones of {METADATA} (--to dcp without --transforms copies it, and "
+            "metadata.json, as it is)",
             path=str(common),
         )
     ]

@@ -48,6 +48,9 @@ from ..plan import FileLayout, LazySequence, OutEntry, OutFile, Plan, TargetTens
 from .base import Writer
 from .dcp_boxes import rank_chunks
 from .manifest import complete_self_described
+from .torch_dist import COMMON as TORCH_DIST_COMMON
+from .torch_dist import CONFIG as TORCH_DIST_CONFIG
+from .torch_dist import marker_files
 
 __all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes", "write_metadata_to"]
 
@@ -437,14 +440,19 @@ def _write_objects(
 
 
 def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
-    """The source's non-tensor items (:func:`~reshard.checkpoint.stored_objects`), then
-    ``.metadata`` (what makes a checkpoint to torch: durable before the rename), then
+    """The source's non-tensor items (:func:`~reshard.checkpoint.stored_objects`), Megatron's
+    ``metadata.json`` and ``common.pt`` where they belong (:func:`~.torch_dist.marker_files`),
+    then ``.metadata`` (what makes a checkpoint to torch: durable before the rename), then
     ``reshard.json``."""
     items = stored_objects(plan.source)
     records: list[ObjectRecord] = []
     if items:
         records, done = _write_objects(dst, plan, items)
         results = [*results, done]
+    for name, fill in marker_files(plan):
+        write_atomic_with(dst / name, fill)
+        size = (dst / name).stat().st_size
+        results = [*results, FileResult(name, size, file_checksum(dst / name), size)]
     write_atomic_with(
         dst / METADATA, lambda write: write_metadata_to(write, plan.files, results, records), fsync=True
     )
@@ -460,7 +468,8 @@ WRITER = Writer(
     lockstep=True,
     # torch's rank-local metadata (use_collectives=False): its loader reads them when .metadata
     # is missing, so one left beside new data files would describe them as its own checkpoint
-    owns=(".distcp", "__[0-9]*.metadata"),
+    # and Megatron's two files (torch_dist)
+    owns=(".distcp", "__[0-9]*.metadata", TORCH_DIST_CONFIG, TORCH_DIST_COMMON),
     marks=(METADATA,),
     objects=True,
 )

@@ -34,12 +34,17 @@ from safetensors.torch import load_file  # noqa: E402
 pytestmark = pytest.mark.dist
 
 HELPER = Path(__file__).resolve().parent / "dcp_helpers" / "save_megatron_gpt.py"
+LOADER = Path(__file__).resolve().parent / "dcp_helpers" / "load_megatron_gpt.py"
 LAYOUT = Path(__file__).resolve().parents[2] / "reshard" / "configs" / "llama-tp.yaml"
 COMMON = dict(
     vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
-FAMILIES = {"llama": ("LlamaConfig", {}), "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {"head_dim": 32})}
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+}
 PROFILE = ("--transforms", "hf-to-megatron-torch-dist")
 MEGATRON_TP2 = """\
 mesh: {tp: 2}
@@ -62,7 +67,10 @@ LAYER_KEYS = {  # what GPTModel.sharded_state_dict() stacks on the layer axis; +
 OWN = {  # Qwen2's q/k/v biases in the fused bias, Qwen3's q/k layernorms
     "llama": set(),
     "qwen2": {"decoder.layers.self_attention.linear_qkv.bias"},
-    "qwen3": {"decoder.layers.self_attention.q_layernorm.weight", "decoder.layers.self_attention.k_layernorm.weight"},
+    "qwen3": {
+        "decoder.layers.self_attention.q_layernorm.weight",
+        "decoder.layers.self_attention.k_layernorm.weight",
+    },
 }
 EXTRA = {
     f"decoder.layers.{m}._extra_state/shard_{i}_2"
@@ -86,14 +94,22 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 p.copy_(torch.randn_like(p) * 0.2)
         src, meg, dist = root / family, root / f"{family}-megatron", root / f"{family}-dist"
         model.save_pretrained(src)
-        p = run("convert", str(src), str(meg), "--transforms", "hf-to-megatron-gpt", "--consolidate", "--quiet")
+        p = run(
+            "convert", str(src), str(meg), "--transforms", "hf-to-megatron-gpt", "--consolidate", "--quiet"
+        )
         assert p.returncode == 0, p.stderr
-        out[family] = {"src": src, "hf": load_file(str(src / "model.safetensors")), 1: dist, 2: root / f"{dist.name}-tp2"}
+        out[family] = {
+            "src": src, "meg": meg, "hf": load_file(str(src / "model.safetensors")), 1: dist, 2: root / f"{dist.name}-tp2",
+        }  # fmt: skip
         args += [str(src), str(meg), str(dist)]
     result = root / "saved.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, str(HELPER), str(result), *args], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, str(HELPER), str(result), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     errors = "".join(p.read_text() for p in root.glob("saved.json.error-*"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:] + errors
@@ -106,7 +122,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def inverse(c: dict[str, Any], src: Path, dst: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return run(
-        "convert", str(src), str(dst), *PROFILE, "--inverse", "--model-config", str(c["src"] / "config.json"), *extra
+        "convert",
+        str(src),
+        str(dst),
+        *PROFILE,
+        "--inverse",
+        "--model-config",
+        str(c["src"] / "config.json"),
+        *extra,
     )
 
 
@@ -150,7 +173,9 @@ def test_what_gpt_model_saves(saved: dict[str, Any], family: str) -> None:
         qkv = tensors["decoder.layers.self_attention.linear_qkv.weight"][0]
         q, k = hf["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
         assert qkv == [2, q.shape[0] + 2 * k.shape[0], 64]
-        assert tensors["decoder.layers.mlp.linear_fc1.weight"][2] == 4 * tp  # [gate; up] boxes per layer and rank
+        assert (
+            tensors["decoder.layers.mlp.linear_fc1.weight"][2] == 4 * tp
+        )  # [gate; up] boxes per layer and rank
         assert tensors["decoder.layers.self_attention.linear_proj.weight"][2] == 2 * tp
 
 
@@ -183,7 +208,9 @@ def test_torch_dist_tp2_to_hf_names_at_tp2_dcp(saved: dict[str, Any], tmp_path: 
     reads back the HF tensors, q_proj cut in two boxes."""
     c = saved["qwen3"]
     out = tmp_path / "tp2"
-    p = inverse(c, c[2], out, "--target-layout", str(LAYOUT), "--target-mesh", "tp=2", "--to", "dcp", "--quiet")
+    p = inverse(
+        c, c[2], out, "--target-layout", str(LAYOUT), "--target-mesh", "tp=2", "--to", "dcp", "--quiet"
+    )
     assert p.returncode == 0, p.stderr
     assert_same(torch_dcp(out, tmp_path), c["hf"])
     from torch.distributed.checkpoint import FileSystemReader
@@ -194,25 +221,93 @@ def test_torch_dist_tp2_to_hf_names_at_tp2_dcp(saved: dict[str, Any], tmp_path: 
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_forward_profile_writes_what_megatron_saves(saved: dict[str, Any], family: str, tmp_path: Path) -> None:
+def test_forward_profile_writes_what_megatron_saves(
+    saved: dict[str, Any], family: str, tmp_path: Path
+) -> None:
     """HF -> torch_dist names at TP 2 (--to dcp) in one pass: the tensors torch reads from it are
     those of Megatron's own save, at either TP."""
     c = saved[family]
     layout = tmp_path / "megatron-tp2.yaml"
     layout.write_text(MEGATRON_TP2)
     out = tmp_path / "dist"
-    p = run("convert", str(c["src"]), str(out), *PROFILE, "--target-layout", str(layout), "--to", "dcp", "--quiet")
+    p = run(
+        "convert", str(c["src"]), str(out), *PROFILE, "--target-layout", str(layout), "--to", "dcp", "--quiet"
+    )
     assert p.returncode == 0, p.stderr
     got = torch_dcp(out, tmp_path)
     assert_same(got, torch_dcp(c[1], tmp_path))
     assert_same(got, torch_dcp(c[2], tmp_path))
 
 
+def test_megatron_loads_the_forward_output(saved: dict[str, Any], tmp_path: Path) -> None:
+    """Megatron-Core's own dist_checkpointing.load opens what HF -> torch_dist (--to dcp) writes:
+    metadata.json and common.pt make the directory a torch_dist checkpoint to it, and at TP 2 every
+    parameter of its GPTModel is the slice of the HF weights Megatron's layers hold (loaded with
+    strict="log_all": the _extra_state objects, TransformerEngine's FP8 state, are not in an HF model)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    layout = tmp_path / "megatron-tp2.yaml"
+    layout.write_text(MEGATRON_TP2)
+    args: list[str] = []
+    for family in sorted(FAMILIES):
+        c = saved[family]
+        out = tmp_path / family
+        p = run(
+            "convert",
+            str(c["src"]),
+            str(out),
+            *PROFILE,
+            "--target-layout",
+            str(layout),
+            "--to",
+            "dcp",
+            "--quiet",
+        )
+        assert p.returncode == 0, p.stderr
+        megatron_config = json.loads((c[1] / "metadata.json").read_text())
+        assert json.loads((out / "metadata.json").read_text()) == megatron_config  # Megatron's own words
+        assert torch.load(out / "common.pt") == {} == torch.load(c[1] / "common.pt")
+        assert FileSystemReader(str(out)).read_metadata().state_dict_metadata  # still a plain DCP to torch
+        check = run("inspect", str(out), "--check")
+        assert check.returncode == 0, check.stderr  # reshard.json lists the two files with checksums
+        args += [str(c["src"]), str(c["meg"]), str(out)]
+    result = tmp_path / "loaded.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(LOADER), str(result), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    errors = "".join(p.read_text() for p in tmp_path.glob("loaded.json.error-*"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:] + errors
+    for family, doc in json.loads(result.read_text()).items():
+        assert doc["distributed"], family
+        assert doc["equal"] and doc["checked"] > 20, (family, doc)
+
+
+def test_a_torch_dist_checkpoint_resharded_stays_one_megatron_opens(
+    saved: dict[str, Any], tmp_path: Path
+) -> None:
+    """Megatron's own TP-1 save resharded by reshard (--to dcp, no transforms): its metadata.json
+    and common.pt are copied as they are, byte for byte, beside the new files."""
+    c = saved["llama"]
+    layout = tmp_path / "megatron-tp2.yaml"
+    layout.write_text(MEGATRON_TP2)
+    out = tmp_path / "resharded"
+    p = run("convert", str(c[1]), str(out), "--target-layout", str(layout), "--to", "dcp", "--quiet")
+    assert p.returncode == 0, p.stderr
+    for name in ("metadata.json", "common.pt"):
+        assert (out / name).read_bytes() == (c[1] / name).read_bytes(), name
+    assert_same(torch_dcp(out, tmp_path), torch_dcp(c[1], tmp_path))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (("--set", "vocab_multiple=256"), "size 100 pads to 256"),  # the run padded to 128
-        (("--set", "layers=3"), 'has 2 along dim 0, count: says 3'),
+        (("--set", "layers=3"), "has 2 along dim 0, count: says 3"),
     ],
 )
 def test_a_mismatched_model_exits_2_writing_nothing(
@@ -222,5 +317,7 @@ def test_a_mismatched_model_exits_2_writing_nothing(
     out = tmp_path / "hf"
     p = inverse(c, c[1], out, "--consolidate", *args)
     assert p.returncode == 2, p.stderr
-    assert message in p.stderr and "hf-to-megatron-torch-dist.yaml" in p.stderr and "Traceback" not in p.stderr
+    assert (
+        message in p.stderr and "hf-to-megatron-torch-dist.yaml" in p.stderr and "Traceback" not in p.stderr
+    )
     assert not out.exists()
