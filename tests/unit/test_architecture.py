@@ -37,7 +37,7 @@ LAYERS = [
     },
     {"io.pickle_emit", "io.torchzip_write", "io.dcp_metadata"},
     {"formats.base", "formats.safetensors", "formats.manifest", "formats.hf_extras"},
-    {"formats.dcp_boxes"},
+    {"formats.dcp_boxes", "formats.torch_dist"},
     {"formats.per_rank", "formats.hf", "formats.dcp_safetensors", "formats.dcp", "formats.dcp_writer"},
     {"formats.sharded_state", "formats.pt", "formats"},
     {"budget", "bulk", "execute", "resume", "compare", "bulkcheck", "verify", "check", "report", "show"},
