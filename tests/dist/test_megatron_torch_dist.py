@@ -102,22 +102,24 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "src": src, "meg": meg, "hf": load_file(str(src / "model.safetensors")), 1: dist, 2: root / f"{dist.name}-tp2",
         }  # fmt: skip
         args += [str(src), str(meg), str(dist)]
-    result = root / "saved.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(HELPER), str(result), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    errors = "".join(p.read_text() for p in root.glob("saved.json.error-*"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:] + errors
-    for family, doc in json.loads(result.read_text()).items():
+    for family, doc in gloo_helper(HELPER, root / "saved.json", args).items():
         c = out[family]
         c["tp2_equal"] = doc["tp2_equal"]
         c["meta"] = {tp: doc[str(c[tp])] for tp in (1, 2)}
     return out
+
+
+def gloo_helper(script: Path, result: Path, args: list[str]) -> dict[str, Any]:
+    """Run a helper's 2-rank gloo world on ``args`` (HF, Megatron, DCP directory triples); what it
+    wrote to ``result``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(result), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    errors = "".join(p.read_text() for p in result.parent.glob(f"{result.name}.error-*"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:] + errors
+    doc: dict[str, Any] = json.loads(result.read_text())
+    return doc
 
 
 def inverse(c: dict[str, Any], src: Path, dst: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -271,18 +273,7 @@ def test_megatron_loads_the_forward_output(saved: dict[str, Any], tmp_path: Path
         check = run("inspect", str(out), "--check")
         assert check.returncode == 0, check.stderr  # reshard.json lists the two files with checksums
         args += [str(c["src"]), str(c["meg"]), str(out)]
-    result = tmp_path / "loaded.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(LOADER), str(result), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    errors = "".join(p.read_text() for p in tmp_path.glob("loaded.json.error-*"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:] + errors
-    for family, doc in json.loads(result.read_text()).items():
+    for family, doc in gloo_helper(LOADER, tmp_path / "loaded.json", args).items():
         assert doc["distributed"], family
         assert doc["equal"] and doc["checked"] > 20, (family, doc)
 

@@ -81,24 +81,34 @@ def _tp_slice(name: str, full: Any, tp: int, rank: int, fc1: bool) -> Any:
 
         gate, up = full.chunk(2, 0)
         return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]])
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
+    if name.endswith(
+        ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+    ):
         return full.chunk(tp, 0)[rank]
     return full
 
 
-def one(hf_dir: Path, meg_dir: Path, dist_dir: Path, rank: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
+def model_inputs(hf_dir: Path, meg_dir: Path) -> tuple[Any, dict[str, Any], bool, bool, int]:
+    """The HF config, ``meg_dir``'s tensors under the local spec's names, and what ``build_model``
+    takes from them: q/k/v biases, q/k layernorms, the padded vocab."""
     import transformers
-    from megatron.core import dist_checkpointing
-    from megatron_gpt_forward import build_model, local_name
+    from megatron_gpt_forward import local_name
     from safetensors.torch import load_file
 
     c = transformers.AutoConfig.from_pretrained(hf_dir)
     state = {local_name(k): v for k, v in load_file(str(meg_dir / "model.safetensors")).items()}
     bias = "decoder.layers.0.self_attention.linear_qkv.bias" in state
     qk_norm = "decoder.layers.0.self_attention.q_layernorm.weight" in state
-    vocab = state["embedding.word_embeddings.weight"].shape[0]
+    return c, state, bias, qk_norm, state["embedding.word_embeddings.weight"].shape[0]
+
+
+def one(hf_dir: Path, meg_dir: Path, dist_dir: Path, rank: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron_gpt_forward import build_model
+
+    c, state, bias, qk_norm, vocab = model_inputs(hf_dir, meg_dir)
     result: dict[str, Any] = {}
 
     _init(1)
@@ -134,7 +144,11 @@ def one(hf_dir: Path, meg_dir: Path, dist_dir: Path, rank: int) -> dict[str, Any
     return result
 
 
-def worker(rank: int, out: str, triples: list[tuple[str, str, str]], rendezvous: str) -> None:
+def worker(
+    rank: int, out: str, triples: list[tuple[str, str, str]], rendezvous: str, each: Any = None
+) -> None:
+    """Both ranks: ``each(HF_DIR, MEG_DIR, DIST_DIR, rank)`` per triple (default: :func:`one`),
+    rank 0 writing what it returns to ``out``."""
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -146,7 +160,7 @@ def worker(rank: int, out: str, triples: list[tuple[str, str, str]], rendezvous:
     try:
         doc: dict[str, Any] = {}
         for h, m, d in triples:
-            doc[Path(h).name] = one(Path(h), Path(m), Path(d), rank)
+            doc[Path(h).name] = (each or one)(Path(h), Path(m), Path(d), rank)
         if rank == 0:
             Path(out).write_text(json.dumps(doc))
         ok = True
@@ -158,7 +172,8 @@ def worker(rank: int, out: str, triples: list[tuple[str, str, str]], rendezvous:
         dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], each: Any = None) -> int:
+    """Run :func:`worker` on ``argv``'s triples in a 2-rank gloo world (forked: ``each`` is passed as is)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.simplefilter("ignore")
     import megatron.core.dist_checkpointing  # noqa: F401  # imported once, before the fork
@@ -169,7 +184,9 @@ def main(argv: list[str]) -> int:
     out, rest = argv[1], argv[2:]
     triples = list(zip(rest[::3], rest[1::3], rest[2::3], strict=True))
     rendezvous = f"{out}.rendezvous"
-    mp.start_processes(worker, args=(out, triples, rendezvous), nprocs=WORLD, join=True, start_method="fork")
+    mp.start_processes(
+        worker, args=(out, triples, rendezvous, each), nprocs=WORLD, join=True, start_method="fork"
+    )
     return 0 if all(Path(f"{out}.ok-{r}").read_text() == "1" for r in range(WORLD)) else 1
 
 
