@@ -425,6 +425,25 @@ def test_model_types_a_mismatch_is_a_warning_and_bad_values_are_refused(tmp_path
     assert parse_transforms_text(text, "l.yaml").model_types == ("llama",)
 
 
+def test_megatron_torch_dist_is_a_flag_of_the_forward_spec_only() -> None:
+    """megatron_torch_dist: true (what makes --to dcp add Megatron's two files) is kept in the
+    recorded spec, dropped by the inverse (its names are HF's), taken from a chain's last spec,
+    and anything but a boolean is refused naming the file and line."""
+    from reshard.transforms import chained
+
+    spec = spec_of("megatron_torch_dist: true\ntransforms: [{rename: {a: b}}]\n")
+    assert spec.megatron_torch_dist and spec.to_json()["megatron_torch_dist"] is True
+    assert not inverse(spec).megatron_torch_dist and "megatron_torch_dist" not in inverse(spec).to_json()
+    plain = spec_of("transforms: [{rename: {b: c}}]")
+    assert not plain.megatron_torch_dist and "megatron_torch_dist" not in plain.to_json()
+    assert chained([plain, spec]).megatron_torch_dist and not chained([spec, plain]).megatron_torch_dist
+    for bad in ("yes-please", "1", "[true]"):
+        with pytest.raises(ConfigError, match=r"spec.yaml:1:.*megatron_torch_dist: must be true or false"):
+            spec_of(f"megatron_torch_dist: {bad}\ntransforms: [{{drop: {{tensors: x}}}}]\n")
+    shipped = load_transforms("hf-to-megatron-torch-dist")
+    assert shipped.megatron_torch_dist and not load_transforms("hf-to-megatron-gpt").megatron_torch_dist
+
+
 def test_concat_shards_repeat_chunks_and_split_reads_the_first_copy() -> None:
     """groups 4, b cut into 2 chunks each held by two groups: [a0 b0 a1 b0 a2 b1 a3 b1] (torch.cat)."""
     spec = spec_of("""
