@@ -136,7 +136,7 @@ from ..io.unpickle import (
 from ..io.zipstream import NotStreamable, ZipStream
 from .base import NO, YES, Probe, Reader, ReadOptions
 from .dcp_safetensors import StoredChunk, _global_shape, _overlap_warning
-from .torch_dist import COMMON, CONFIG
+from .torch_dist import COMMON, is_torch_dist
 
 __all__ = [
     "METADATA",
@@ -1492,9 +1492,9 @@ def _megatron_common(root: Path) -> list[CheckpointWarning]:
     """Megatron-Core ``torch_dist`` keeps its non-sharded state beside the DCP files, in
     ``common.pt`` (``args``, ``iteration``, plain tensors not wrapped in a ShardedTensor); it is
     not part of the DCP checkpoint: said, not read."""
-    common = root / COMMON
-    if not common.is_file() or not (root / CONFIG).is_file():
+    if not is_torch_dist(root):  # the one test, so --to dcp copies what this says it copies
         return []
+    common = root / COMMON
     return [
         CheckpointWarning(
             f"{common}: Megatron-Core's common (non-sharded) state is not converted; the tensors "

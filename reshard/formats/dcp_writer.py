@@ -434,9 +434,14 @@ def _write_objects(
             records.append((n.name, name, at, n.size, n.transforms))
             at += n.size
 
+    return records, _written(dst, name, fill)
+
+
+def _written(dst: Path, name: str, fill: Callable[[Callable[[bytes], object]], object]) -> FileResult:
+    """Write ``dst / name`` atomically with the bytes ``fill`` hands over; its result for the manifest."""
     write_atomic_with(dst / name, fill)
     size = (dst / name).stat().st_size
-    return records, FileResult(name, size, file_checksum(dst / name), size)
+    return FileResult(name, size, file_checksum(dst / name), size)
 
 
 def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
@@ -449,10 +454,7 @@ def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
     if items:
         records, done = _write_objects(dst, plan, items)
         results = [*results, done]
-    for name, fill in marker_files(plan):
-        write_atomic_with(dst / name, fill)
-        size = (dst / name).stat().st_size
-        results = [*results, FileResult(name, size, file_checksum(dst / name), size)]
+    results = [*results, *(_written(dst, name, fill) for name, fill in marker_files(plan))]
     write_atomic_with(
         dst / METADATA, lambda write: write_metadata_to(write, plan.files, results, records), fsync=True
     )
