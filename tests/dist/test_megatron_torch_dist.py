@@ -40,11 +40,7 @@ COMMON = dict(
     vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
-FAMILIES = {
-    "llama": ("LlamaConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 32}),
-}
+FAMILIES = {"llama": ("LlamaConfig", {}), "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {"head_dim": 32})}
 PROFILE = ("--transforms", "hf-to-megatron-torch-dist")
 MEGATRON_TP2 = """\
 mesh: {tp: 2}
@@ -67,10 +63,7 @@ LAYER_KEYS = {  # what GPTModel.sharded_state_dict() stacks on the layer axis; +
 OWN = {  # Qwen2's q/k/v biases in the fused bias, Qwen3's q/k layernorms
     "llama": set(),
     "qwen2": {"decoder.layers.self_attention.linear_qkv.bias"},
-    "qwen3": {
-        "decoder.layers.self_attention.q_layernorm.weight",
-        "decoder.layers.self_attention.k_layernorm.weight",
-    },
+    "qwen3": {"decoder.layers.self_attention.q_layernorm.weight", "decoder.layers.self_attention.k_layernorm.weight"},
 }
 EXTRA = {
     f"decoder.layers.{m}._extra_state/shard_{i}_2"
@@ -94,9 +87,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 p.copy_(torch.randn_like(p) * 0.2)
         src, meg, dist = root / family, root / f"{family}-megatron", root / f"{family}-dist"
         model.save_pretrained(src)
-        p = run(
-            "convert", str(src), str(meg), "--transforms", "hf-to-megatron-gpt", "--consolidate", "--quiet"
-        )
+        p = run("convert", str(src), str(meg), "--transforms", "hf-to-megatron-gpt", "--consolidate", "--quiet")
         assert p.returncode == 0, p.stderr
         out[family] = {
             "src": src, "meg": meg, "hf": load_file(str(src / "model.safetensors")), 1: dist, 2: root / f"{dist.name}-tp2",
@@ -124,14 +115,7 @@ def gloo_helper(script: Path, result: Path, args: list[str]) -> dict[str, Any]:
 
 def inverse(c: dict[str, Any], src: Path, dst: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return run(
-        "convert",
-        str(src),
-        str(dst),
-        *PROFILE,
-        "--inverse",
-        "--model-config",
-        str(c["src"] / "config.json"),
-        *extra,
+        "convert", str(src), str(dst), *PROFILE, "--inverse", "--model-config", str(c["src"] / "config.json"), *extra
     )
 
 
@@ -175,9 +159,7 @@ def test_what_gpt_model_saves(saved: dict[str, Any], family: str) -> None:
         qkv = tensors["decoder.layers.self_attention.linear_qkv.weight"][0]
         q, k = hf["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
         assert qkv == [2, q.shape[0] + 2 * k.shape[0], 64]
-        assert (
-            tensors["decoder.layers.mlp.linear_fc1.weight"][2] == 4 * tp
-        )  # [gate; up] boxes per layer and rank
+        assert tensors["decoder.layers.mlp.linear_fc1.weight"][2] == 4 * tp  # [gate; up] boxes per layer and rank
         assert tensors["decoder.layers.self_attention.linear_proj.weight"][2] == 2 * tp
 
 
@@ -210,9 +192,7 @@ def test_torch_dist_tp2_to_hf_names_at_tp2_dcp(saved: dict[str, Any], tmp_path: 
     reads back the HF tensors, q_proj cut in two boxes."""
     c = saved["qwen3"]
     out = tmp_path / "tp2"
-    p = inverse(
-        c, c[2], out, "--target-layout", str(LAYOUT), "--target-mesh", "tp=2", "--to", "dcp", "--quiet"
-    )
+    p = inverse(c, c[2], out, "--target-layout", str(LAYOUT), "--target-mesh", "tp=2", "--to", "dcp", "--quiet")
     assert p.returncode == 0, p.stderr
     assert_same(torch_dcp(out, tmp_path), c["hf"])
     from torch.distributed.checkpoint import FileSystemReader
@@ -223,18 +203,14 @@ def test_torch_dist_tp2_to_hf_names_at_tp2_dcp(saved: dict[str, Any], tmp_path: 
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_forward_profile_writes_what_megatron_saves(
-    saved: dict[str, Any], family: str, tmp_path: Path
-) -> None:
+def test_forward_profile_writes_what_megatron_saves(saved: dict[str, Any], family: str, tmp_path: Path) -> None:
     """HF -> torch_dist names at TP 2 (--to dcp) in one pass: the tensors torch reads from it are
     those of Megatron's own save, at either TP."""
     c = saved[family]
     layout = tmp_path / "megatron-tp2.yaml"
     layout.write_text(MEGATRON_TP2)
     out = tmp_path / "dist"
-    p = run(
-        "convert", str(c["src"]), str(out), *PROFILE, "--target-layout", str(layout), "--to", "dcp", "--quiet"
-    )
+    p = run("convert", str(c["src"]), str(out), *PROFILE, "--target-layout", str(layout), "--to", "dcp", "--quiet")
     assert p.returncode == 0, p.stderr
     got = torch_dcp(out, tmp_path)
     assert_same(got, torch_dcp(c[1], tmp_path))
@@ -254,17 +230,7 @@ def test_megatron_loads_the_forward_output(saved: dict[str, Any], tmp_path: Path
     for family in sorted(FAMILIES):
         c = saved[family]
         out = tmp_path / family
-        p = run(
-            "convert",
-            str(c["src"]),
-            str(out),
-            *PROFILE,
-            "--target-layout",
-            str(layout),
-            "--to",
-            "dcp",
-            "--quiet",
-        )
+        p = run("convert", str(c["src"]), str(out), *PROFILE, "--target-layout", str(layout), "--to", "dcp", "--quiet")
         assert p.returncode == 0, p.stderr
         megatron_config = json.loads((c[1] / "metadata.json").read_text())
         assert json.loads((out / "metadata.json").read_text()) == megatron_config  # Megatron's own words
@@ -278,9 +244,7 @@ def test_megatron_loads_the_forward_output(saved: dict[str, Any], tmp_path: Path
         assert doc["equal"] and doc["checked"] > 20, (family, doc)
 
 
-def test_a_torch_dist_checkpoint_resharded_stays_one_megatron_opens(
-    saved: dict[str, Any], tmp_path: Path
-) -> None:
+def test_a_torch_dist_checkpoint_resharded_stays_one_megatron_opens(saved: dict[str, Any], tmp_path: Path) -> None:
     """Megatron's own TP-1 save resharded by reshard (--to dcp, no transforms): its metadata.json
     and common.pt are copied as they are, byte for byte, beside the new files."""
     c = saved["llama"]
@@ -298,7 +262,7 @@ def test_a_torch_dist_checkpoint_resharded_stays_one_megatron_opens(
     ("args", "message"),
     [
         (("--set", "vocab_multiple=256"), "size 100 pads to 256"),  # the run padded to 128
-        (("--set", "layers=3"), "has 2 along dim 0, count: says 3"),
+        (("--set", "layers=3"), 'has 2 along dim 0, count: says 3'),
     ],
 )
 def test_a_mismatched_model_exits_2_writing_nothing(
@@ -308,7 +272,5 @@ def test_a_mismatched_model_exits_2_writing_nothing(
     out = tmp_path / "hf"
     p = inverse(c, c[1], out, "--consolidate", *args)
     assert p.returncode == 2, p.stderr
-    assert (
-        message in p.stderr and "hf-to-megatron-torch-dist.yaml" in p.stderr and "Traceback" not in p.stderr
-    )
+    assert message in p.stderr and "hf-to-megatron-torch-dist.yaml" in p.stderr and "Traceback" not in p.stderr
     assert not out.exists()

@@ -81,9 +81,7 @@ def _tp_slice(name: str, full: Any, tp: int, rank: int, fc1: bool) -> Any:
 
         gate, up = full.chunk(2, 0)
         return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]])
-    if name.endswith(
-        ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
-    ):
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
         return full.chunk(tp, 0)[rank]
     return full
 
@@ -184,9 +182,7 @@ def main(argv: list[str], each: Any = None) -> int:
     out, rest = argv[1], argv[2:]
     triples = list(zip(rest[::3], rest[1::3], rest[2::3], strict=True))
     rendezvous = f"{out}.rendezvous"
-    mp.start_processes(
-        worker, args=(out, triples, rendezvous, each), nprocs=WORLD, join=True, start_method="fork"
-    )
+    mp.start_processes(worker, args=(out, triples, rendezvous, each), nprocs=WORLD, join=True, start_method="fork")
     return 0 if all(Path(f"{out}.ok-{r}").read_text() == "1" for r in range(WORLD)) else 1
 
 
