@@ -336,6 +336,11 @@ HOLDS_TENSORS = "object holding tensors"
 ``dcp.save(..., planner=DefaultSavePlanner(flatten_state_dict=False))`` stored as one object.
 Converting without it would drop those tensors: ``convert`` refuses it unless excluded."""
 
+UNREADABLE = "tensor of a dtype safetensors lacks"
+"""The :attr:`NonTensor.kind` of a tensor whose dtype safetensors has no name for (``complex128``,
+``qint8``): listed, its bytes never read; ``convert`` refuses it unless excluded, as it would
+otherwise be dropped."""
+
 
 @dataclass(frozen=True, slots=True)
 class NonTensor:

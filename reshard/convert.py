@@ -15,7 +15,15 @@ from typing import Any
 
 from .budget import DEFAULT_BUFFER, RELEASE_EVERY, Budget
 from .check import check_metadata, source_hashes
-from .checkpoint import HOLDS_TENSORS, Checkpoint, CheckpointWarning, NonTensor, TensorSource, stored_objects
+from .checkpoint import (
+    HOLDS_TENSORS,
+    UNREADABLE,
+    Checkpoint,
+    CheckpointWarning,
+    NonTensor,
+    TensorSource,
+    stored_objects,
+)
 from .config import LayoutConfig, load_layout, resolve_preset
 from .dist import Coordinator, coordinator
 from .errors import ConfigError, HeaderError, ReshardError, SourceChangedError, UsageError, WriteError
@@ -490,6 +498,14 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             f"{source.path}: --include/--exclude keep no tensor of its {source.left_out}, only "
             f"non-tensor items ({kept}), which are not converted: nothing to convert",
             path=source.path,
+        )
+    odd = next((n.name for n in source.non_tensors if n.kind == UNREADABLE), None)
+    if odd is not None:  # converting the rest would drop it
+        why = next((w.message for w in source.warnings if w.tensor == odd), None)
+        raise UsageError(
+            why or f"{source.path}: tensor \"{odd}\" has a dtype reshard cannot convert; --exclude '{odd}'",
+            path=source.path,
+            tensor=odd,
         )
     hidden = [n.name for n in source.non_tensors if n.kind == HOLDS_TENSORS]
     if hidden:  # converting the rest would drop them

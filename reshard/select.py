@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from .checkpoint import Checkpoint, CheckpointWarning
+from .checkpoint import UNREADABLE, Checkpoint, CheckpointWarning
 from .config import Matcher, _compile
 from .errors import ConfigError, UsageError
 
@@ -151,6 +151,7 @@ def _select(
         return ckpt, []
     kept, unused = selected([*ckpt.tensors, *(n.name for n in ckpt.non_tensors)], include, exclude)
     keep = set(kept)
+    odd = {n.name for n in ckpt.non_tensors if n.kind == UNREADABLE}
     tensors = {k: v for k, v in ckpt.tensors.items() if k in keep}
     dropped = len(ckpt.tensors) - len(tensors)
     manifest = ckpt.manifest
@@ -165,7 +166,9 @@ def _select(
         tensors=tensors,
         non_tensors=tuple(n for n in ckpt.non_tensors if n.name in keep),
         manifest=manifest,
-        warnings=list(ckpt.warnings),
+        # a tensor of a dtype reshard cannot convert, left out: its warning (which says to leave
+        # it out) goes with it
+        warnings=[w for w in ckpt.warnings if w.tensor is None or w.tensor in keep or w.tensor not in odd],
         left_out=ckpt.left_out + dropped,
     )
     return out, unused

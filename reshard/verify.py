@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypedDict
 
 from .budget import DEFAULT_MAX_BYTES
-from .checkpoint import Checkpoint, TensorSource
+from .checkpoint import UNREADABLE, Checkpoint, TensorSource
 from .compare import Batch, Group, batches
 from .dtypes import DTYPE_SIZES
 from .errors import PlanError
@@ -586,7 +586,8 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
     Returns:
         ``{"equal", "tensors", "bytes_compared", "differences", "a", "b"}``:
         ``tensors`` counts names present in both; each difference is
-        ``{"tensor", "kind", "message"}`` with ``kind`` one of ``missing`` (only
+        ``{"tensor", "kind", "message"}`` with ``kind`` one of ``unreadable`` (a dtype
+        safetensors lacks, on either side), ``missing`` (only
         in A), ``extra`` (only in B), ``dtype``, ``shape``, ``values``; a
         ``values`` difference also has ``index`` (the smallest differing global
         index, row-major order) and ``a_bits``/``b_bits`` (the items there, hex).
@@ -601,7 +602,8 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
             v.chunk(names[c : c + _CHUNK], tbs[c : c + _CHUNK])
     finally:
         v.close()
-    diffs = sorted(v.diffs, key=lambda d: natural_key(d["tensor"]))
+    diffs = v.diffs + _unreadable(a, "A") + _unreadable(b, "B")
+    diffs.sort(key=lambda d: natural_key(d["tensor"]))
     total = v.compared
     return {
         "equal": not diffs,
@@ -611,6 +613,20 @@ def verify_checkpoints(a: Checkpoint, b: Checkpoint, *, max_bytes: int = DEFAULT
         "a": _describe(a),
         "b": _describe(b),
     }
+
+
+def _unreadable(ck: Checkpoint, side: str) -> list[Difference]:
+    """A difference per tensor of ``ck`` of a dtype reshard cannot read: never said equal unseen."""
+    return [
+        {
+            "tensor": n.name,
+            "kind": "unreadable",
+            "message": f'tensor "{n.name}" of {side} ({ck.path}) has a dtype safetensors lacks, so '
+            f"reshard cannot compare it; --exclude '{n.name}' compares the rest",
+        }
+        for n in ck.non_tensors
+        if n.kind == UNREADABLE
+    ]
 
 
 def verify_repeats(

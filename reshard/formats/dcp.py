@@ -93,6 +93,7 @@ from typing import Any, BinaryIO
 
 from ..checkpoint import (
     HOLDS_TENSORS,
+    UNREADABLE,
     Checkpoint,
     CheckpointWarning,
     ColumnSlice,
@@ -129,6 +130,7 @@ from ..io.unpickle import (
     StoredDTensor,
     StoredTensor,
     TensorMeta,
+    UnreadableTensor,
     load_dcp_metadata,
     load_stored_tensor,
     load_torch_save,
@@ -1004,8 +1006,9 @@ class _Reader:
 
     def read(self, mpath: Path) -> None:  # noqa: C901 - the per-chunk loop, kept flat for speed
         md = _read_metadata(mpath)
-        self._merge_meta(md, mpath)
-        entries = md.entries
+        odd = self._merge_meta(md, mpath)
+        # tensors of a dtype safetensors lacks: items here (their rows add up their size)
+        entries = md.entries if not odd else {**md.entries, **dict.fromkeys(odd, BytesMeta())}
         table = md.storage
         fqns, offs, paths, starts, lengths = (
             table.fqns,
@@ -1060,6 +1063,10 @@ class _Reader:
                     tensor=fqn,
                 )
             if type(m) is not TensorMeta:
+                if fqn in odd:
+                    nt = self.non_tensors[fqn]
+                    self.non_tensors[fqn] = replace(nt, size=nt.size + length, file=fi)
+                    continue
                 if fqn not in self.non_tensors:
                     kind, readable = self._item_kind(fqn, fi, start, length, transforms.get(i, ()))
                     if kind != HOLDS_TENSORS or not readable or not self._object(fqn, fi, start, length):
@@ -1333,9 +1340,19 @@ class _Reader:
         sp, start = self.files.permute(fi, base + s.start, s.size, s.order, s.itemsize, want, fqn, where)
         return (sp, chunk, start, None)
 
-    def _merge_meta(self, md: DcpMetadata, mpath: Path) -> None:
+    def _merge_meta(self, md: DcpMetadata, mpath: Path) -> set[str]:
+        """Add ``md``'s tensors to :attr:`meta`; the names of those of a dtype safetensors lacks,
+        which become non-tensor items (with a warning) instead."""
+        odd: set[str] = set()
         for fqn, m in md.entries.items():
             if type(m) is not TensorMeta:
+                continue
+            if m.dtype not in SAFETENSORS_DTYPES:
+                odd.add(fqn)
+                if fqn not in self.non_tensors:
+                    self.non_tensors[fqn] = NonTensor(fqn, 0, None, UNREADABLE)
+                    msg = UnreadableTensor(m.dtype, m.size).message(str(mpath), fqn)
+                    self.warnings.append(CheckpointWarning(msg, path=str(mpath), tensor=fqn))
                 continue
             prev = self.meta.setdefault(fqn, m)
             if prev is m and (math.prod(m.size) > MAX_INT64 or max(m.size, default=0) > MAX_INT64):
@@ -1352,6 +1369,7 @@ class _Reader:
                     path=str(mpath),
                     tensor=fqn,
                 )
+        return odd
 
     def tensors(self) -> dict[str, TensorSource]:
         """The tensors in name order, each piece's offset and CRC32 a :class:`ColumnSlice` /

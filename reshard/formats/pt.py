@@ -53,7 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import Checkpoint, CheckpointWarning, NonTensor, Spooled
+from ..checkpoint import UNREADABLE, Checkpoint, CheckpointWarning, NonTensor, Spooled
 from ..dtypes import DTYPE_SIZES
 from ..errors import (
     HeaderError,
@@ -67,7 +67,7 @@ from ..io.header import Header, TensorEntry
 from ..io.spool import LazySpool, SpoolCheckError, strided_span
 from ..io.torchsave import geometry_of, leaves, locate, stored_record
 from ..io.torchzip import TorchZip, crc32_range, read_record, read_torch_zip
-from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, load_torch_save
+from ..io.unpickle import MeshInfo, StoredDTensor, StoredTensor, UnreadableTensor, load_torch_save
 from ..mesh import Mesh
 from ..placements import Placement, Shard, StridedShard, parse_placement
 from .base import MAYBE, NO, YES, Probe, Reader, ReadOptions
@@ -508,9 +508,16 @@ def open_pt(directory: Path, options: ReadOptions, paths: Sequence[Path] | None 
         ckpt.spooled = {sp: Spooled.of(spool.origins, spool)}
     ckpt.warnings += [w for f in files for w in f.warnings]
     ckpt.non_tensors = tuple(
-        NonTensor(n, len(v) if isinstance(v, (str, bytes)) else 0, 0, type(v).__name__)
+        NonTensor(n, 0, 0, UNREADABLE)
+        if isinstance(v, UnreadableTensor)
+        else NonTensor(n, len(v) if isinstance(v, (str, bytes)) else 0, 0, type(v).__name__)
         for n, v in files[0].others.items()
     )
+    ckpt.warnings += [
+        CheckpointWarning(v.message(str(paths[0]), n), path=str(paths[0]), tensor=n)
+        for n, v in files[0].others.items()
+        if isinstance(v, UnreadableTensor)
+    ]
     if plain and cfg is None and mesh.size > 1:
         ckpt.warnings.append(
             CheckpointWarning(

@@ -86,6 +86,17 @@ SAFETENSORS_DTYPES: dict[str, str] = {v: k for k, v in TORCH_NAMES.items()}
 
 _TORCH_DTYPE_NAME = re.compile(r"(complex|float|bfloat|bits|q?u?int)\d.*|q?u?int\d+x\d+")
 """``torch.<name>`` globals that are dtypes (``complex128``, ``float4_e2m1fn_x2``, ``quint4x2``)."""
+_STORAGE_NAME = re.compile(r"[A-Z][A-Za-z0-9]*Storage")
+"""``torch.<name>`` globals that are typed storage classes (``ComplexDoubleStorage``, ``QInt8Storage``)."""
+_ODD_STORAGES = {
+    "ComplexDoubleStorage": "complex128",
+    "QInt8Storage": "qint8",
+    "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
+}
+"""The dtypes of the typed storage classes safetensors has no dtype for (messages name the dtype)."""
 
 
 class UnsafePickleError(HeaderError):
@@ -122,14 +133,13 @@ class RestrictedUnpickler(pickle.Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
-            if module == "torch" and (_TORCH_DTYPE_NAME.fullmatch(name) or name.endswith("Storage")):
-                kind = "dtype" if not name.endswith("Storage") else "storage class"
-                raise UnsafePickleError(  # a dtype (or typed storage) reshard has no name for, not code
-                    f"{self._path}: the {self._what} holds a tensor of {kind} torch.{name}: "
-                    "safetensors has no such dtype, so reshard cannot read it (nothing of it was "
-                    "run). Cast it with torch (or leave it out of the state dict) and re-save.",
-                    path=self._path,
-                ) from None
+            if module == "torch" and _TORCH_DTYPE_NAME.fullmatch(name):
+                # a dtype safetensors has no name for (complex128, qint8): data, not code; the
+                # tensors of it become UnreadableTensor, which a reader lists and convert refuses
+                # unless excluded
+                return TorchDtype(name)
+            if module == "torch" and _STORAGE_NAME.fullmatch(name):  # ComplexDoubleStorage
+                return _StorageType(_ODD_STORAGES.get(name, name), f"torch.{name}")
             raise UnsafePickleError(
                 f"{self._path}: the {self._what} pickle refers to {module}.{name}, which a "
                 f"{self._what} does not use; refusing to load it (nothing of it was run). If you "
@@ -466,6 +476,29 @@ class StoredTensor:
     stride: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class UnreadableTensor:
+    """A tensor of a dtype safetensors has no name for (``complex128``, ``qint8``,
+    ``float4_e2m1fn_x2``): what a reader says of it; its bytes are never read.
+
+    Attributes:
+        dtype: torch's dtype name (``complex128``), or the typed storage class's
+            (``ComplexDoubleStorage``) when the pickle names only that.
+        size: its (global) shape.
+    """
+
+    dtype: str
+    size: tuple[int, ...]
+
+    def message(self, where: str, name: str) -> str:
+        """Why ``name`` (in ``where``) is not converted, and what to do."""
+        return (
+            f'{where}: tensor "{name}" is torch.{self.dtype} {list(self.size)}: safetensors has no '
+            "such dtype, so reshard cannot convert it (listed as an item, its bytes not read). "
+            f"--exclude '{name}' converts the rest; or cast it with torch and re-save"
+        )
+
+
 class _StorageType(_StandIn):
     """A ``torch.<X>Storage`` / ``torch.storage.UntypedStorage`` global: just its dtype."""
 
@@ -499,7 +532,9 @@ def _int_tuple(v: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None) -> StoredTensor:
+def _rebuild(
+    storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None
+) -> StoredTensor | UnreadableTensor:
     sz, st = _int_tuple(size), _int_tuple(stride)
     if (
         not isinstance(storage, StorageRef)
@@ -514,20 +549,24 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | Non
         raise ValueError(f"tensor size {list(sz)} is over {MAX_INT64} elements (int64; torch refuses it)")
     if dtype is None:
         dtype = storage.dtype
-    if dtype is None or dtype not in SAFETENSORS_DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}")
+    if dtype is None:
+        raise ValueError("a tensor rebuilt from an untyped storage without a dtype")
+    if dtype not in SAFETENSORS_DTYPES:
+        return UnreadableTensor(dtype, sz)
     isz = DTYPE_SIZES[SAFETENSORS_DTYPES[dtype]]
     nbytes = storage.numel if storage.dtype is None else storage.numel * isz
     return StoredTensor(storage.key, dtype, nbytes, offset, sz, st)
 
 
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> StoredTensor:
+def _rebuild_v2(
+    storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any
+) -> StoredTensor | UnreadableTensor:
     return _rebuild(storage, offset, size, stride, None)
 
 
 def _rebuild_v3(
     storage: Any, offset: Any, size: Any, stride: Any, _rg: Any, _hooks: Any, dtype: Any, *_rest: Any
-) -> StoredTensor:
+) -> StoredTensor | UnreadableTensor:
     if not isinstance(dtype, TorchDtype):
         raise ValueError(f"_rebuild_tensor_v3 dtype {dtype!r} is not a torch dtype")
     return _rebuild(storage, offset, size, stride, str(dtype))
@@ -2328,12 +2367,16 @@ def _mesh_info_of(m: Any, depth: int) -> MeshInfo:
 _REBUILD_WRAPPER = _Call(_rebuild_wrapper_subclass, "torch._utils._rebuild_wrapper_subclass")
 
 
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> StoredDTensor:
+def _rebuild_from_type_v2(
+    func: Any, new_type: Any, args: Any, state: Any
+) -> StoredDTensor | UnreadableTensor:
     """A DTensor: the wrapper's dtype and global shape, the local tensor and the spec from ``state``."""
     if func is not _REBUILD_WRAPPER or type(new_type) is not _DTensorClass or not isinstance(args, tuple):
         raise ValueError("_rebuild_from_type_v2 of a tensor subclass other than DTensor")
     shell = _rebuild_wrapper_subclass(*args)
     d = state[1] if isinstance(state, tuple) and len(state) == 2 else state
+    if isinstance(d, dict) and isinstance(d.get("_local_tensor"), UnreadableTensor):
+        return UnreadableTensor(str(shell.args[0]), shell.args[1])
     if not isinstance(d, dict) or not isinstance(d.get("_local_tensor"), StoredTensor):
         raise ValueError("DTensor state has no _local_tensor")
     spec = _state(d.get("_spec"), _DTensorSpec, "DTensor _spec")

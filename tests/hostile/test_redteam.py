@@ -206,8 +206,50 @@ def test_a_dtype_safetensors_has_no_name_for_is_named_as_such(tmp_path: Path, fm
     r = run_cli("convert", src, tmp_path / "out", "--consolidate")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "safetensors has no such dtype" in r.stderr, r.stderr
-    assert ("torch.complex128" if fmt == "dcp" else "torch.ComplexDoubleStorage") in r.stderr
+    assert 'tensor "freqs" is torch.complex128 [3]' in r.stderr, r.stderr
+    assert "--exclude 'freqs'" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "pt"])
+def test_a_tensor_of_a_dtype_safetensors_lacks_can_be_left_out(tmp_path: Path, fmt: str) -> None:
+    """A torch-written checkpoint holding one complex128 tensor was refused whole, even with
+    ``--exclude`` naming it (the reader refused at the pickle): now it is listed as an item
+    (inspect exits 0, naming it), ``convert``/``plan`` refuse it unless excluded, ``verify``
+    never calls it equal unseen, and ``--exclude`` converts the rest bit for bit."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    sd = {"freqs": torch.randn(3, dtype=torch.complex128), "w": w, "c": torch.ones(2, dtype=torch.complex64)}
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    else:
+        src.mkdir()
+        torch.save(sd, src / "model.pt")
+    r = run_cli("inspect", src, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert sorted(t["name"] for t in doc["tensors"]) == ["c", "w"]
+    [item] = [n for n in doc["non_tensors"] if n["name"] == "freqs"]
+    assert item["kind"] == "tensor of a dtype safetensors lacks", item
+    assert any('"freqs" is torch.complex128' in w for w in doc["warnings"]), doc["warnings"]
+    r = run_cli("plan", src, "--consolidate")
+    assert r.returncode == 2 and "--exclude 'freqs'" in r.stderr, r.stderr
+    out = tmp_path / "out"
+    r = run_cli("convert", src, out, "--consolidate", "--exclude", "freqs")
+    assert r.returncode == 0, r.stderr
+    assert "freqs" not in r.stderr, r.stderr  # its warning went with it
+    got = load_file(next(out.glob("*.safetensors")))
+    assert sorted(got) == ["c", "w"] and torch.equal(got["w"], w) and torch.equal(got["c"], sd["c"])
+    r = run_cli("verify", src, out)
+    assert r.returncode == 1 and 'tensor "freqs" of A' in r.stderr, r.stderr
+    r = run_cli("verify", src, out, "--exclude", "freqs")
+    assert r.returncode == 0, r.stderr
 
 
 def test_hf_shards_without_their_index_are_named_as_such(tmp_path: Path) -> None:
