@@ -50,7 +50,7 @@ from .dcp_boxes import rank_chunks
 from .manifest import complete_self_described
 from .torch_dist import COMMON as TORCH_DIST_COMMON
 from .torch_dist import CONFIG as TORCH_DIST_CONFIG
-from .torch_dist import marker_files
+from .torch_dist import extra_states, marker_files
 
 __all__ = ["METADATA", "WRITER", "DcpFile", "dcp_file_name", "metadata_bytes", "write_metadata_to"]
 
@@ -390,18 +390,18 @@ def metadata_bytes(files: Sequence[OutFile], results: Sequence[FileResult]) -> b
 
 
 def _write_objects(
-    dst: Path, plan: Plan, items: Sequence[NonTensor]
+    dst: Path, plan: Plan, items: Sequence[NonTensor | tuple[str, bytes]]
 ) -> tuple[list[ObjectRecord], FileResult]:
-    """Copy ``items``' stored bytes, as they are, back to back into one more file of rank 0
-    (``__0_{k}.distcp``, after its data files), as torch puts a rank's ``BYTE_IO`` items in
-    its own file; their records for ``.metadata``.
+    """Copy ``items``' stored bytes, as they are (or the bytes given with a name), back to back
+    into one more file of rank 0 (``__0_{k}.distcp``, after its data files), as torch puts a
+    rank's ``BYTE_IO`` items in its own file; their records for ``.metadata``.
 
     Raises:
         UsageError: an item has the name of a tensor (``.metadata`` keys are one namespace).
         SourceChangedError: a source file ends before an item's bytes.
     """
     names = {t.name for t in plan.tensors}
-    clash = next((n.name for n in items if n.name in names), None)
+    clash = next((n.name for n in items if isinstance(n, NonTensor) and n.name in names), None)
     if clash is not None:
         raise UsageError(
             f'non-tensor item "{clash}" of {plan.source.path} has the name of a tensor of the output; '
@@ -414,6 +414,11 @@ def _write_objects(
     def fill(write: Callable[[bytes], object]) -> None:
         at = 0
         for n in items:
+            if not isinstance(n, NonTensor):
+                write(n[1])
+                records.append((n[0], name, at, len(n[1]), ()))
+                at += len(n[1])
+                continue
             assert n.file is not None and n.offset is not None
             path = plan.source.files[n.file]
             fd, _ = open_regular(path, what="source file", error=SourceChangedError)
@@ -446,10 +451,13 @@ def _written(dst: Path, name: str, fill: Callable[[Callable[[bytes], object]], o
 
 def _complete(dst: Path, plan: Plan, results: Sequence[FileResult]) -> None:
     """The source's non-tensor items (:func:`~reshard.checkpoint.stored_objects`), Megatron's
-    ``metadata.json`` and ``common.pt`` where they belong (:func:`~.torch_dist.marker_files`),
+    ``metadata.json``, ``common.pt`` and layers' ``_extra_state`` objects where they belong
+    (:func:`~.torch_dist.marker_files`, :func:`~.torch_dist.extra_states`),
     then ``.metadata`` (what makes a checkpoint to torch: durable before the rename), then
     ``reshard.json``."""
-    items = stored_objects(plan.source)
+    items: list[NonTensor | tuple[str, bytes]] = list(stored_objects(plan.source))
+    kept = {n.name for n in plan.source.non_tensors}  # a source's own objects stay as they are
+    items += [x for x in extra_states(plan) if x[0] not in kept]
     records: list[ObjectRecord] = []
     if items:
         records, done = _write_objects(dst, plan, items)

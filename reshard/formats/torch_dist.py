@@ -10,7 +10,8 @@
   unpickled), so a TP-2 run's checkpoint resharded to TP-4 is still one Megatron loads;
 * transforms whose target names are Megatron's (a profile with ``megatron_torch_dist:
   true``, ``hf-to-megatron-torch-dist``): Megatron's ``metadata.json`` and the
-  ``torch.save({})`` of a model-only save.
+  ``torch.save({})`` of a model-only save, and the layers' ``_extra_state`` objects
+  (:func:`extra_states`), which Megatron's loader asks for.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from ..errors import SourceChangedError
 from ..io.safe import open_regular
 from ..plan import Plan
 
-__all__ = ["CONFIG", "COMMON", "CONFIG_BYTES", "is_torch_dist", "empty_common", "marker_files"]
+__all__ = [
+    "CONFIG",
+    "COMMON",
+    "CONFIG_BYTES",
+    "is_torch_dist",
+    "empty_common",
+    "extra_states",
+    "marker_files",
+]
 
 CONFIG = "metadata.json"
 COMMON = "common.pt"
@@ -56,22 +65,70 @@ def is_torch_dist(directory: Path) -> bool:
 
 
 def empty_common() -> bytes:
-    """``torch.save({})``'s archive, made without torch: ``data.pkl`` (protocol 2, as torch
-    pickles), ``byteorder`` and ``version`` records, stored, with fixed times (the same bytes
-    every run). ``torch.load`` (``weights_only`` too) gives ``{}``.
+    """``torch.save({})``'s archive, made without torch (:func:`_saved`). ``torch.load``
+    (``weights_only`` too) gives ``{}``.
 
     >>> import zipfile, io; sorted(zipfile.ZipFile(io.BytesIO(empty_common())).namelist())
     ['common/byteorder', 'common/data.pkl', 'common/version']
     """
+    return _saved({}, "common")
+
+
+def _saved(obj: object, prefix: str) -> bytes:
+    """``torch.save(obj)``'s archive for an ``obj`` of plain data, made without torch:
+    ``data.pkl`` (protocol 2, as torch pickles), ``byteorder`` and ``version`` records,
+    stored, with fixed times (the same bytes every run), under ``prefix``."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
         for name, data in (
-            ("data.pkl", pickle.dumps({}, protocol=2)),
+            ("data.pkl", pickle.dumps(obj, protocol=2)),
             ("byteorder", b"little"),
             ("version", b"3\n"),
         ):
-            z.writestr(zipfile.ZipInfo(f"common/{name}", date_time=(1980, 1, 1, 0, 0, 0)), data)
+            z.writestr(zipfile.ZipInfo(f"{prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0)), data)
     return buf.getvalue()
+
+
+LAYERS = "decoder.layers."
+EXTRA_STATE_MODULES = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "self_attention.core_attention",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+"""The modules of a GPT layer whose ``_extra_state`` Megatron saves: the four linear layers
+(every spec: local layers keep ``None``, TransformerEngine's its FP8 state) and, with
+TransformerEngine's spec (Megatron-LM's default), the attention kernel."""
+
+
+def extra_states(plan: Plan) -> list[tuple[str, bytes]]:
+    """The ``_extra_state`` objects Megatron's ``dist_checkpointing.load`` asks for, for a
+    ``--to dcp`` output of Megatron names (:func:`marker_files`' first case): one per module of
+    :data:`EXTRA_STATE_MODULES` and layer, under Megatron's key (``ShardedObject.unique_key``:
+    ``decoder.layers.<module>._extra_state/shard_<layer>_<layers>``), holding what a model
+    without FP8 state saves (``torch.save([None])``: no FP8 scaling to carry over). Without them
+    Megatron's default strictness (``assume_ok_unexpected``) fails on the missing keys; the
+    attention kernel's, which the local spec does not ask for, is an unexpected key there,
+    which that strictness ignores.
+
+    The number of layers is the stacked ``decoder.layers.self_attention.linear_qkv.weight``'s
+    first dim; a linear module's object is written when its weight is in the output.
+    """
+    if plan.transforms is None or not plan.transforms["spec"].get("megatron_torch_dist"):
+        return []
+    shapes = {t.name: t.shape for t in plan.tensors}
+    qkv = shapes.get(f"{LAYERS}self_attention.linear_qkv.weight")
+    if not qkv:
+        return []
+    count = qkv[0]
+    blob = _saved([None], "archive")
+    return [
+        (f"{LAYERS}{m}._extra_state/shard_{i}_{count}", blob)
+        for m in EXTRA_STATE_MODULES
+        if m.endswith("core_attention") or f"{LAYERS}{m}.weight" in shapes
+        for i in range(count)
+    ]
 
 
 Fill = Callable[[Callable[[bytes], object]], object]

@@ -220,8 +220,10 @@ def test_forward_profile_writes_what_megatron_saves(saved: dict[str, Any], famil
 def test_megatron_loads_the_forward_output(saved: dict[str, Any], tmp_path: Path) -> None:
     """Megatron-Core's own dist_checkpointing.load opens what HF -> torch_dist (--to dcp) writes:
     metadata.json and common.pt make the directory a torch_dist checkpoint to it, and at TP 2 every
-    parameter of its GPTModel is the slice of the HF weights Megatron's layers hold (loaded with
-    strict="log_all": the _extra_state objects, TransformerEngine's FP8 state, are not in an HF model)."""
+    parameter of its GPTModel is the slice of the HF weights Megatron's layers hold. Loaded with
+    Megatron's default strictness: the layers' _extra_state objects Megatron asks for are there
+    (those its own save writes, plus the attention kernel's of TransformerEngine's spec), each
+    holding what Megatron's local layers save, [None]."""
     from torch.distributed.checkpoint import FileSystemReader
 
     layout = tmp_path / "megatron-tp2.yaml"
@@ -235,7 +237,17 @@ def test_megatron_loads_the_forward_output(saved: dict[str, Any], tmp_path: Path
         megatron_config = json.loads((c[1] / "metadata.json").read_text())
         assert json.loads((out / "metadata.json").read_text()) == megatron_config  # Megatron's own words
         assert torch.load(out / "common.pt") == {} == torch.load(c[1] / "common.pt")
-        assert FileSystemReader(str(out)).read_metadata().state_dict_metadata  # still a plain DCP to torch
+        md = FileSystemReader(str(out)).read_metadata().state_dict_metadata  # still a plain DCP to torch
+        kernel = {f"decoder.layers.self_attention.core_attention._extra_state/shard_{i}_2" for i in range(2)}
+        assert {k for k, v in md.items() if type(v).__name__ == "BytesStorageMetadata"} == EXTRA | kernel
+        if family == "llama":  # what torch.load gives of each: Megatron's local layers' [None]
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp_to_torch_save(out, tmp_path / "all.pt")
+            got = torch.load(tmp_path / "all.pt", weights_only=True)
+            assert {k: v for k, v in got.items() if "/shard_" in k} == dict.fromkeys(EXTRA | kernel, [None])
         check = run("inspect", str(out), "--check")
         assert check.returncode == 0, check.stderr  # reshard.json lists the two files with checksums
         args += [str(c["src"]), str(c["meg"]), str(out)]

@@ -6,9 +6,9 @@ needs ``megatron-core`` (0.16) and ``transformers``. ``MEG_DIR/model.safetensors
 Megatron names of the same weights (``hf-to-megatron-gpt``). For each triple, both ranks build the
 GPTModel of ``HF_DIR/config.json`` at TP=2 (``megatron_gpt_forward.build_model``: local spec), check
 that ``DIST_DIR`` is a distributed checkpoint to Megatron (``check_is_distributed_checkpoint``: its
-``metadata.json``), and load it: ``dist_checkpointing.load(model.sharded_state_dict(), DIST_DIR,
-strict="log_all")`` (the ``_extra_state`` objects, TransformerEngine's FP8 state, are not in an HF
-model: Megatron leaves them as they are, as ``--dist-ckpt-strictness log_all`` does in training).
+``metadata.json``), and load it: ``dist_checkpointing.load(model.sharded_state_dict(), DIST_DIR)``
+with Megatron's default strictness (``assume_ok_unexpected``: a key of the model the checkpoint
+lacks fails, such as a layer's ``_extra_state`` object, which reshard writes as ``[None]``).
 Every parameter must then equal the TP-rank slice of ``MEG_DIR``'s tensor that Megatron's own layers
 hold (``save_megatron_gpt._tp_slice``).
 
@@ -40,9 +40,8 @@ def one(hf_dir: Path, meg_dir: Path, dist_dir: Path, rank: int) -> dict[str, Any
         for p in model.parameters():
             p.zero_()
     distributed = check_is_distributed_checkpoint(str(dist_dir))
-    # strict="log_all": keys of the model the checkpoint lacks are left as they are (its default,
-    # "assume_ok_unexpected", raises on them: Missing key ... linear_proj._extra_state/shard_0_2)
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(dist_dir), strict="log_all")
+    # Megatron's default strictness: a missing key (linear_proj._extra_state/shard_0_2) would raise
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(dist_dir))
     model.load_state_dict(loaded, strict=False)
     equal, checked = True, 0
     for name, t in model.state_dict().items():
