@@ -1204,6 +1204,7 @@ class _Reader:
         fd = self.files.fd(fi)
         found: list[tuple[str, TensorSource]] = []
         others: list[NonTensor] = []
+        odd: list[CheckpointWarning] = []
         try:
             tz = read_torch_zip(fd, path, start, length)
             bo = tz.get("byteorder")
@@ -1223,6 +1224,10 @@ class _Reader:
                         self.warnings.append(CheckpointWarning(msg, True, path, fqn))
                         return False
                     leaf = leaf.local
+                if isinstance(leaf, UnreadableTensor):  # listed; convert refuses it unless excluded
+                    others.append(NonTensor(name, 0, fi, UNREADABLE))
+                    odd.append(CheckpointWarning(leaf.message(where, name), path=path, tensor=name))
+                    continue
                 if not isinstance(leaf, StoredTensor):
                     size = len(leaf) if isinstance(leaf, (str, bytes)) else 0
                     others.append(NonTensor(name, size, fi, type(leaf).__name__))
@@ -1248,6 +1253,7 @@ class _Reader:
             self.object_tensors[name] = (fqn, src)
         for n in others:
             self.non_tensors.setdefault(n.name, n)
+        self.warnings += odd
         return True
 
     def _chunk(

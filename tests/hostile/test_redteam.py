@@ -211,7 +211,7 @@ def test_a_dtype_safetensors_has_no_name_for_is_named_as_such(tmp_path: Path, fm
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "pt"])
+@pytest.mark.parametrize("fmt", ["dcp", "pt", "dcp-object"])
 def test_a_tensor_of_a_dtype_safetensors_lacks_can_be_left_out(tmp_path: Path, fmt: str) -> None:
     """A torch-written checkpoint holding one complex128 tensor was refused whole, even with
     ``--exclude`` naming it (the reader refused at the pickle): now it is listed as an item
@@ -222,33 +222,39 @@ def test_a_tensor_of_a_dtype_safetensors_lacks_can_be_left_out(tmp_path: Path, f
     src = tmp_path / "src"
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     sd = {"freqs": torch.randn(3, dtype=torch.complex128), "w": w, "c": torch.ones(2, dtype=torch.complex64)}
-    if fmt == "dcp":
+    if fmt.startswith("dcp"):
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
 
+        # dcp-object: a nested dict stored whole, as one pickled object holding the tensors
+        state, flat = ({"m": sd}, False) if fmt == "dcp-object" else (sd, True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+            planner = DefaultSavePlanner(flatten_state_dict=flat)
+            dcp.save(state, checkpoint_id=str(src), no_dist=True, planner=planner)
     else:
         src.mkdir()
         torch.save(sd, src / "model.pt")
+    p = "m." if fmt == "dcp-object" else ""
     r = run_cli("inspect", src, "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert sorted(t["name"] for t in doc["tensors"]) == ["c", "w"]
-    [item] = [n for n in doc["non_tensors"] if n["name"] == "freqs"]
+    assert sorted(t["name"] for t in doc["tensors"]) == [f"{p}c", f"{p}w"]
+    [item] = [n for n in doc["non_tensors"] if n["name"] == f"{p}freqs"]
     assert item["kind"] == "tensor of a dtype safetensors lacks", item
-    assert any('"freqs" is torch.complex128' in w for w in doc["warnings"]), doc["warnings"]
+    assert any(f'"{p}freqs" is torch.complex128' in w for w in doc["warnings"]), doc["warnings"]
     r = run_cli("plan", src, "--consolidate")
-    assert r.returncode == 2 and "--exclude 'freqs'" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"--exclude '{p}freqs'" in r.stderr, r.stderr
     out = tmp_path / "out"
-    r = run_cli("convert", src, out, "--consolidate", "--exclude", "freqs")
+    r = run_cli("convert", src, out, "--consolidate", "--exclude", f"{p}freqs")
     assert r.returncode == 0, r.stderr
     assert "freqs" not in r.stderr, r.stderr  # its warning went with it
     got = load_file(next(out.glob("*.safetensors")))
-    assert sorted(got) == ["c", "w"] and torch.equal(got["w"], w) and torch.equal(got["c"], sd["c"])
+    assert sorted(got) == [f"{p}c", f"{p}w"]
+    assert torch.equal(got[f"{p}w"], w) and torch.equal(got[f"{p}c"], sd["c"])
     r = run_cli("verify", src, out)
-    assert r.returncode == 1 and 'tensor "freqs" of A' in r.stderr, r.stderr
-    r = run_cli("verify", src, out, "--exclude", "freqs")
+    assert r.returncode == 1 and f'tensor "{p}freqs" of A' in r.stderr, r.stderr
+    r = run_cli("verify", src, out, "--exclude", f"{p}freqs")
     assert r.returncode == 0, r.stderr
 
 
