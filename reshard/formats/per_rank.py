@@ -136,7 +136,7 @@ def self_description(header: Header, path: Path, *, tensors: bool = True) -> Ran
     )
     try:
         version = data.get("format_version")
-        if version not in (1, 2):
+        if version not in (1, 2, OWN_VERSION):
             raise ValueError("unsupported format_version")
         mesh = _described_mesh(data, where)
         rank = data["rank"]
@@ -147,7 +147,7 @@ def self_description(header: Header, path: Path, *, tensors: bool = True) -> Ran
             raise ValueError(
                 f"coordinate {coordinate!r} is not rank {rank}'s {list(mesh.coordinate(rank))} on mesh {mesh}"
             )
-        if version == 2:
+        if version in (2, OWN_VERSION):
             data["tensors"] = _v2_tensors(data, header, mesh, where) if tensors else {}
         _check_tensors(data["tensors"], where)
     except KeyError as e:  # a field left out
@@ -159,6 +159,10 @@ def self_description(header: Header, path: Path, *, tensors: bool = True) -> Ran
 
 _CODES = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Format version 2: a tensor's index into the placements table, one character each."""
+
+OWN_VERSION = 3
+"""Format version 3: version 2's members describing only the file's own entries (``Own``
+layouts: each rank's file holds other tensors); the checkpoint's description joins all files'."""
 
 
 def _described_mesh(data: dict[str, Any], where: str) -> Mesh:
@@ -308,7 +312,7 @@ _DIGEST = "per_tensor_digest"
 
 
 _DESCRIPTION_HEAD = re.compile(
-    r'\{"format_version":[12],"mesh":\{[^{}]*\},"rank":\d+,"coordinate":\[[\d,]*\],'
+    r'\{"format_version":[123],"mesh":\{[^{}]*\},"rank":\d+,"coordinate":\[[\d,]*\],'
 )
 """The members :func:`rank_metadata` writes first, up to the per-tensor part."""
 
@@ -324,8 +328,8 @@ def _rank_header(path: Path, rank: int) -> Header:
     """
     h = read_header(path)
     raw = (h.metadata or {}).get("reshard")
-    if rank == 0 or raw is None or len(raw) < 4096:
-        return h
+    if rank == 0 or raw is None or len(raw) < 4096 or raw.startswith(f'{{"format_version":{OWN_VERSION},'):
+        return h  # (version 3: each file describes its own tensors, all read)
     head = _DESCRIPTION_HEAD.match(raw)
     digest = None
     try:
@@ -732,7 +736,9 @@ def _rank_mesh(
             mesh = Mesh(tuple(desc0["mesh"]["names"]), tuple(desc0["mesh"]["shape"]))
     if mesh is None:
         raise LayoutError(f"{directory}: no mesh given", path=str(directory))
-    if described:
+    if described and desc0 is not None and desc0["format_version"] == OWN_VERSION:
+        _join_descriptions(desc0, paths, headers, mesh)
+    elif described:
         assert desc0 is not None
         digest0: list[int] = []  # of rank 0's per-tensor text, made once
         for r, (p, h) in enumerate(zip(paths, headers)):
@@ -744,6 +750,60 @@ def _rank_mesh(
             if r:
                 _check_same_description(desc0, d, headers[0], h, paths[0], p, digest0)
     return mesh, desc0
+
+
+def _join_descriptions(
+    desc0: RankMetadata, paths: Sequence[Path], headers: Sequence[Header], mesh: Mesh
+) -> None:
+    """Format version 3 (``Own`` layouts): each file describes the tensors it holds (under its
+    entries' names, mapped back by its ``local_names``); the checkpoint's description, set as
+    ``desc0``'s, is all of theirs, a tensor several files hold described alike by each."""
+    joined: dict[str, TensorDescription] = {}
+    first: dict[str, int] = {}
+    for r, (p, h) in enumerate(zip(paths, headers)):
+        d = desc0 if r == 0 else self_description(h, p)
+        if d is None or d["rank"] != r or d["mesh"] != desc0["mesh"] or d["format_version"] != OWN_VERSION:
+            raise HeaderError(
+                f"{p}: its reshard metadata does not say rank {r} of mesh {mesh} in format version "
+                f"{OWN_VERSION}, as {paths[0].name}'s does",
+                path=str(p),
+            )
+        renamed = _local_names(p, h, cast(dict[str, Any], d))
+        items = d["tensors"].items()
+        if renamed:
+            items = {renamed.get(entry, entry): info for entry, info in items}.items()
+            if len(items) < len(d["tensors"]):
+                names = [renamed.get(e, e) for e in d["tensors"]]
+                name = next(n for i, n in enumerate(names) if n in names[:i])
+                raise HeaderError(
+                    f'{p}: tensor "{name}" is also in {p.name} (files of one rank must not repeat a tensor)',
+                    path=str(p),
+                    tensor=name,
+                )
+        for name, info in items:
+            prev = joined.setdefault(name, info)
+            if prev is not info and not _same_description(prev, info):
+                raise HeaderError(
+                    f'{p}: its reshard metadata describes tensor "{name}" as shape {list(info["shape"])} '
+                    f"{list(info['placements'])}, but {paths[first[name]].name} as {list(prev['shape'])} "
+                    f"{list(prev['placements'])}; the rank files are not of one checkpoint",
+                    path=str(p),
+                    tensor=name,
+                )
+            first.setdefault(name, r)
+    desc0["tensors"] = joined
+
+
+def _same_description(a: TensorDescription, b: TensorDescription) -> bool:
+    """The same global shape and placements (written alike, or parsing to the same)."""
+    if a == b:
+        return True
+    try:
+        return [int(x) for x in a["shape"]] == [int(x) for x in b["shape"]] and [
+            parse_placement(t) for t in a["placements"]
+        ] == [parse_placement(t) for t in b["placements"]]
+    except (ConfigError, TypeError, ValueError):
+        return False
 
 
 def _check_same_description(
@@ -1173,8 +1233,12 @@ def describe_tensors(tensors: Iterable[tuple[str, str, TensorLayout]]) -> tuple[
     return _described([n for n, _, _ in ordered], [lay for _, _, lay in ordered])
 
 
-def _described(names: Sequence[str], layouts: Sequence[TensorLayout]) -> tuple[int, str]:
-    """:func:`describe_tensors` of the tensors ``names`` laid out ``layouts``, in the file's data order."""
+def _described(
+    names: Sequence[str], layouts: Sequence[TensorLayout], coord: tuple[int, ...] | None = None
+) -> tuple[int, str]:
+    """:func:`describe_tensors` of the tensors ``names`` laid out ``layouts``, in the file's data
+    order; with ``coord``, of one rank's file alone (version 3): a global shape is given where
+    that rank's local shape does not give it."""
     table: dict[tuple[str, ...], str] = {}
     # tensors of one geometry share one layout object (the planner's): its code and evenness
     # are found once, by identity (``layouts`` holds them, so their ids stay theirs), each
@@ -1191,7 +1255,7 @@ def _described(names: Sequence[str], layouts: Sequence[TensorLayout]) -> tuple[i
                 return 1, tensors_text((n, lay.shape, lay.placement_strs()) for n, lay in every)
             code = table[pls] = _CODES[len(table)]
         per_layout[key] = code
-        if not _splits_evenly(layout):
+        if not (_splits_evenly(layout) if coord is None else _even_at(layout, coord)):
             uneven.add(key)
     codes = "".join(map(per_layout.__getitem__, ids))
     shapes = {}
@@ -1210,6 +1274,12 @@ def _described(names: Sequence[str], layouts: Sequence[TensorLayout]) -> tuple[i
 @lru_cache(maxsize=4096)
 def _placement_texts(placements: tuple[Placement, ...]) -> tuple[str, ...]:
     return tuple(str(p) for p in placements)
+
+
+def _even_at(layout: TensorLayout, coord: tuple[int, ...]) -> bool:
+    """The local shape at ``coord`` is what :func:`_even_global` turns back into the global shape."""
+    local = layout.local_shape(coord)
+    return _even_global(tuple(local), layout.mesh, layout.placement_strs()) == list(layout.shape)
 
 
 @lru_cache(maxsize=65536)
@@ -1272,16 +1342,16 @@ def _metadata_parts(
 
 
 def _owned_files(ordered: Sequence[TargetTensor], mesh: Mesh, renamed: Mapping[str, str]) -> list[OutFile]:
-    """``Own(...)``: a rank's file leaves out the tensors it does not own (format version 1, which
-    describes every tensor). Tensors ``renamed`` (``Own(NAME, local)``) are stored under their
-    rank-local names, in the reference writer's order of those names, and the file's metadata
-    maps them back: ``"local_names": {name in this file: tensor name}``.
+    """``Own(...)``: a rank's file leaves out the tensors it does not own, and describes only its
+    own (format version 3: version 2's codes, for this file's entries; a reader joins the
+    files' descriptions). Version 1 (every tensor's shape and placements, in every file: 8 ranks
+    of 200k tensors carried 19 MB each, four times their entries) only when a file's tensors have
+    more distinct placements than version 2 has codes. Tensors ``renamed`` (``Own(NAME, local)``)
+    are stored under their rank-local names, in the reference writer's order of those names, and
+    the file's metadata maps them back: ``"local_names": {name in this file: tensor name}``.
     """
-    text = tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in ordered)
-    shared = _escaped(text)  # every tensor's: one object in all the files (8 ranks x 100k: 180 MiB)
-    del text
-    out: list[OutFile] = []
     layouts = distinct_layouts(t.layout for t in ordered)
+    files: list[tuple[int, list[TargetTensor], list[str] | None, str]] = []
     for rank, coord in enumerate(mesh.coordinates()):
         held = {id(lay) for lay in layouts if lay.holds(coord)}  # tensors share a few layouts
         mine = [t for t in ordered if id(t.layout) in held]
@@ -1295,9 +1365,28 @@ def _owned_files(ordered: Sequence[TargetTensor], mesh: Mesh, renamed: Mapping[s
             mine, names = [t for _, t in pairs], [n for n, _ in pairs]
             local = {n: t.name for n, t in pairs if n != t.name}
             extra = ',"local_names":' + json.dumps(local, separators=(",", ":")) if local else ""
-        meta = _metadata_parts(mesh, rank, 1, shared, extra)
-        out.append(SafetensorsFile(rank_file_name(rank, mesh.size), rank, mine, meta, names))
-    return out
+        files.append((rank, mine, names, extra))
+    texts = []
+    coords = list(mesh.coordinates())
+    for rank, mine, names, _ in files:  # in each file's data order, under its entries' names
+        version, text = _described(names or [t.name for t in mine], [t.layout for t in mine], coords[rank])
+        if version != 2:
+            break
+        texts.append(_escaped(text))
+    version = OWN_VERSION
+    if len(texts) < len(files):  # placements version 2 cannot code: every tensor's, in every file
+        shared = _escaped(tensors_text((t.name, t.shape, t.layout.placement_strs()) for t in ordered))
+        texts, version = [shared] * len(files), 1  # one object in all the files
+    return [
+        SafetensorsFile(
+            rank_file_name(rank, mesh.size),
+            rank,
+            mine,
+            _metadata_parts(mesh, rank, version, text, extra),
+            names,
+        )
+        for (rank, mine, names, extra), text in zip(files, texts, strict=True)
+    ]
 
 
 def _check_unique(pairs: Sequence[tuple[str, TargetTensor]], rank: int) -> None:
@@ -1321,31 +1410,34 @@ def local_names(files: RankFiles) -> tuple[dict[str, str], ...]:
     Raises:
         HeaderError: the member is not an object of names the file holds.
     """
-    out = []
-    for p, h in zip(files.paths, files.headers):
-        raw = (h.metadata or {}).get("reshard")
-        found: dict[str, str] = {}
-        if raw is not None and '"local_names"' in raw:
-            where = str(p)
+    return tuple(_local_names(p, h) for p, h in zip(files.paths, files.headers))
+
+
+def _local_names(p: Path, h: Header, data: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The ``local_names`` of one file's reshard metadata (``data``, when already decoded), checked."""
+    raw = (h.metadata or {}).get("reshard")
+    found: dict[str, str] = {}
+    if raw is not None and '"local_names"' in raw:
+        where = str(p)
+        if data is None:
             data = expect_object(
                 load_json(raw.encode(), path=where, what="reshard metadata", error=HeaderError),
                 path=where,
                 field="the reshard metadata",
                 error=HeaderError,
             )
-            found = expect_object(
-                data.get("local_names"), path=where, field="reshard.local_names", error=HeaderError
-            )
-            held = set(h.names)
-            for k, v in found.items():
-                if k not in held or not isinstance(v, str):
-                    raise HeaderError(
-                        f"{p}: invalid reshard metadata (local_names maps {k!r} to {v!r}; it must map "
-                        "names this file holds to tensor names)",
-                        path=where,
-                    )
-        out.append(found)
-    return tuple(out)
+        found = expect_object(
+            data.get("local_names"), path=where, field="reshard.local_names", error=HeaderError
+        )
+        held = set(h.names)
+        for k, v in found.items():
+            if k not in held or not isinstance(v, str):
+                raise HeaderError(
+                    f"{p}: invalid reshard metadata (local_names maps {k!r} to {v!r}; it must map "
+                    "names this file holds to tensor names)",
+                    path=where,
+                )
+    return found
 
 
 WRITER = Writer(
