@@ -485,6 +485,8 @@ class LayoutConfig:
             if hit is not None:
                 groups.setdefault((hit.rule, hit.group), {})[name] = hit
         numbers: dict[str, tuple[int, int, int, int]] = {}
+        # one tuple per distinct value (a few per expert number), not one per tensor (200k: 14 MiB)
+        shared: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
         for (i, group), members in groups.items():
             found = sorted({c.number for c in members.values()})
             count = len(found)
@@ -496,7 +498,9 @@ class LayoutConfig:
                     tensor=next(iter(members)),
                     path=self.source,
                 )
-            numbers.update((name, (c.number, count, c.start, c.stop)) for name, c in members.items())
+            for name, c in members.items():
+                value = (c.number, count, c.start, c.stop)
+                numbers[name] = shared.setdefault(value, value)
         return LayoutConfig(self.mesh, self.rules, self.source, self.optional, numbers)
 
     def _captured(self, name: str, *, local: bool = False) -> _Captured | None:
