@@ -1583,6 +1583,8 @@ class _MetaDecoder:
         try:
             return DCP_METADATA_GLOBALS[(module, name)]
         except KeyError:
+            if module == "torch" and _TORCH_DTYPE_NAME.fullmatch(name):
+                return TorchDtype(name)  # a dtype safetensors lacks, as RestrictedUnpickler gives it
             raise _Unsupported from None  # the C path refuses it, naming it
 
     def _setitems(self, target: Any, kv: list[Any]) -> None:
