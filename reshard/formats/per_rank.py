@@ -638,8 +638,7 @@ def _named_sources(files: RankFiles, mesh: Mesh, describe: Describe) -> dict[str
         # an empty piece's offset is its file's data start, the int itself (the 7 empty pieces of
         # each of 200k experts at EP-8: 1.4M ints, 45 MiB, made by adding 0)
         offsets = tuple(
-            files.headers[i].data_start + en.start if en.start else files.headers[i].data_start
-            for i, en in found
+            heads[i].data_start + en.start if en.start else heads[i].data_start for i, en in found
         )
         tensors[name] = _tensor_source(name, entries[0].dtype, geo, offsets)
         if mark is not None:
@@ -825,14 +824,15 @@ def _join_descriptions(
 
 
 def _same_description(a: TensorDescription, b: TensorDescription) -> bool:
-    """The same global shape and placements (written alike, or parsing to the same)."""
+    """The same global shape and placements (written alike, or parsing to the same; both
+    checked by :func:`_check_tensors`)."""
     if a == b:
         return True
     try:
         return [int(x) for x in a["shape"]] == [int(x) for x in b["shape"]] and [
             parse_placement(t) for t in a["placements"]
         ] == [parse_placement(t) for t in b["placements"]]
-    except (ConfigError, TypeError, ValueError):
+    except ConfigError:
         return False
 
 
@@ -876,13 +876,7 @@ def _check_same_description(
         info = mine.get(name)
         if info is None:
             continue
-        try:
-            same = [int(x) for x in info["shape"]] == [int(x) for x in info0["shape"]] and [
-                parse_placement(t) for t in info["placements"]
-            ] == [parse_placement(t) for t in info0["placements"]]
-        except ConfigError:
-            same = False
-        if not same:
+        if not _same_description(info, info0):
             raise HeaderError(
                 f'{path}: its reshard metadata describes tensor "{name}" as shape {list(info["shape"])} '
                 f"{list(info['placements'])}, but {path0.name} (rank 0) as {list(info0['shape'])} "

@@ -87,16 +87,7 @@ SAFETENSORS_DTYPES: dict[str, str] = {v: k for k, v in TORCH_NAMES.items()}
 _TORCH_DTYPE_NAME = re.compile(r"(complex|float|bfloat|bits|q?u?int)\d.*|q?u?int\d+x\d+")
 """``torch.<name>`` globals that are dtypes (``complex128``, ``float4_e2m1fn_x2``, ``quint4x2``)."""
 _STORAGE_NAME = re.compile(r"[A-Z][A-Za-z0-9]*Storage")
-"""``torch.<name>`` globals that are typed storage classes (``ComplexDoubleStorage``, ``QInt8Storage``)."""
-_ODD_STORAGES = {
-    "ComplexDoubleStorage": "complex128",
-    "QInt8Storage": "qint8",
-    "QUInt8Storage": "quint8",
-    "QInt32Storage": "qint32",
-    "QUInt4x2Storage": "quint4x2",
-    "QUInt2x4Storage": "quint2x4",
-}
-"""The dtypes of the typed storage classes safetensors has no dtype for (messages name the dtype)."""
+"""``torch.<name>`` globals that are typed storage classes (``QInt8Storage``)."""
 
 
 class UnsafePickleError(HeaderError):
@@ -133,13 +124,9 @@ class RestrictedUnpickler(pickle.Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
-            if module == "torch" and _TORCH_DTYPE_NAME.fullmatch(name):
-                # a dtype safetensors has no name for (complex128, qint8): data, not code; the
-                # tensors of it become UnreadableTensor, which a reader lists and convert refuses
-                # unless excluded
-                return TorchDtype(name)
-            if module == "torch" and _STORAGE_NAME.fullmatch(name):  # ComplexDoubleStorage
-                return _StorageType(_ODD_STORAGES.get(name, name), f"torch.{name}")
+            odd = _odd_global(module, name)
+            if odd is not None:
+                return odd
             raise UnsafePickleError(
                 f"{self._path}: the {self._what} pickle refers to {module}.{name}, which a "
                 f"{self._what} does not use; refusing to load it (nothing of it was run). If you "
@@ -523,7 +510,27 @@ _TYPED_STORAGES = {
     "ByteStorage": "uint8",
     "BoolStorage": "bool",
     "ComplexFloatStorage": "complex64",
+    # dtypes safetensors lacks: their tensors become UnreadableTensor
+    "ComplexDoubleStorage": "complex128",
+    "QInt8Storage": "qint8",
+    "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
 }
+
+
+def _odd_global(module: str, name: str) -> Any | None:
+    """A ``torch`` dtype or typed storage class no allow-list names (``complex128``, a storage
+    class of a later torch), as inert data: the tensors of it become :class:`UnreadableTensor`,
+    which a reader lists and ``convert`` refuses unless excluded; None for anything else."""
+    if module != "torch":
+        return None
+    if _TORCH_DTYPE_NAME.fullmatch(name):
+        return TorchDtype(name)
+    if _STORAGE_NAME.fullmatch(name):
+        return _StorageType(name, f"torch.{name}")
+    return None
 
 
 def _int_tuple(v: Any) -> tuple[int, ...] | None:
@@ -1583,9 +1590,10 @@ class _MetaDecoder:
         try:
             return DCP_METADATA_GLOBALS[(module, name)]
         except KeyError:
-            if module == "torch" and _TORCH_DTYPE_NAME.fullmatch(name):
-                return TorchDtype(name)  # a dtype safetensors lacks, as RestrictedUnpickler gives it
-            raise _Unsupported from None  # the C path refuses it, naming it
+            odd = _odd_global(module, name)  # as RestrictedUnpickler gives it
+            if odd is None:
+                raise _Unsupported from None  # the C path refuses it, naming it
+            return odd
 
     def _setitems(self, target: Any, kv: list[Any]) -> None:
         if type(target) is dict:
