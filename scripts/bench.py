@@ -556,7 +556,7 @@ def main() -> int:
     ap.add_argument(
         "--big-tensor", action="store_true", help="a few big tensors (a 2 GiB embedding S(1), ...) instead"
     )
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="0: only generate the data (with --keep)")
     ap.add_argument("--naive-rounds", type=int, default=1)
     ap.add_argument("--workers", type=int, default=0, help="reshard --workers (0: its default)")
     ap.add_argument("--pause", type=float, default=3.0, help="seconds between runs (see MACHINE-NOTES)")
@@ -850,6 +850,8 @@ def main() -> int:
     # ratios per round against cp in the same round
     rows = []
     for j, ts in times.items():
+        if not ts:  # --rounds 0: the data made, nothing timed
+            continue
         med = statistics.median(ts)
         base_job = CP_OF.get(j, "cp")
         if j in chosen:

@@ -87,7 +87,7 @@ class _Section:
                 g = index[(id(t.layout), t.dtype)] = len(self.geometries)
                 self.geometries.append((t.layout, t.dtype))
             self.geometry.append(g)
-        self.last: tuple[tuple[tuple[str, int], ...], bytes, array[int], array[int]] | None = None
+        self.last: tuple[tuple[tuple[str, int], ...], tuple[bytes, ...], array[int], array[int]] | None = None
 
     def quoted(self) -> Sequence[str]:
         """The entries' names as JSON text, made a slice at a time as an entries text takes them

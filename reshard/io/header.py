@@ -1037,9 +1037,10 @@ def header_prefix(
     return b"".join(prefix_parts(text, metadata)), starts
 
 
-def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[bytes, Sequence[int]]:
+def entries_text(tensors: Sequence[tuple[str, str, str, int]]) -> tuple[tuple[bytes, ...], Sequence[int]]:
     """The tensor entries of a header (``tensors`` as :func:`header_prefix` takes them), comma-joined
-    UTF-8, and each tensor's data offset: what sibling rank files with equal local shapes share."""
+    UTF-8 in parts (:func:`joined_entries`), and each tensor's data offset: what sibling rank files
+    with equal local shapes share."""
     heads = [entry_head(dtype, shape_text) for _, dtype, shape_text, _ in tensors]
     return joined_entries([t[0] for t in tensors], heads, [t[3] for t in tensors])
 
@@ -1052,30 +1053,37 @@ def entry_head(dtype: str, shape_text: str) -> str:
 
 def joined_entries(
     quoted: Sequence[str], heads: Sequence[str], sizes: Sequence[int]
-) -> tuple[bytes, array.array[int]]:
+) -> tuple[tuple[bytes, ...], array.array[int]]:
     """:func:`entries_text` from per tensor its quoted name, :func:`entry_head` and data bytes.
 
     The heads are shared per dtype and shape, so an entry costs one short format (100k entries:
-    a third of formatting each one whole).
+    a third of formatting each one whole). The text comes in parts of a few thousand entries
+    (each but the last ending in its comma), whose concatenation it is: never joined, so it is
+    never held twice (200k entries are 22 MB; TP-64 siblings hold two such texts, one of
+    empty pieces).
     """
     stops = array.array("q", itertools.accumulate(sizes))  # 200k as lists: 9 MiB
     starts = array.array("q", [0]) + stops[:-1] if stops else array.array("q")
     step = 16384  # entries formatted at a time: 200k entries' strings at once held 29 MiB
-    parts = [
-        ",".join(
-            [
-                f"{q}{h}{a},{b}]}}"
-                for q, h, a, b in zip(*(s[i : i + step] for s in (quoted, heads, starts, stops)))
-            ]
+    count = len(stops)
+    parts = tuple(
+        (
+            ",".join(
+                [
+                    f"{q}{h}{a},{b}]}}"
+                    for q, h, a, b in zip(*(s[i : i + step] for s in (quoted, heads, starts, stops)))
+                ]
+            )
+            + ("," if i + step < count else "")
         ).encode("utf-8")
-        for i in range(0, len(stops), step)
-    ]
-    return b",".join(parts), starts
+        for i in range(0, count, step)
+    )
+    return parts, starts
 
 
-def prefix_parts(entries: bytes, metadata: str | Sequence[bytes] | None) -> tuple[bytes, ...]:
+def prefix_parts(entries: Sequence[bytes], metadata: str | Sequence[bytes] | None) -> tuple[bytes, ...]:
     """The header prefix of :func:`entries_text`'s ``entries`` and ``metadata`` (as :func:`header_prefix`),
-    in parts whose concatenation it is: what precedes the entries, the entries, what follows.
+    in parts whose concatenation it is: what precedes the entries, the entries' parts, what follows.
 
     Sibling files then share the entries' bytes (a 100k-tensor header is 10 MB) instead of
     each holding a prefix of its own. ``metadata`` may come as the UTF-8 parts of its text:
@@ -1088,6 +1096,6 @@ def prefix_parts(entries: bytes, metadata: str | Sequence[bytes] | None) -> tupl
         head = [metadata.encode()] if isinstance(metadata, str) else list(metadata)
         head[0] = f'{{"{_METADATA_KEY}":'.encode() + head[0]
         head[-1] += b"," if entries else b""
-    size = sum(map(len, head)) + len(entries) + 1
+    size = sum(map(len, head)) + sum(map(len, entries)) + 1
     head[0] = struct.pack("<Q", size + (-size % 8)) + head[0]
-    return (*head, entries, b"}" + b" " * (-size % 8))
+    return (*head, *entries, b"}" + b" " * (-size % 8))
