@@ -882,7 +882,7 @@ class _Re2:
     def __init__(self, body: str) -> None:
         import re2  # lazy: only layouts with re: rules load it
 
-        self._body = body
+        body = self._body = _re2_escapes(body)
         options = _re2_options()
         try:
             re2.compile(body, options)  # for its message: Set.Add only says "failed"
@@ -903,6 +903,35 @@ class _Re2:
 
     def __reduce__(self) -> tuple[type[_Re2], tuple[str]]:
         return (_Re2, (self._body,))  # an RE2 set cannot be pickled: compile again
+
+
+_PY_ESCAPE = re.compile(r"\\(\\|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|N\{[^}]*\})")
+
+
+def _re2_escapes(body: str) -> str:
+    r"""``body`` with Python's escapes of a character by number or name, which RE2 lacks,
+    written as RE2's ``\x{...}`` (the syntax check is Python's, so ``re:a\u202eb`` was
+    accepted, then refused by RE2 with a message about lookarounds). An escaped backslash
+    stays as it is.
+
+    >>> print(_re2_escapes(r"a\u202e[\U0001F600]\N{DIGIT ONE}\\u1234"))
+    a\x{202e}[\x{1f600}]\x{31}\\u1234
+    """
+    if "\\" not in body:
+        return body
+    import unicodedata
+
+    def sub(m: re.Match[str]) -> str:
+        esc = m.group(1)
+        if esc == "\\":
+            return m.group(0)
+        try:
+            code = ord(unicodedata.lookup(esc[2:-1])) if esc[0] == "N" else int(esc[1:], 16)
+        except KeyError:  # no such character name: left for RE2 to refuse
+            return m.group(0)
+        return f"\\x{{{code:x}}}"
+
+    return _PY_ESCAPE.sub(sub, body)
 
 
 def _re2_reason(e: Exception) -> object:

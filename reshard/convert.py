@@ -39,6 +39,7 @@ from .mesh import Mesh, parse_mesh_spec
 from .placements import Placement
 from .plan import Plan, WriteOptions, distinct_layouts, make_plan, match_blocks, plan_copies
 from .resume import finished_files, is_journal, recipe, record_finished, source_identity, start_journal
+from .text import name_pattern
 from .transform_plan import Transforms, layout_transforms, match_any, transforms_for, unfused
 
 __all__ = [
@@ -503,7 +504,9 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
     if odd is not None:  # converting the rest would drop it
         why = next((w.message for w in source.warnings if w.tensor == odd), None)
         raise UsageError(
-            why or f"{source.path}: tensor \"{odd}\" has a dtype reshard cannot convert; --exclude '{odd}'",
+            why
+            or f'{source.path}: tensor "{odd}" has a dtype reshard cannot convert; '
+            f"--exclude {name_pattern(odd)}",
             path=source.path,
             tensor=odd,
         )
@@ -516,7 +519,7 @@ def build_plan(source: Checkpoint, target: Target) -> Plan:
             + (f" ({why})" if why else "")
             + ", so converting would drop them. Re-save it with the default planner "
             "(dcp.save(state_dict, checkpoint_id=DIR), which stores each tensor as a DCP tensor), "
-            f"or --exclude '{hidden[0]}' to convert the rest",
+            f"or --exclude {name_pattern(hidden[0])} to convert the rest",
             path=source.path,
             tensor=hidden[0],
         )

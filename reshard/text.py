@@ -24,16 +24,22 @@ a\\x1b[31mred\\x07
 evil\\u202egnp.weight
 >>> print(markup_safe("experts[gate].weight [/bad]"))
 experts\\[gate].weight \\[/bad]
+
+- :func:`name_pattern` is an ``--include``/``--exclude`` pattern for one name, quoted
+  for a POSIX shell, that a message can suggest: pasted, it matches that name and no other.
 """
 
 from __future__ import annotations
 
-__all__ = ["shown", "markup_safe"]
+__all__ = ["shown", "markup_safe", "name_pattern"]
 
 
 def _escape(char: str) -> str:
-    if char.isprintable():
-        return char
+    return char if char.isprintable() else _code(char)
+
+
+def _code(char: str) -> str:
+    """``char`` as a Python escape by its code point (``\\x1b``, ``\\u202e``)."""
     code = ord(char)
     if code <= 0xFF:
         return f"\\x{code:02x}"
@@ -77,3 +83,27 @@ def _tail_safe(part: str) -> str:
     stripped = part.rstrip("\\")
     tail = len(part) - len(stripped)
     return stripped + "[none]" + "\\" * (2 * tail) + "[/none]" if tail else part
+
+
+_GLOB = frozenset("*?[")
+
+
+def name_pattern(name: str) -> str:
+    r"""A shell-quoted ``--include``/``--exclude`` pattern matching ``name``, printable, to paste.
+
+    A printable name without glob characters or a quote is its own pattern; any other
+    becomes a ``re:`` regex of its escaped characters, a character that is not printable
+    (or a quote) written as an escape (``\xNN``, ``\uNNNN``), which ``re:`` patterns read
+    as Python's ``re`` does.
+
+    >>> name_pattern("model.norm.weight")
+    "'model.norm.weight'"
+    >>> print(name_pattern("experts[0].w"), name_pattern("a\nb\x1b[31m"), name_pattern("it's"))
+    're:experts\[0\]\.w' 're:a\x0ab\x1b\[31m' 're:it\x27s'
+    """
+    if name.isprintable() and "'" not in name and not _GLOB.intersection(name) and not name.startswith("re:"):
+        return f"'{name}'"
+    import re
+
+    body = "".join(re.escape(c) if c.isprintable() and c != "'" else _code(c) for c in name)
+    return f"'re:{body}'"

@@ -44,7 +44,7 @@ from typing import Any, TypeAlias
 
 import yaml
 
-from .config import _Parser, _re2_reason, _yaml_error
+from .config import _Parser, _re2_escapes, _re2_reason, _yaml_error
 from .errors import ConfigError
 from .indexmap import DimMap, Part, Seg, compose, full_dims, identity_part, merge_parts, part_numel
 from .io.safe import MAX_LAYOUT_BYTES, read_document
@@ -329,7 +329,7 @@ def _re2(body: str, text: str) -> Any:
     options = re2.Options()
     options.log_errors = False
     try:
-        return re2.compile(body, options)
+        return re2.compile(_re2_escapes(body), options)
     except re2.error as e:
         why = _re2_reason(e)
         raise ConfigError(

@@ -56,6 +56,7 @@ from .intervals import (
 from .io.reader import MappedFiles, Piece, Run, read_box, uint_dtype
 from .io.views import open_piece
 from .plan import Copy, check_reduce, copy_boxes, match_blocks, natural_key
+from .text import name_pattern
 from .transform_plan import TransformedSource, file_at, match_any, target_sources
 from .transforms import Repeat
 
@@ -622,7 +623,7 @@ def _unreadable(ck: Checkpoint, side: str) -> list[Difference]:
             "tensor": n.name,
             "kind": "unreadable",
             "message": f'tensor "{n.name}" of {side} ({ck.path}) has a dtype safetensors lacks, so '
-            f"reshard cannot compare it; --exclude '{n.name}' compares the rest",
+            f"reshard cannot compare it; --exclude {name_pattern(n.name)} compares the rest",
         }
         for n in ck.non_tensors
         if n.kind == UNREADABLE

@@ -45,6 +45,7 @@ from ..io.torchzip_write import ChunkArchive, chunk_archive
 from ..io.writer import FileResult, write_atomic_with
 from ..mesh import Mesh
 from ..plan import FileLayout, LazySequence, OutEntry, OutFile, Plan, TargetTensor, WriteOptions
+from ..text import name_pattern
 from .base import Writer
 from .dcp_boxes import rank_chunks
 from .manifest import complete_self_described
@@ -405,7 +406,7 @@ def _write_objects(
     if clash is not None:
         raise UsageError(
             f'non-tensor item "{clash}" of {plan.source.path} has the name of a tensor of the output; '
-            f"--exclude '{clash}' or rename the tensor",
+            f"--exclude {name_pattern(clash)} or rename the tensor",
             tensor=clash,
         )
     name = dcp_file_name(0, sum(1 for f in plan.files if f.local_rank == 0))  # after rank 0's files

@@ -47,6 +47,7 @@ from typing import Any
 
 from ..dtypes import DTYPE_SIZES, TORCH_NAMES
 from ..errors import HeaderError
+from ..text import name_pattern
 from .header import MAX_INT64
 
 __all__ = [
@@ -482,7 +483,7 @@ class UnreadableTensor:
         return (
             f'{where}: tensor "{name}" is torch.{self.dtype} {list(self.size)}: safetensors has no '
             "such dtype, so reshard cannot convert it (listed as an item, its bytes not read). "
-            f"--exclude '{name}' converts the rest; or cast it with torch and re-save"
+            f"--exclude {name_pattern(name)} converts the rest; or cast it with torch and re-save"
         )
 
 

@@ -258,6 +258,39 @@ def test_a_tensor_of_a_dtype_safetensors_lacks_can_be_left_out(tmp_path: Path, f
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.parametrize(
+    "odd",
+    ["freqs[0]", "rope\n\x1b[31mred", "it's *", "bidi\u202eqkv", "re:freqs"],
+    ids=["glob-chars", "controls", "quote-and-star", "bidi", "re-prefix"],
+)
+def test_the_exclude_hint_pasted_into_a_shell_leaves_out_that_tensor_only(tmp_path: Path, odd: str) -> None:
+    """The ``--exclude`` a refusal suggests was the name in quotes: for a name with glob
+    characters it matched other names or none, for one with control characters it printed
+    escaped and, pasted, matched nothing. Now the hint, run by a real shell, converts all
+    but that one tensor (decoys differ from it in the very characters it escapes)."""
+    import shlex
+
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    decoys = {"freqs0": w, "rope\n\x1b[31mred2": w + 1, "it's x": w + 2, "bidi.qkv": w + 3, "freqs": w + 4}
+    torch.save({odd: torch.randn(3, dtype=torch.complex128), **decoys}, src / "model.pt")
+    out = tmp_path / "out"
+    r = run_cli("convert", src, out, "--consolidate", "--quiet")
+    assert r.returncode == 2 and not out.exists(), r.stderr
+    hint = r.stderr[r.stderr.index("--exclude ") :].split(" converts the rest")[0]
+    assert hint.isprintable(), hint
+    paths = " ".join(shlex.quote(str(p)) for p in (RESHARD, "convert", src, out))
+    cmd = f"{paths} --consolidate --quiet {hint}"
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (hint, r.stderr)
+    got = load_file(next(out.glob("*.safetensors")))
+    assert sorted(got) == sorted(decoys), (hint, sorted(got))
+    assert all(torch.equal(got[k], v) for k, v in decoys.items())
+
+
 def test_hf_shards_without_their_index_are_named_as_such(tmp_path: Path) -> None:
     """Several .safetensors files with no index fall to the per-rank reader's guess, which said
     "no rank files found" of HF shards whose index was not copied; it now says what is missing."""

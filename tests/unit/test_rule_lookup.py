@@ -23,7 +23,9 @@ ALPHABET = "ab._*?[]\\"
 
 # Regex atoms (optionally quantified): any concatenation is a valid regex.
 # Escaped ones re.escape would write (\.) and ones it would not (\_, \d).
+# Escapes by number or name (Python's, which RE2 lacks: translated for it).
 FRAGMENTS = ["a", "b", "_", ".", "\\.", "\\_", "\\*", "\\\\", "\\[", ".*", "[ab]", "(a|b)", "b?", "\\d"]
+FRAGMENTS += ["\\u0061", "\\x62", "\\U0000005f", "\\N{FULL STOP}", "[\\u0061\\x5c]"]
 
 
 def naive_first(rules: list[str], name: str) -> int | None:
