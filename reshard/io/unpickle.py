@@ -89,6 +89,11 @@ _TORCH_DTYPE_NAME = re.compile(r"(complex|float|bfloat|bits|q?u?int)\d.*|q?u?int
 """``torch.<name>`` globals that are dtypes (``complex128``, ``float4_e2m1fn_x2``, ``quint4x2``)."""
 _STORAGE_NAME = re.compile(r"[A-Z][A-Za-z0-9]*Storage")
 """``torch.<name>`` globals that are typed storage classes (``QInt8Storage``)."""
+_QSCHEMES = frozenset(
+    ["per_tensor_affine", "per_channel_affine", "per_tensor_symmetric", "per_channel_symmetric"]
+    + ["per_channel_affine_float_qparams"]
+)
+"""``torch.<name>`` globals that are quantization schemes (a quantized tensor's first parameter)."""
 
 
 class UnsafePickleError(HeaderError):
@@ -312,6 +317,15 @@ class TorchDtype(str, _StandIn):
         return f"torch.{str.__str__(self)}"
 
 
+class TorchQScheme(str, _StandIn):
+    """A ``torch.<qscheme>`` global (``per_tensor_affine``), as its name."""
+
+    __slots__ = ()
+
+    def _global(self) -> str:
+        return f"torch.{str.__str__(self)}"
+
+
 class Record(metaclass=_StandInType):
     """Inert stand-in for a pickled class instance: remembers its state, runs nothing."""
 
@@ -480,10 +494,12 @@ class UnreadableTensor:
 
     def message(self, where: str, name: str) -> str:
         """Why ``name`` (in ``where``) is not converted, and what to do."""
+        quantized = self.dtype.lower().startswith(("qint", "quint"))
+        fix = "dequantize it (tensor.dequantize())" if quantized else "cast it"
         return (
             f'{where}: tensor "{name}" is torch.{self.dtype} {list(self.size)}: safetensors has no '
             "such dtype, so reshard cannot convert it (listed as an item, its bytes not read). "
-            f"--exclude {name_pattern(name)} converts the rest; or cast it with torch and re-save"
+            f"--exclude {name_pattern(name)} converts the rest; or {fix} with torch and re-save"
         )
 
 
@@ -531,6 +547,8 @@ def _odd_global(module: str, name: str) -> Any | None:
         return TorchDtype(name)
     if _STORAGE_NAME.fullmatch(name):
         return _StorageType(name, f"torch.{name}")
+    if name in _QSCHEMES:
+        return TorchQScheme(name)
     return None
 
 
@@ -580,10 +598,22 @@ def _rebuild_v3(
     return _rebuild(storage, offset, size, stride, str(dtype))
 
 
+def _rebuild_q(
+    storage: Any, offset: Any, size: Any, stride: Any, qparams: Any, *_rest: Any
+) -> UnreadableTensor:
+    """A quantized tensor (``torch._utils._rebuild_qtensor``): never its integers alone, which
+    mean nothing without the scales and zero points beside them."""
+    if not (isinstance(qparams, tuple) and qparams and isinstance(qparams[0], TorchQScheme)):
+        raise ValueError("_rebuild_qtensor quantizer parameters do not start with a torch qscheme")
+    got = _rebuild(storage, offset, size, stride, None)
+    return got if isinstance(got, UnreadableTensor) else UnreadableTensor(got.dtype, got.size)
+
+
 #: Everything the ``data.pkl`` of a ``torch.save``-d plain CPU tensor refers to.
 TORCH_SAVE_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _Call(_rebuild_v2, "torch._utils._rebuild_tensor_v2"),
     ("torch._utils", "_rebuild_tensor_v3"): _Call(_rebuild_v3, "torch._utils._rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_qtensor"): _Call(_rebuild_q, "torch._utils._rebuild_qtensor"),
     ("torch.storage", "UntypedStorage"): _StorageType(None, "torch.storage.UntypedStorage"),
     ("collections", "OrderedDict"): _ORDERED_DICT,
     **{("torch", n): _StorageType(d, f"torch.{n}") for n, d in _TYPED_STORAGES.items()},

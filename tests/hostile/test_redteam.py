@@ -258,6 +258,47 @@ def test_a_tensor_of_a_dtype_safetensors_lacks_can_be_left_out(tmp_path: Path, f
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.parametrize("fmt", ["pt", "dcp"])
+def test_quantized_tensors_are_listed_and_can_be_left_out(tmp_path: Path, fmt: str) -> None:
+    """A ``torch.save`` file holding a quantized tensor was refused whole (its pickle names
+    ``torch._utils._rebuild_qtensor`` and ``torch.per_tensor_affine``, outside the allow-list):
+    now per-tensor and per-channel quantized tensors are listed as items of a dtype
+    safetensors lacks, as DCP's were, and ``--exclude`` converts the rest bit for bit."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    w = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    with warnings.catch_warnings():  # quantized tensor creation is deprecated
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_tensor(torch.randn(4, 3), 0.1, 2, torch.qint8)
+        scales, zeros = torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0, 1, 2, 3])
+        qc = torch.quantize_per_channel(torch.randn(4, 3), scales, zeros, 0, torch.quint8)
+        sd = {"q": q, "w": w} if fmt == "dcp" else {"q": q, "qc": qc, "w": w}
+        if fmt == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+        else:
+            src.mkdir()
+            torch.save(sd, src / "model.pt")
+    odd = sorted(set(sd) - {"w"})
+    r = run_cli("inspect", src, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [t["name"] for t in doc["tensors"]] == ["w"]
+    kinds = {n["name"]: n["kind"] for n in doc["non_tensors"]}
+    assert kinds == dict.fromkeys(odd, "tensor of a dtype safetensors lacks"), kinds
+    warned = doc["warnings"]
+    assert any('"q" is torch.qint8 [4, 3]' in m and "dequantize" in m for m in warned), warned
+    out = tmp_path / "out"
+    r = run_cli("convert", src, out, "--consolidate")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not out.exists(), r.stderr
+    r = run_cli("convert", src, out, "--consolidate", *[a for n in odd for a in ("--exclude", n)])
+    assert r.returncode == 0, r.stderr
+    got = load_file(next(out.glob("*.safetensors")))
+    assert list(got) == ["w"] and torch.equal(got["w"], w)
+
+
 @pytest.mark.parametrize(
     "odd",
     ["freqs[0]", "rope\n\x1b[31mred", "it's *", "bidi\u202eqkv", "re:freqs"],
