@@ -100,6 +100,9 @@ EXTRA_STATE_MODULES = (
 """The modules of a GPT layer whose ``_extra_state`` Megatron saves: the four linear layers
 (every spec: local layers keep ``None``, TransformerEngine's its FP8 state) and, with
 TransformerEngine's spec (Megatron-LM's default), the attention kernel."""
+EXPERT_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+"""The routed experts' linear layers (stacked ``[L, E, ...]``), whose ``_extra_state`` Megatron
+saves per layer and expert: ``..._extra_state/shard_<layer>.<expert>_<layers>.<experts>``."""
 
 
 def extra_states(plan: Plan) -> list[tuple[str, bytes]]:
@@ -113,7 +116,8 @@ def extra_states(plan: Plan) -> list[tuple[str, bytes]]:
     which that strictness ignores.
 
     The number of layers is the stacked ``decoder.layers.self_attention.linear_qkv.weight``'s
-    first dim; a linear module's object is written when its weight is in the output.
+    first dim; a linear module's object is written when its weight is in the output; the
+    routed experts' (:data:`EXPERT_MODULES`), one per layer and expert of their ``[L, E, ...]``.
     """
     if plan.transforms is None or not plan.transforms["spec"].get("megatron_torch_dist"):
         return []
@@ -123,12 +127,22 @@ def extra_states(plan: Plan) -> list[tuple[str, bytes]]:
         return []
     count = qkv[0]
     blob = _saved([None], "archive")
-    return [
+    out = [
         (f"{LAYERS}{m}._extra_state/shard_{i}_{count}", blob)
         for m in EXTRA_STATE_MODULES
         if m.endswith("core_attention") or f"{LAYERS}{m}.weight" in shapes
         for i in range(count)
     ]
+    for m in EXPERT_MODULES:
+        shape = shapes.get(f"{LAYERS}{m}.weight")
+        if shape is not None and len(shape) > 2:
+            experts = shape[1]
+            out += [
+                (f"{LAYERS}{m}._extra_state/shard_{i}.{e}_{count}.{experts}", blob)
+                for i in range(count)
+                for e in range(experts)
+            ]
+    return out
 
 
 Fill = Callable[[Callable[[bytes], object]], object]

@@ -141,6 +141,9 @@ PROFILES = {
     "hf-to-torchtitan-qwen3": (qwen3_hf, QWEN3_MOE),
     "hf-to-megatron-gpt": (llama_hf, LLAMA),
     "hf-to-megatron-torch-dist": (lambda: qwen3_hf(LLAMA), LLAMA),  # dense Qwen3: q/k layernorms stacked too
+    # megatron-core's own MoE GPTModel is their oracle: tests/dist/test_megatron_moe.py
+    "mixtral-to-megatron-torch-dist": (mixtral_hf, MIXTRAL),
+    "qwen3-moe-to-megatron-torch-dist": (qwen3_moe_hf, QWEN3_MOE),
     "hf-to-vllm": (llama_hf, LLAMA),
     "mixtral-experts-stack": (mixtral_hf, MIXTRAL),
     "phi3-to-llama": (phi3_hf, LLAMA),  # transformers' models are its oracle: tests/cli/test_phi3_profile.py
