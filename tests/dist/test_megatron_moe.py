@@ -8,6 +8,9 @@ per-expert names. reshard writes ``torch_dist`` from them; megatron-core's own M
 loads it with ``dist_checkpointing.load`` at Megatron's default strictness and gives the HF
 model's logits; Megatron then saves the model itself, and reshard's ``--inverse`` turns that
 save (Megatron's chunks: two a ``[gate; up]`` expert) back into the HF tensors, bit for bit.
+The same at expert parallelism 2 (``dcp_helpers/megatron_moe_ep.py``, a 2-rank gloo world):
+Megatron's EP-2 model loads reshard's output with each rank's experts right, and the EP-2
+checkpoint it saves (each rank's experts in its own files) exports back to the HF tensors.
 Skipped without ``megatron-core`` or ``transformers``.
 """
 
@@ -31,6 +34,7 @@ from safetensors.torch import load_file  # noqa: E402
 pytestmark = pytest.mark.dist
 
 HELPER = Path(__file__).resolve().parent / "dcp_helpers" / "megatron_moe_forward.py"
+EP_HELPER = Path(__file__).resolve().parent / "dcp_helpers" / "megatron_moe_ep.py"
 COMMON = dict(
     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
@@ -149,3 +153,29 @@ def test_a_dense_layer_among_moe_layers_is_refused(saved: dict[str, Any], tmp_pa
             "--model-config", str(src / "config.json"))  # fmt: skip
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def ep2(saved: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Per family: what Megatron's EP-2 model said of reshard's output, and its own EP-2 save."""
+    root = tmp_path_factory.mktemp("megamoe-ep")
+    args: list[str] = []
+    for family, c in saved.items():
+        args += [str(c["src"]), str(c["dist"]), str(root / f"{family}-ep2")]
+    doc = gloo_helper(EP_HELPER, root / "ep.json", args)
+    return {family: {**doc[family], "dir": root / f"{family}-ep2"} for family in saved}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_an_expert_parallel_megatron_run_loads_it_and_its_save_exports_back(
+    saved: dict[str, Any], ep2: dict[str, Any], family: str, tmp_path: Path
+) -> None:
+    c, e = saved[family], ep2[family]
+    assert e["experts_equal"], e  # rank r's local expert k is global expert 2r + k
+    assert sorted(p.name for p in e["dir"].glob("*.distcp")) == [f"__{r}_{i}.distcp" for r in range(2) for i in range(2)]
+    assert e["ep_dir"]["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == [[2, 4, 32, 24], "float32", 8]
+    out = tmp_path / "hf"
+    p = run("convert", str(e["dir"]), str(out), "--transforms", c["profile"], "--inverse", "--model-config",
+            str(c["src"] / "config.json"), "--consolidate", "--quiet")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert_same(load_file(str(out / "model.safetensors")), c["hf"])
