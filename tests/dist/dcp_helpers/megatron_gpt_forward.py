@@ -40,9 +40,13 @@ def local_name(name: str) -> str:
     return name
 
 
-def build_model(c: Any, padded_vocab: int, bias: bool, qk_norm: bool, tp: int = 1) -> Any:
+def build_model(
+    c: Any, padded_vocab: int, bias: bool, qk_norm: bool, tp: int = 1, experts: int = 0, **moe: Any
+) -> Any:
     """Megatron-Core's GPTModel (local spec, fp32, CPU) for the HF config ``c``, at tensor-parallel
-    degree ``tp`` (the model-parallel state must be initialised for it)."""
+    degree ``tp`` (the model-parallel state must be initialised for it); with ``experts``, every
+    layer's MLP is that many routed experts (``SequentialMLP``) and ``moe`` the rest of its
+    ``TransformerConfig`` (``moe_ffn_hidden_size``, ``moe_router_topk``, ...)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -51,13 +55,15 @@ def build_model(c: Any, padded_vocab: int, bias: bool, qk_norm: bool, tp: int = 
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rope = getattr(c, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    if experts:
+        moe |= {"num_moe_experts": experts, "moe_grouped_gemm": False}
     cfg = TransformerConfig(
         num_layers=c.num_hidden_layers,
         hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads,
         num_query_groups=c.num_key_value_heads,
         kv_channels=head_dim,
-        ffn_hidden_size=c.intermediate_size,
+        ffn_hidden_size=moe.get("moe_ffn_hidden_size", c.intermediate_size),
         add_qkv_bias=bias,
         qk_layernorm=qk_norm,
         gated_linear_unit=True,
@@ -73,10 +79,14 @@ def build_model(c: Any, padded_vocab: int, bias: bool, qk_norm: bool, tp: int = 
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         tensor_model_parallel_size=tp,
+        **moe,
+    )
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
     )
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab,
         max_sequence_length=c.max_position_embeddings,
         position_embedding_type="rope",

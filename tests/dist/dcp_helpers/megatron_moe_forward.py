@@ -26,60 +26,28 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 def build_model(c: Any, padded_vocab: int, qk_norm: bool) -> Any:
-    import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """``megatron_gpt_forward.build_model`` with the HF config's routed experts."""
+    from megatron_gpt_forward import build_model as gpt_model
 
-    experts = getattr(c, "num_local_experts", None) or c.num_experts
     ffn = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    rope = getattr(c, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-    cfg = TransformerConfig(
-        num_layers=c.num_hidden_layers,
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads,
-        kv_channels=head_dim,
-        ffn_hidden_size=ffn,
+    return gpt_model(
+        c,
+        padded_vocab,
+        False,
+        qk_norm,
+        experts=getattr(c, "num_local_experts", None) or c.num_experts,
         moe_ffn_hidden_size=ffn,
-        num_moe_experts=experts,
         moe_router_topk=c.num_experts_per_tok,
-        moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0,
         # Mixtral renormalises the top-k probabilities, Qwen3-MoE only with norm_topk_prob (off by
         # default): softmax over all experts first, as Megatron's pre-softmax routing does
         moe_router_pre_softmax=not getattr(c, "norm_topk_prob", True),
-        qk_layernorm=qk_norm,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=c.rms_norm_eps,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
     )
-    spec = get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
-    )
-    return GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=padded_vocab,
-        max_sequence_length=c.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(theta),
-        share_embeddings_and_output_weights=False,
-    ).eval()
 
 
 def compare(hf_dir: Path, dist_dir: Path, resave: Path | None = None) -> dict[str, Any]:
