@@ -25,6 +25,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 LOCAL_NAMES = {  # TransformerEngine's fused layer-norm names -> the local spec's modules
@@ -95,6 +96,18 @@ def build_model(
     ).eval()
 
 
+def logits(hf: Any, model: Any) -> tuple[Any, Any]:
+    """The HF model's and the Megatron model's logits on the same 2 x 9 random tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 9), generator=g)
+    positions = torch.arange(9).expand(2, 9)
+    causal = torch.triu(torch.ones(1, 1, 9, 9, dtype=torch.bool), 1)  # True: masked
+    with torch.no_grad():
+        return hf(tokens).logits, model(tokens, positions, causal)
+
+
 def compare(hf_dir: Path, meg_dir: Path) -> dict[str, Any]:
     import torch
     import transformers
@@ -109,13 +122,7 @@ def compare(hf_dir: Path, meg_dir: Path) -> dict[str, Any]:
     model = build_model(c, state["embedding.word_embeddings.weight"].shape[0], bias, qk_norm)  # padded vocab
     missing, unexpected = model.load_state_dict(state, strict=False)  # shapes are checked here
     missing = [k for k in missing if not k.endswith("._extra_state")]
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=g)
-    positions = torch.arange(9).expand(2, 9)
-    causal = torch.triu(torch.ones(1, 1, 9, 9, dtype=torch.bool), 1)  # True: masked
-    with torch.no_grad():
-        want = hf(tokens).logits
-        got = model(tokens, positions, causal)
+    want, got = logits(hf, model)
     return {
         "keys_missing": sorted(missing),
         "keys_unexpected": sorted(unexpected),
@@ -125,27 +132,33 @@ def compare(hf_dir: Path, meg_dir: Path) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def one_rank(each: Callable[[Path, Path], dict[str, Any]]) -> None:
+    """``each(A, B)`` per pair of ``sys.argv[2:]`` in a 1-rank gloo world with Megatron's CUDA
+    assumptions patched, ``{A's name: result}`` written to ``sys.argv[1]`` as JSON."""
     warnings.simplefilter("ignore")
     import torch
     import torch.distributed as dist
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # RoPE's inv_freq.to(device=...)
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     out, pairs = Path(sys.argv[1]), sys.argv[2:]
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import random as mrandom
+        from megatron.core.transformer.moe import moe_utils
 
         parallel_state.initialize_model_parallel(1, 1)
         # the attention's dropout RNG fork: a CUDA generator state; dropout is 0, nothing to fork
         mrandom._get_cuda_rng_state = lambda *a, **k: None
         mrandom._set_cuda_rng_state = lambda *a, **k: None
         mrandom.get_cuda_rng_tracker().states_["model-parallel-rng"] = None
-        result = {Path(h).name: compare(Path(h), Path(m)) for h, m in zip(pairs[::2], pairs[1::2], strict=True)}
+        if not hasattr(moe_utils, "te_general_gemm"):  # 0.16's MoE router names it without TransformerEngine
+            moe_utils.te_general_gemm = None
+        result = {Path(a).name: each(Path(a), Path(b)) for a, b in zip(pairs[::2], pairs[1::2], strict=True)}
         dist.destroy_process_group()
     out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main()
+    one_rank(compare)

@@ -19,10 +19,7 @@ which 0.16 names without importing when TransformerEngine is absent, is None (to
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +51,7 @@ def compare(hf_dir: Path, dist_dir: Path, resave: Path | None = None) -> dict[st
     import torch
     import transformers
     from megatron.core import dist_checkpointing
+    from megatron_gpt_forward import logits
     from torch.distributed.checkpoint import FileSystemReader
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
@@ -76,13 +74,7 @@ def compare(hf_dir: Path, dist_dir: Path, resave: Path | None = None) -> dict[st
     if resave is not None:  # Megatron's own save of what it loaded: its chunks, its keys
         resave.mkdir(parents=True)
         dist_checkpointing.save(model.sharded_state_dict(), str(resave))
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=g)
-    positions = torch.arange(9).expand(2, 9)
-    causal = torch.triu(torch.ones(1, 1, 9, 9, dtype=torch.bool), 1)  # True: masked
-    with torch.no_grad():
-        want = hf(tokens).logits
-        got = model(tokens, positions, causal)
+    want, got = logits(hf, model)
     return {
         "loaded": loaded,
         "experts_fc1_equal": bool(fc1_equal),
@@ -91,34 +83,7 @@ def compare(hf_dir: Path, dist_dir: Path, resave: Path | None = None) -> dict[st
     }
 
 
-def main() -> None:
-    warnings.simplefilter("ignore")
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    out, pairs = Path(sys.argv[1]), sys.argv[2:]
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import random as mrandom
-
-        parallel_state.initialize_model_parallel(1, 1)
-        mrandom._get_cuda_rng_state = lambda *a, **k: None
-        mrandom._set_cuda_rng_state = lambda *a, **k: None
-        mrandom.get_cuda_rng_tracker().states_["model-parallel-rng"] = None
-        from megatron.core.transformer.moe import moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):  # 0.16's router names it without TransformerEngine
-            moe_utils.te_general_gemm = None
-        result = {
-            Path(h).name: compare(Path(h), Path(d), Path(f"{d}-megatron"))
-            for h, d in zip(pairs[::2], pairs[1::2], strict=True)
-        }
-        dist.destroy_process_group()
-    out.write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main()
+    from megatron_gpt_forward import one_rank
+
+    one_rank(lambda hf, dist: compare(hf, dist, Path(f"{dist}-megatron")))
