@@ -149,7 +149,7 @@ TransformsOpt = Annotated[
         "--transforms",
         help="Rename, fuse/split, stack, permute or pad tensors on the way: a transforms YAML or a "
         "bundled profile (hf-to-torchtitan-llama, hf-to-torchtitan-qwen3, hf-to-megatron-gpt, "
-        "hf-to-megatron-torch-dist, mixtral-to-megatron-torch-dist, qwen3-moe-to-megatron-torch-dist, "
+        "hf-to-megatron-torch-dist, mixtral-/qwen2-moe-/qwen3-moe-to-megatron-torch-dist, "
         "hf-to-vllm, phi3-to-llama, mixtral-experts-stack, ...); A,B applies A then B in one pass "
         "(phi3-to-llama,hf-to-torchtitan-llama). A --target-layout may carry a transforms: section "
         "instead.",

@@ -96,10 +96,13 @@ EXTRA_STATE_MODULES = (
     "self_attention.core_attention",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
+    "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.linear_fc2",
 )
 """The modules of a GPT layer whose ``_extra_state`` Megatron saves: the four linear layers
-(every spec: local layers keep ``None``, TransformerEngine's its FP8 state) and, with
-TransformerEngine's spec (Megatron-LM's default), the attention kernel."""
+(every spec: local layers keep ``None``, TransformerEngine's its FP8 state), an MoE layer's
+shared expert's two and, with TransformerEngine's spec (Megatron-LM's default), the
+attention kernel."""
 EXPERT_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 """The routed experts' linear layers (stacked ``[L, E, ...]``), whose ``_extra_state`` Megatron
 saves per layer and expert: ``..._extra_state/shard_<layer>.<expert>_<layers>.<experts>``."""

@@ -1,5 +1,6 @@
-"""HF Mixtral / Qwen3-MoE <-> Megatron-Core MoE ``torch_dist`` (``mixtral-to-megatron-torch-dist``,
-``qwen3-moe-to-megatron-torch-dist``), with megatron-core 0.16 itself as the oracle.
+"""HF Mixtral / Qwen2-MoE / Qwen3-MoE <-> Megatron-Core MoE ``torch_dist`` (``mixtral-to-megatron-torch-dist``,
+``qwen2-moe-to-megatron-torch-dist``, ``qwen3-moe-to-megatron-torch-dist``), with megatron-core
+0.16 itself as the oracle (Qwen2-MoE: q/k/v biases and a gated shared expert).
 
 Tiny random models (hidden 32, 2 layers, 4 experts of 24, 4 heads over 2 KV groups, vocab 100,
 so Megatron's embedding is padded to 128) are saved by transformers' ``save_pretrained`` with
@@ -41,6 +42,11 @@ COMMON = dict(
 )  # fmt: skip
 FAMILIES = {
     "mixtral": ("MixtralConfig", {"intermediate_size": 24, "num_local_experts": 4}, "mixtral-to-megatron-torch-dist"),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {"intermediate_size": 48, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40, "num_experts": 4},
+        "qwen2-moe-to-megatron-torch-dist",
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         {"intermediate_size": 48, "moe_intermediate_size": 24, "num_experts": 4, "head_dim": 8},
@@ -114,6 +120,13 @@ def test_the_keys_and_shapes_are_megatrons_own(saved: dict[str, Any], family: st
     want = dict(STACKED)
     if family == "qwen3_moe":
         want |= {f"decoder.layers.self_attention.{q}_layernorm.weight": [2, 8] for q in "qk"}
+    if family == "qwen2_moe":  # q/k/v biases, and the gated shared expert of 40
+        want |= {
+            "decoder.layers.self_attention.linear_qkv.bias": [2, 64],
+            "decoder.layers.mlp.shared_experts.linear_fc1.weight": [2, 80, 32],
+            "decoder.layers.mlp.shared_experts.linear_fc2.weight": [2, 32, 40],
+            "decoder.layers.mlp.shared_experts.gate_weight": [2, 1, 32],
+        }
     mine, theirs = c["dist"], Path(f"{c['dist']}-megatron")
     assert tensors_of(mine) == tensors_of(theirs) == want
     # every object Megatron saves (the experts' _extra_state per layer and expert among them), and

@@ -70,6 +70,7 @@ def mixtral_hf() -> dict[str, torch.Tensor]:
 
 
 QWEN3_MOE = {**LLAMA, "num_experts": 3, "moe_intermediate_size": 12}
+QWEN2_MOE = {**QWEN3_MOE, "shared_expert_intermediate_size": 20}
 
 
 def qwen3_moe_hf() -> dict[str, torch.Tensor]:
@@ -86,6 +87,23 @@ def qwen3_moe_hf() -> dict[str, torch.Tensor]:
             sd[p + "up_proj.weight"] = torch.randn(12, 32, generator=g)
             sd[p + "down_proj.weight"] = torch.randn(32, 12, generator=g)
     return sd
+
+
+def qwen2_moe_hf() -> dict[str, torch.Tensor]:
+    """Qwen2-MoE's saved names: Qwen3-MoE's, plus q/k/v biases and a gated shared expert."""
+    sd = qwen3_moe_hf()
+    g = torch.Generator().manual_seed(3)
+    d, s, hd = 32, QWEN2_MOE["shared_expert_intermediate_size"], 32 // LLAMA["num_attention_heads"]
+    for i in range(QWEN2_MOE["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        heads, kv = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"]
+        for x, n in (("q", heads), ("k", kv), ("v", kv)):
+            sd[p + f"self_attn.{x}_proj.bias"] = torch.randn(n * hd, generator=g)
+        sd[p + "mlp.shared_expert.gate_proj.weight"] = torch.randn(s, d, generator=g)
+        sd[p + "mlp.shared_expert.up_proj.weight"] = torch.randn(s, d, generator=g)
+        sd[p + "mlp.shared_expert.down_proj.weight"] = torch.randn(d, s, generator=g)
+        sd[p + "mlp.shared_expert_gate.weight"] = torch.randn(1, d, generator=g)
+    return dict(sorted(sd.items()))
 
 
 def qwen3_hf(
@@ -144,6 +162,7 @@ PROFILES = {
     # megatron-core's own MoE GPTModel is their oracle: tests/dist/test_megatron_moe.py
     "mixtral-to-megatron-torch-dist": (mixtral_hf, MIXTRAL),
     "qwen3-moe-to-megatron-torch-dist": (qwen3_moe_hf, QWEN3_MOE),
+    "qwen2-moe-to-megatron-torch-dist": (qwen2_moe_hf, QWEN2_MOE),
     "hf-to-vllm": (llama_hf, LLAMA),
     "mixtral-experts-stack": (mixtral_hf, MIXTRAL),
     "phi3-to-llama": (phi3_hf, LLAMA),  # transformers' models are its oracle: tests/cli/test_phi3_profile.py

@@ -43,7 +43,7 @@ def one(hf_dir: Path, dist_dir: Path, ep_dir: Path, rank: int) -> dict[str, Any]
 
     c = transformers.AutoConfig.from_pretrained(hf_dir)
     md = FileSystemReader(str(dist_dir)).read_metadata().state_dict_metadata
-    model = build_model(c, md["embedding.word_embeddings.weight"].size[0], "decoder.layers.self_attention.q_layernorm.weight" in md)
+    model = build_model(c, md["embedding.word_embeddings.weight"].size[0], md)
     state = dist_checkpointing.load(model.sharded_state_dict(), str(dist_dir))
     model.load_state_dict(state, strict=False)
     from safetensors.torch import load_file

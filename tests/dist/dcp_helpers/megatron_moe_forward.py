@@ -26,16 +26,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def build_model(c: Any, padded_vocab: int, qk_norm: bool) -> Any:
-    """``megatron_gpt_forward.build_model`` with the HF config's routed experts."""
+def build_model(c: Any, padded_vocab: int, keys: Any) -> Any:
+    """``megatron_gpt_forward.build_model`` with the HF config's routed experts, and Qwen2-MoE's
+    gated shared expert; q/k/v biases and q/k layernorms as the checkpoint's ``keys`` hold them."""
     from megatron_gpt_forward import build_model as gpt_model
 
     ffn = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    shared = getattr(c, "shared_expert_intermediate_size", None)
+    extra = {"moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": True} if shared else {}
     return gpt_model(
         c,
         padded_vocab,
-        False,
-        qk_norm,
+        "decoder.layers.self_attention.linear_qkv.bias" in keys,
+        "decoder.layers.self_attention.q_layernorm.weight" in keys,
+        **extra,
         experts=getattr(c, "num_local_experts", None) or c.num_experts,
         moe_ffn_hidden_size=ffn,
         moe_router_topk=c.num_experts_per_tok,
@@ -58,7 +62,7 @@ def compare(hf_dir: Path, dist_dir: Path, resave: Path | None = None) -> dict[st
     c = hf.config
     md = FileSystemReader(str(dist_dir)).read_metadata().state_dict_metadata
     padded = md["embedding.word_embeddings.weight"].size[0]
-    model = build_model(c, padded, "decoder.layers.self_attention.q_layernorm.weight" in md)
+    model = build_model(c, padded, md)
     state = dist_checkpointing.load(model.sharded_state_dict(), str(dist_dir))  # default strictness
     missing, unexpected = model.load_state_dict(state, strict=False)
     loaded = not unexpected and all(k.endswith("._extra_state") for k in missing)
